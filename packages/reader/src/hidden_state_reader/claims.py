@@ -1,0 +1,180 @@
+"""Exactly-once delivery across reader processes and hosts sharing one directory.
+
+A reader claims a sample by creating ``<root>/.claims/<group>/NAME.claim``. The claim
+file is created under a temporary name, locked ``LOCK_EX`` and then hard-linked into
+place: ``link()`` fails if the name exists, atomically, also on NFS (where ``O_EXCL``
+creation was historically unsafe). So the claim appears already locked, and:
+
+* a claim whose lock is held belongs to a live reader: leave it;
+* a claim whose lock is free and whose content says ``done`` is finished: skip it;
+* a claim whose lock is free and is not ``done`` was held by a reader that died (the
+  kernel, or the NFS lock manager after the lease, released its lock): take it over.
+
+``group`` separates independent consumers of the same directory (two training jobs
+that each want every sample once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import json
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+
+from hidden_state_reader.format.names import CLAIMS_DIR, temp_path
+
+_DONE = "done"
+_CLAIMED = "claimed"
+
+
+class ClaimResult(enum.Enum):
+    """Why a claim attempt did not return a claim."""
+
+    HELD = "held"  # a live reader has it
+    DONE = "done"  # someone finished it
+
+
+@dataclass
+class Claim:
+    """A held claim on one sample; finish it with ``done`` or give it up with ``abandon``."""
+
+    name: str
+    path: str
+    fd: int | None
+    reclaimed: bool
+
+    def done(self) -> None:
+        """Mark the sample consumed and release the claim (idempotent)."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        try:
+            _write_state(fd, _DONE)
+        finally:
+            os.close(fd)
+
+    def abandon(self) -> None:
+        """Give the sample back: remove the claim so another reader may take it."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(fd)
+
+    def remove(self) -> None:
+        """Delete the claim file after the sample itself was deleted."""
+        fd, self.fd = self.fd, None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        if fd is not None:
+            os.close(fd)
+
+
+def _write_state(fd: int, state: str, **detail: object) -> None:
+    body = json.dumps({"state": state, **detail}, separators=(",", ":")).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, body, 0)
+
+
+def _read_state(fd: int) -> str | None:
+    raw = os.pread(fd, 4096, 0)
+    try:
+        doc = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return None
+    return doc.get("state") if isinstance(doc, dict) else None
+
+
+class ClaimStore:
+    """Claims of one consumer group over one storage root.
+
+    Args:
+        root: The storage directory.
+        group: Consumer-group name; each group consumes every sample once.
+    """
+
+    def __init__(self, root: str, group: str = "default") -> None:
+        if not group or "/" in group or group.startswith("."):
+            raise ValueError(f"invalid claim group {group!r}")
+        self.directory = os.path.join(root, CLAIMS_DIR, group)
+        os.makedirs(self.directory, exist_ok=True)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    def path_of(self, name: str) -> str:
+        """The claim file of a sample."""
+        return os.path.join(self.directory, name + ".claim")
+
+    def try_claim(self, name: str) -> Claim | ClaimResult:
+        """Claim a sample without blocking.
+
+        Returns:
+            A ``Claim`` if this reader now owns the sample, otherwise why not.
+        """
+        path = self.path_of(name)
+        for _ in range(3):  # retries only for races with concurrent deletes
+            if not os.path.exists(path):
+                claim = self._create(name, path)
+                if claim is not None:
+                    return claim
+            outcome = self._take_over(name, path)
+            if outcome is not None:
+                return outcome
+        return ClaimResult.HELD
+
+    def _create(self, name: str, path: str) -> Claim | None:
+        tmp = temp_path(path)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _write_state(fd, _CLAIMED, owner=self.owner)
+            os.link(tmp, path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return Claim(name, path, fd, reclaimed=False)
+
+    def _take_over(self, name: str, path: str) -> Claim | ClaimResult | None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None  # deleted meanwhile: try creating again
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return ClaimResult.HELD
+        try:
+            # The file we locked must still be the one under that name.
+            if os.fstat(fd).st_ino != os.stat(path).st_ino:
+                os.close(fd)
+                return None
+        except FileNotFoundError:
+            os.close(fd)
+            return None
+        if _read_state(fd) == _DONE:
+            os.close(fd)
+            return ClaimResult.DONE
+        _write_state(fd, _CLAIMED, owner=self.owner, reclaimed=True)
+        return Claim(name, path, fd, reclaimed=True)
+
+    def is_done(self, name: str) -> bool:
+        """Whether a sample's claim says it was consumed."""
+        try:
+            fd = os.open(self.path_of(name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            return _read_state(fd) == _DONE
+        finally:
+            os.close(fd)

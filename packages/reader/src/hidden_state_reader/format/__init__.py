@@ -1,0 +1,75 @@
+"""On-disk format v1: file names, safetensors header, lock protocol, atomic publication.
+
+This is the single source of truth for the format; the connector imports it.
+See ``docs/format.md``.
+"""
+
+from hidden_state_reader.format.header import (
+    FORMAT_VERSION,
+    HIDDEN_STATES,
+    TOKEN_IDS,
+    Meta,
+    SampleHeader,
+    TensorInfo,
+    encode_header,
+    read_header,
+    read_header_fd,
+    sample_metadata,
+)
+from hidden_state_reader.format.lockfile import (
+    LockState,
+    LockStatus,
+    SharedLock,
+    WriterLock,
+    probe,
+    read_status,
+)
+from hidden_state_reader.format.names import (
+    CLAIMS_DIR,
+    DATA_SUFFIX,
+    LOCK_SUFFIX,
+    QUARANTINE_DIR,
+    Kind,
+    classify,
+    lock_path,
+    natural_key,
+    resolve_inside,
+    safe_component,
+    sample_key,
+    temp_path,
+)
+from hidden_state_reader.format.publish import SampleFileWriter, tensor_bytes, write_sample
+
+__all__ = [
+    "CLAIMS_DIR",
+    "DATA_SUFFIX",
+    "FORMAT_VERSION",
+    "HIDDEN_STATES",
+    "LOCK_SUFFIX",
+    "QUARANTINE_DIR",
+    "TOKEN_IDS",
+    "Kind",
+    "LockState",
+    "LockStatus",
+    "Meta",
+    "SampleFileWriter",
+    "SampleHeader",
+    "SharedLock",
+    "TensorInfo",
+    "WriterLock",
+    "classify",
+    "encode_header",
+    "lock_path",
+    "natural_key",
+    "probe",
+    "read_header",
+    "read_header_fd",
+    "read_status",
+    "resolve_inside",
+    "safe_component",
+    "sample_key",
+    "sample_metadata",
+    "temp_path",
+    "tensor_bytes",
+    "write_sample",
+]

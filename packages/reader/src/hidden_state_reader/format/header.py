@@ -1,0 +1,368 @@
+"""The safetensors header of a v1 sample: encode, decode, and prove completeness.
+
+A sample holds two tensors, ``hidden_states`` ``[tokens, layers, hidden]`` (model
+dtype) and ``token_ids`` ``[tokens]`` (int64), plus an optional ``__metadata__`` string
+map. The file layout is plain safetensors: an 8-byte little-endian header length, the
+JSON header (space-padded), then the tensor bytes, which must cover the rest of the
+file exactly. That last rule is what tells a complete file from a truncated one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+
+FORMAT_VERSION = "1"
+HIDDEN_STATES = "hidden_states"
+TOKEN_IDS = "token_ids"
+
+# A header larger than this is not something a writer of this format produces.
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+HEADER_ALIGN = 8
+
+
+class Meta:
+    """Keys of the ``__metadata__`` map written by this project's writers.
+
+    All values are strings (a safetensors rule); structured values are JSON.
+    """
+
+    FORMAT = "format_version"
+    LAYER_IDS = "layer_ids"  # JSON list, the captured order of the layer axis
+    MODEL = "model"
+    REQUEST_ID = "request_id"
+    NUM_PROMPT_TOKENS = "num_prompt_tokens"
+    CREATED = "created_unix"
+    PRODUCER = "producer"  # "name/version"
+    NONFINITE = "nonfinite"  # "0" or "1": any NaN/inf in hidden_states
+    CRC32 = "crc32"  # 8 hex digits over the tensor bytes, in file order
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+HIDDEN_DTYPES = frozenset({"BF16", "F16", "F32"})
+TOKEN_DTYPES = frozenset({"I64", "I32"})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in the file, relative to the start of the data section."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of this tensor."""
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class SampleHeader:
+    """A validated header: shapes, dtypes, offsets and metadata of one sample file."""
+
+    path: str
+    data_start: int
+    file_size: int
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def hidden(self) -> TensorInfo:
+        """The ``hidden_states`` tensor."""
+        return self.tensors[HIDDEN_STATES]
+
+    @property
+    def tokens(self) -> TensorInfo:
+        """The ``token_ids`` tensor."""
+        return self.tensors[TOKEN_IDS]
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length."""
+        return self.hidden.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of captured layers (size of the layer axis)."""
+        return self.hidden.shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of one hidden state."""
+        return self.hidden.shape[2]
+
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """Dtype of ``hidden_states``."""
+        return self.hidden.torch_dtype
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of tensor data (file size minus header)."""
+        return self.file_size - self.data_start
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """Captured layer ids in layer-axis order, when the writer recorded them."""
+        raw = self.metadata.get(Meta.LAYER_IDS)
+        if raw is None:
+            return None
+        try:
+            ids = json.loads(raw)
+        except ValueError as exc:
+            raise CorruptSampleError(self.path, f"metadata layer_ids is not JSON: {raw!r}") from exc
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise CorruptSampleError(self.path, f"metadata layer_ids is not a list of ints: {raw!r}")
+        return ids
+
+
+def _shape_bytes(dtype: str, shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * DTYPES[dtype].itemsize
+
+
+def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader:
+    """Validate a header read from ``path`` against the file's size.
+
+    Args:
+        path: The file, for error messages.
+        header_bytes: The JSON header (without the 8-byte length prefix).
+        file_size: Size of the whole file in bytes.
+
+    Returns:
+        The validated header.
+
+    Raises:
+        IncompleteSampleError: The tensor data does not reach the end of the header's
+            promise (the file is truncated or still being written).
+        CorruptSampleError: Anything else that makes the file unusable.
+    """
+    try:
+        raw = json.loads(header_bytes)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptSampleError(path, f"header is not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CorruptSampleError(path, "header is not a JSON object")
+    metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CorruptSampleError(path, "__metadata__ is not a string-to-string map")
+
+    tensors: dict[str, TensorInfo] = {}
+    for name, spec in raw.items():
+        if not isinstance(spec, dict):
+            raise CorruptSampleError(path, f"tensor {name!r}: entry is not an object")
+        dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+        if dtype not in DTYPES:
+            raise CorruptSampleError(path, f"tensor {name!r}: unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise CorruptSampleError(path, f"tensor {name!r}: bad data_offsets {offsets!r}")
+        if offsets[1] - offsets[0] != _shape_bytes(dtype, shape):
+            raise CorruptSampleError(
+                path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} {dtype}"
+            )
+        tensors[name] = TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+    for required in (HIDDEN_STATES, TOKEN_IDS):
+        if required not in tensors:
+            raise CorruptSampleError(path, f"missing tensor {required!r}")
+    hidden, tokens = tensors[HIDDEN_STATES], tensors[TOKEN_IDS]
+    if len(hidden.shape) != 3:
+        raise CorruptSampleError(path, f"hidden_states must be 3-D, got shape {hidden.shape}")
+    if hidden.dtype not in HIDDEN_DTYPES:
+        raise CorruptSampleError(path, f"hidden_states has dtype {hidden.dtype}")
+    if len(tokens.shape) != 1 or tokens.dtype not in TOKEN_DTYPES:
+        raise CorruptSampleError(
+            path, f"token_ids must be a 1-D integer tensor, got {tokens.dtype} {tokens.shape}"
+        )
+    if hidden.shape[0] != tokens.shape[0]:
+        raise CorruptSampleError(
+            path,
+            f"token/hidden length mismatch: {tokens.shape[0]} token ids, "
+            f"{hidden.shape[0]} hidden states",
+        )
+
+    # The data section must be tiled exactly, with no gaps or overlaps.
+    spans = sorted((t.begin, t.end) for t in tensors.values())
+    cursor = 0
+    for begin, end in spans:
+        if begin != cursor:
+            raise CorruptSampleError(path, "tensor data offsets leave gaps or overlap")
+        cursor = end
+    data_start = 8 + len(header_bytes)
+    expected_size = data_start + cursor
+    if file_size < expected_size:
+        raise IncompleteSampleError(
+            path, f"truncated: {file_size} of {expected_size} bytes present"
+        )
+    if file_size > expected_size:
+        raise CorruptSampleError(
+            path, f"{file_size - expected_size} trailing bytes after the tensor data"
+        )
+    return SampleHeader(path, data_start, file_size, tensors, dict(metadata))
+
+
+def read_header_fd(fd: int, path: str) -> SampleHeader:
+    """Read and validate the header of an open sample file."""
+    file_size = os.fstat(fd).st_size
+    if file_size == 0:
+        raise IncompleteSampleError(path, "empty file (0 bytes)")
+    prefix = os.pread(fd, 8, 0)
+    if len(prefix) < 8:
+        raise IncompleteSampleError(path, f"only {file_size} bytes, shorter than the header prefix")
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len > MAX_HEADER_BYTES:
+        raise CorruptSampleError(path, f"header length {header_len} is implausible")
+    if 8 + header_len > file_size:
+        raise IncompleteSampleError(
+            path, f"truncated inside the header ({file_size} of {8 + header_len} bytes)"
+        )
+    header_bytes = os.pread(fd, header_len, 8)
+    return parse_header(path, header_bytes, file_size)
+
+
+def read_header(path: str | os.PathLike[str]) -> SampleHeader:
+    """Read and validate the header of a sample file without loading its tensors.
+
+    This is how lengths for length-aware batching are read: a few hundred bytes per file.
+
+    Raises:
+        IncompleteSampleError, CorruptSampleError: The file is unusable; the message
+            names it and says why.
+        OSError: The file cannot be opened.
+    """
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_header_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class HeaderLayout:
+    """An encoded header plus where each tensor's bytes go in the data section."""
+
+    header: bytes  # including the 8-byte length prefix and alignment padding
+    offsets: Mapping[str, tuple[int, int]]
+
+    @property
+    def data_start(self) -> int:
+        """Byte offset of the data section in the file."""
+        return len(self.header)
+
+    @property
+    def file_size(self) -> int:
+        """Total size of the finished file."""
+        return self.data_start + max((e for _, e in self.offsets.values()), default=0)
+
+
+def encode_header(
+    tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> HeaderLayout:
+    """Lay out tensors and encode the safetensors header for them.
+
+    Tensors are placed largest element size first (as safetensors itself does), so
+    ``token_ids`` (int64) precedes ``hidden_states`` and every tensor stays aligned.
+
+    Args:
+        tensors: name -> (dtype, shape) for every tensor in the file.
+        metadata: The ``__metadata__`` string map.
+
+    Returns:
+        The header bytes and each tensor's data offsets.
+    """
+    order = sorted(tensors, key=lambda n: (-tensors[n][0].itemsize, n))
+    doc: dict[str, Any] = {}
+    if metadata:
+        doc["__metadata__"] = dict(metadata)
+    offsets: dict[str, tuple[int, int]] = {}
+    cursor = 0
+    for name in order:
+        dtype, shape = tensors[name]
+        nbytes = _shape_bytes(DTYPE_NAMES[dtype], shape)
+        offsets[name] = (cursor, cursor + nbytes)
+        doc[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [cursor, cursor + nbytes],
+        }
+        cursor += nbytes
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % HEADER_ALIGN)
+    return HeaderLayout(struct.pack("<Q", len(body)) + body, offsets)
+
+
+def sample_metadata(
+    *,
+    layer_ids: Sequence[int] | None = None,
+    model: str | None = None,
+    request_id: str | None = None,
+    num_prompt_tokens: int | None = None,
+    producer: str | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Build the ``__metadata__`` map that this project's writers record.
+
+    Args:
+        layer_ids: Captured layer ids, in the order of the layer axis.
+        model: The target model's name or path.
+        request_id: The vLLM request id.
+        num_prompt_tokens: Prompt length (the rest of the tokens, if any, were generated).
+        producer: ``name/version`` of the writer.
+        extra: Further string pairs to record.
+
+    Returns:
+        A string-to-string map.
+    """
+    meta: dict[str, str] = {Meta.FORMAT: FORMAT_VERSION, Meta.CREATED: f"{time.time():.3f}"}
+    if layer_ids is not None:
+        meta[Meta.LAYER_IDS] = json.dumps(list(layer_ids))
+    if model is not None:
+        meta[Meta.MODEL] = model
+    if request_id is not None:
+        meta[Meta.REQUEST_ID] = request_id
+    if num_prompt_tokens is not None:
+        meta[Meta.NUM_PROMPT_TOKENS] = str(num_prompt_tokens)
+    if producer is not None:
+        meta[Meta.PRODUCER] = producer
+    if extra:
+        meta.update(extra)
+    return meta

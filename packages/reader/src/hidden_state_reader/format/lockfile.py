@@ -1,0 +1,229 @@
+"""The lock protocol of format v1.
+
+Writer side: ``WriterLock.create`` makes ``NAME.safetensors.lock`` appear already held
+``LOCK_EX`` (it is created under a temporary name, locked, then renamed into place), so
+there is no instant at which a reader can find the lock file unlocked before the data
+exists. The lock file's content is a small JSON status (``writing`` with the writer's
+pid and host, or ``failed`` with a reason) that readers and ``hidden-state verify`` use
+to tell a failed sample from a dead writer. Releasing = closing the descriptor.
+
+Reader side: ``SharedLock.acquire`` sleeps in ``flock(LOCK_SH)`` until the writer is
+done (see ``hidden_state_reader.waiting``). ``probe`` asks without blocking.
+
+Lock files written by vLLM's own connector are empty and created in place; both sides
+of this module accept them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import fcntl
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from hidden_state_reader.format.names import lock_path, temp_path
+from hidden_state_reader.waiting import CancelToken, flock_wait
+
+STATE_WRITING = "writing"
+STATE_FAILED = "failed"
+_MAX_STATUS_BYTES = 4096
+
+
+class LockState(enum.Enum):
+    """What a non-blocking look at a lock file found."""
+
+    ABSENT = "absent"
+    FREE = "free"
+    HELD = "held"
+
+
+@dataclass(frozen=True)
+class LockStatus:
+    """The JSON status a writer left in a lock file (empty for vLLM-written locks)."""
+
+    state: str | None
+    detail: dict[str, Any]
+
+    @property
+    def failed(self) -> bool:
+        """The writer gave up on this sample."""
+        return self.state == STATE_FAILED
+
+    @property
+    def reason(self) -> str:
+        """The writer's explanation, if any."""
+        return str(self.detail.get("reason", ""))
+
+
+def _encode_status(state: str, **detail: Any) -> bytes:
+    return json.dumps({"state": state, **detail}, separators=(",", ":")).encode()[
+        :_MAX_STATUS_BYTES
+    ]
+
+
+class WriterLock:
+    """An exclusive lock a writer holds on a sample until it is final (or failed)."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def create(cls, data_path: str, **detail: Any) -> WriterLock:
+        """Create ``data_path + '.lock'`` already locked ``LOCK_EX``.
+
+        Never blocks: the lock is taken on a fresh inode before it gets its public name,
+        and the rename replaces any older lock file of the same name (a reader still
+        holding that old inode is unaffected).
+
+        Args:
+            data_path: The sample's final data path.
+            **detail: JSON-serialisable facts recorded in the status (request id, ...).
+
+        Raises:
+            OSError: The file cannot be created (permissions, full disk, missing dir).
+        """
+        final = lock_path(data_path)
+        tmp = temp_path(final)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            status = _encode_status(
+                STATE_WRITING, pid=os.getpid(), host=socket.gethostname(), **detail
+            )
+            os.pwrite(fd, status, 0)
+            os.replace(tmp, final)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        return cls(final, fd)
+
+    @classmethod
+    def adopt(cls, data_path: str, fd: int) -> WriterLock:
+        """Wrap a descriptor that already holds ``LOCK_EX`` on the sample's lock file."""
+        return cls(lock_path(data_path), fd)
+
+    @property
+    def held(self) -> bool:
+        """Whether this object still holds the lock."""
+        return self._fd is not None
+
+    def mark_failed(self, reason: str, **detail: Any) -> None:
+        """Record in the lock file why the sample will never appear (best effort)."""
+        if self._fd is None:
+            return
+        try:
+            status = _encode_status(STATE_FAILED, reason=reason[:1000], pid=os.getpid(), **detail)
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, status, 0)
+        except OSError:
+            pass  # a full disk must not turn a failed sample into a crash
+
+    def release(self) -> None:
+        """Release the lock (idempotent). Readers sleeping on it wake now."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def read_status(path: str) -> LockStatus:
+    """Read the status a writer left in a lock file (``state=None`` if empty/foreign)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_STATUS_BYTES)
+    except FileNotFoundError:
+        return LockStatus(None, {})
+    try:
+        doc = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        doc = {}
+    if not isinstance(doc, dict):
+        doc = {}
+    state = doc.pop("state", None)
+    return LockStatus(state if isinstance(state, str) else None, doc)
+
+
+def probe(path: str) -> LockState:
+    """Look at a lock file without blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return LockState.ABSENT
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return LockState.HELD
+    finally:
+        os.close(fd)
+    return LockState.FREE
+
+
+class SharedLock:
+    """A reader's ``LOCK_SH`` on a sample's lock file, held while the data is read."""
+
+    def __init__(self, path: str, fd: int | None) -> None:
+        self.path = path
+        self._fd = fd
+
+    @property
+    def existed(self) -> bool:
+        """False when there was no lock file (a lock-less dataset, or cleaned up)."""
+        return self._fd is not None
+
+    @classmethod
+    def acquire(
+        cls,
+        data_path: str,
+        *,
+        timeout: float | None = None,
+        cancel: CancelToken | None = None,
+    ) -> SharedLock | None:
+        """Sleep until the sample's writer has released its lock.
+
+        Args:
+            data_path: The sample's data path.
+            timeout: Seconds to wait at most; None waits until the writer is done.
+            cancel: Ends the wait early from another thread.
+
+        Returns:
+            The held shared lock (``existed`` False if there is no lock file), or None if
+            the timeout ran out while the writer still held the lock.
+
+        Raises:
+            WaitCancelledError: Cancelled through ``cancel``.
+        """
+        path = lock_path(data_path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return cls(path, None)
+        try:
+            if not flock_wait(fd, timeout=timeout, cancel=cancel):
+                os.close(fd)
+                return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Release the shared lock (idempotent)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self) -> SharedLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

@@ -1,0 +1,131 @@
+"""File naming of format v1: which names are samples, locks, temporaries.
+
+A sample ``NAME.safetensors`` has a companion ``NAME.safetensors.lock``. Writers that
+publish atomically write ``NAME.safetensors.tmp.<unique>`` first; readers ignore those.
+Readers keep their own bookkeeping in hidden sub-folders of the storage root
+(``.claims/``, ``.quarantine/``), which scans never descend into.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import uuid
+
+from hidden_state_reader.errors import PathOutsideRootError
+
+DATA_SUFFIX = ".safetensors"
+LOCK_SUFFIX = ".lock"
+TEMP_INFIX = ".tmp."
+CLAIMS_DIR = ".claims"
+QUARANTINE_DIR = ".quarantine"
+
+# Linux NAME_MAX; a component longer than this cannot be created at all.
+MAX_COMPONENT_BYTES = 255
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class Kind(enum.Enum):
+    """What a directory entry is, judged by its name alone."""
+
+    DATA = "data"
+    LOCK = "lock"
+    TEMP = "temp"
+    OTHER = "other"
+
+
+def classify(filename: str) -> Kind:
+    """Classify a bare file name (no directory part)."""
+    if filename.startswith("."):
+        return Kind.OTHER
+    if TEMP_INFIX in filename:
+        return Kind.TEMP
+    if filename.endswith(DATA_SUFFIX + LOCK_SUFFIX):
+        return Kind.LOCK
+    if filename.endswith(DATA_SUFFIX):
+        return Kind.DATA
+    return Kind.OTHER
+
+
+def sample_key(filename: str) -> str | None:
+    """Return the data-file name a data or lock file belongs to, or None for other names."""
+    kind = classify(filename)
+    if kind is Kind.DATA:
+        return filename
+    if kind is Kind.LOCK:
+        return filename[: -len(LOCK_SUFFIX)]
+    return None
+
+
+def lock_path(data_path: str) -> str:
+    """Companion lock path of a data file."""
+    return data_path + LOCK_SUFFIX
+
+
+def temp_path(final_path: str) -> str:
+    """A unique temporary name next to ``final_path`` that readers ignore."""
+    return f"{final_path}{TEMP_INFIX}{os.getpid()}.{uuid.uuid4().hex[:12]}"
+
+
+def safe_component(text: str, max_bytes: int = 120) -> str:
+    """Turn arbitrary text (a request id) into a safe, bounded file-name component.
+
+    Characters outside ``[A-Za-z0-9._-]`` become ``_``; leading dots are dropped so the
+    result is never hidden or ``..``; over-long text is cut and suffixed with a hash so
+    distinct ids stay distinct.
+    """
+    cleaned = _UNSAFE.sub("_", text).lstrip(".") or "_"
+    if cleaned == text and len(cleaned) <= max_bytes:
+        return cleaned
+    digest = uuid.uuid5(uuid.NAMESPACE_OID, text).hex[:10]
+    return f"{cleaned[: max_bytes - 11]}-{digest}"
+
+
+def natural_key(name: str) -> tuple[object, ...]:
+    """Sort key that orders ``hs_2`` before ``hs_10``."""
+    parts = re.split(r"(\d+)", name)
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
+
+
+def resolve_inside(root: str, requested: str) -> str:
+    """Resolve a client-supplied sample path and prove it stays inside ``root``.
+
+    Relative paths are taken relative to ``root``. The final path must end in
+    ``.safetensors``, contain no NUL byte, no ``..`` component, no component over
+    ``NAME_MAX`` bytes, and its parent directory (after following symlinks) must lie
+    inside ``root`` (after following symlinks). The file itself may not be a symlink.
+
+    Args:
+        root: The storage root.
+        requested: The path a client asked for.
+
+    Returns:
+        The absolute path to write.
+
+    Raises:
+        PathOutsideRootError: The path is refused; the message says why.
+    """
+    if not isinstance(requested, str) or not requested:
+        raise PathOutsideRootError(str(requested), root, "empty or not a string")
+    if "\x00" in requested:
+        raise PathOutsideRootError(requested, root, "contains a NUL byte")
+    parts = requested.replace("\\", "/").split("/")
+    if ".." in parts:
+        raise PathOutsideRootError(requested, root, "contains a '..' component")
+    if any(len(p.encode()) > MAX_COMPONENT_BYTES for p in parts):
+        raise PathOutsideRootError(requested, root, "a path component is too long")
+    if not requested.endswith(DATA_SUFFIX):
+        raise PathOutsideRootError(requested, root, f"must end in {DATA_SUFFIX}")
+    name = os.path.basename(requested)
+    if classify(name) is not Kind.DATA:
+        raise PathOutsideRootError(requested, root, "not a valid sample file name")
+    real_root = os.path.realpath(root)
+    candidate = requested if os.path.isabs(requested) else os.path.join(real_root, requested)
+    parent = os.path.realpath(os.path.dirname(candidate))
+    if os.path.commonpath([real_root, parent]) != real_root:
+        raise PathOutsideRootError(requested, root, "resolves outside the storage root")
+    final = os.path.join(parent, name)
+    if os.path.islink(final):
+        raise PathOutsideRootError(requested, root, "the target is a symlink")
+    return final

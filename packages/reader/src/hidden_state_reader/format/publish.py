@@ -1,0 +1,250 @@
+"""Atomic publication of one sample: temp file, ``os.replace``, then release the lock.
+
+``SampleFileWriter`` streams a sample to ``NAME.safetensors.tmp.<unique>`` (the header
+and ``token_ids`` first, then ``hidden_states`` in as many chunks as the caller likes),
+patches the fixed-width metadata that is only known at the end (CRC32, non-finite
+flag), optionally fsyncs, renames the file to its final name and only then releases the
+writer's lock. A crash at any point leaves either no final file or a complete one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from hidden_state_reader.format.header import (
+    HIDDEN_STATES,
+    TOKEN_IDS,
+    Meta,
+    encode_header,
+)
+from hidden_state_reader.format.lockfile import WriterLock
+from hidden_state_reader.format.names import temp_path
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor (contiguous copies are made if needed)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+class SampleFileWriter:
+    """Streams one sample to disk and publishes it atomically.
+
+    Args:
+        final_path: Where the sample must appear, ``NAME.safetensors``.
+        token_ids: 1-D integer tensor (stored as int64).
+        hidden_shape: ``(tokens, layers, hidden)``.
+        hidden_dtype: dtype of ``hidden_states``.
+        metadata: The ``__metadata__`` map.
+        lock: The writer's lock, released after publication (or failure).
+        checksum: Record a CRC32 of the tensor bytes in the metadata.
+        record_nonfinite: Record whether ``hidden_states`` contains NaN/inf (the caller
+            reports it through ``note_nonfinite``).
+        fsync: Make the file and its directory entry durable before releasing the lock.
+    """
+
+    def __init__(
+        self,
+        final_path: str,
+        *,
+        token_ids: torch.Tensor,
+        hidden_shape: tuple[int, int, int],
+        hidden_dtype: torch.dtype,
+        metadata: Mapping[str, str] | None = None,
+        lock: WriterLock | None = None,
+        checksum: bool = False,
+        record_nonfinite: bool = False,
+        fsync: bool = False,
+    ) -> None:
+        self.final_path = final_path
+        self.lock = lock
+        self._fsync = fsync
+        self._meta = dict(metadata or {})
+        if record_nonfinite:
+            self._meta[Meta.NONFINITE] = "0"
+        if checksum:
+            self._meta[Meta.CRC32] = "0" * 8
+        self._crc: int | None = 0 if checksum else None
+        self._tokens = token_ids.detach().to("cpu", torch.int64).reshape(-1)
+        if self._tokens.shape[0] != hidden_shape[0]:
+            raise ValueError(
+                f"{final_path}: {self._tokens.shape[0]} token ids for {hidden_shape[0]} "
+                "hidden states"
+            )
+        self._tensors = {
+            TOKEN_IDS: (torch.int64, (hidden_shape[0],)),
+            HIDDEN_STATES: (hidden_dtype, tuple(hidden_shape)),
+        }
+        self._layout = encode_header(self._tensors, self._meta)
+        self._encoded_meta = dict(self._meta)
+        begin, end = self._layout.offsets[HIDDEN_STATES]
+        self._hidden_remaining = end - begin
+        self.tmp_path = temp_path(final_path)
+        self._fd: int | None = os.open(
+            self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+        )
+        try:
+            self._write(self._layout.header, checksum=False)
+            self._write(tensor_bytes(self._tokens))
+        except BaseException:
+            self._discard()
+            raise
+
+    @property
+    def total_bytes(self) -> int:
+        """Size of the finished file."""
+        return self._layout.file_size
+
+    def _write(self, data: Any, *, checksum: bool = True) -> None:
+        view = memoryview(data).cast("B")
+        if checksum and self._crc is not None:
+            self._crc = zlib.crc32(view, self._crc)
+        assert self._fd is not None
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+
+    def write_hidden(self, chunk: Any) -> None:
+        """Append the next bytes of ``hidden_states`` (row-major, ``[tokens, layers, hidden]``).
+
+        Args:
+            chunk: Anything exposing the buffer protocol (bytes, memoryview, numpy) or a
+                CPU tensor.
+        """
+        data = tensor_bytes(chunk) if isinstance(chunk, torch.Tensor) else memoryview(chunk)
+        n = data.nbytes
+        if n > self._hidden_remaining:
+            raise ValueError(f"{self.final_path}: {n} bytes more than hidden_states holds")
+        self._write(data)
+        self._hidden_remaining -= n
+
+    def note_nonfinite(self, found: bool) -> None:
+        """Record that ``hidden_states`` contains NaN or inf values."""
+        if found and Meta.NONFINITE in self._meta:
+            self._meta[Meta.NONFINITE] = "1"
+
+    def publish(self) -> str:
+        """Finish the file, rename it to its final name, then release the lock.
+
+        Returns:
+            The final path.
+
+        Raises:
+            ValueError: Fewer hidden-state bytes were written than the shape needs.
+            OSError: The filesystem failed; nothing is published and the lock is marked
+                failed and released.
+        """
+        if self._hidden_remaining:
+            self.abort(f"{self._hidden_remaining} hidden-state bytes were never written")
+            raise ValueError(f"{self.final_path}: incomplete hidden_states")
+        try:
+            fd = self._fd
+            assert fd is not None
+            if self._crc is not None:
+                self._meta[Meta.CRC32] = f"{self._crc & 0xFFFFFFFF:08x}"
+            if self._meta != self._encoded_meta:
+                patched = encode_header(self._tensors, self._meta)
+                if len(patched.header) != len(self._layout.header):
+                    raise AssertionError("fixed-width metadata changed the header size")
+                os.pwrite(fd, patched.header, 0)
+            if self._fsync:
+                os.fsync(fd)
+            os.close(fd)
+            self._fd = None
+            os.replace(self.tmp_path, self.final_path)
+            if self._fsync:
+                _fsync_dir(os.path.dirname(self.final_path) or ".")
+        except BaseException as exc:
+            self.abort(f"publish failed: {exc!r}")
+            raise
+        if self.lock is not None:
+            self.lock.release()
+        return self.final_path
+
+    def abort(self, reason: str) -> None:
+        """Give up: remove the temp file, mark the lock failed, release it (idempotent)."""
+        self._discard()
+        if self.lock is not None:
+            self.lock.mark_failed(reason)
+            self.lock.release()
+
+    def _discard(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp_path)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_sample(
+    path: str | os.PathLike[str],
+    token_ids: torch.Tensor,
+    hidden_states: torch.Tensor,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    use_lock: bool = True,
+    checksum: bool = False,
+    fsync: bool = False,
+) -> str:
+    """Write one complete sample atomically (lock, temp file, rename, unlock).
+
+    Args:
+        path: Final ``NAME.safetensors`` path.
+        token_ids: ``[tokens]`` integer tensor.
+        hidden_states: ``[tokens, layers, hidden]`` tensor (bf16, fp16 or fp32).
+        metadata: ``__metadata__`` string map (see ``sample_metadata``).
+        use_lock: Create and hold the companion lock while writing.
+        checksum: Record a CRC32 of the tensor bytes.
+        fsync: Make the file durable before publishing.
+
+    Returns:
+        The final path.
+    """
+    final = os.fspath(path)
+    if hidden_states.dim() != 3:
+        raise ValueError(f"{final}: hidden_states must be [tokens, layers, hidden]")
+    hidden = hidden_states.detach().to("cpu").contiguous()
+    lock = WriterLock.create(final) if use_lock else None
+    try:
+        writer = SampleFileWriter(
+            final,
+            token_ids=token_ids,
+            hidden_shape=(hidden.shape[0], hidden.shape[1], hidden.shape[2]),
+            hidden_dtype=hidden.dtype,
+            metadata=metadata,
+            lock=lock,
+            checksum=checksum,
+            record_nonfinite=True,
+            fsync=fsync,
+        )
+    except BaseException as exc:
+        if lock is not None:
+            lock.mark_failed(f"cannot create {final}: {exc!r}")
+            lock.release()
+        raise
+    try:
+        writer.note_nonfinite(
+            bool(hidden.numel()) and not bool(torch.isfinite(hidden).all())
+        )
+        writer.write_hidden(hidden)
+    except BaseException as exc:
+        writer.abort(f"write failed: {exc!r}")
+        raise
+    return writer.publish()

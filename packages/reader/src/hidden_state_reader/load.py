@@ -1,0 +1,144 @@
+"""Load a complete sample file into tensors: one read, zero-copy views, validation.
+
+The file is read with a single ``preadv`` into one byte buffer (pinned if asked), and
+both tensors are views into it; layer selection and dtype conversion happen after. The
+header is validated first (``hidden_state_reader.format.header``), so a truncated or
+malformed file raises a typed error naming it instead of yielding garbage.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
+from hidden_state_reader.sample import Sample
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How samples are turned into tensors.
+
+    Attributes:
+        layers: Positions along the layer axis to keep (e.g. ``[-1]`` for the last).
+        layer_ids: Captured layer ids to keep (needs ``layer_ids`` metadata).
+        dtype: Convert ``hidden_states`` to this dtype.
+        pin_memory: Read into page-locked memory (faster host-to-GPU copies).
+        verify_checksum: Check the writer's CRC32 when the file has one.
+    """
+
+    layers: Sequence[int] | None = None
+    layer_ids: Sequence[int] | None = None
+    dtype: torch.dtype | None = None
+    pin_memory: bool = False
+    verify_checksum: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layers is not None and self.layer_ids is not None:
+            raise ValueError("pass either layers (positions) or layer_ids, not both")
+
+
+def _read_exact(fd: int, buffer: torch.Tensor, offset: int, path: str) -> None:
+    view = memoryview(buffer.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise IncompleteSampleError(path, "file shrank while it was being read")
+        done += n
+
+
+def _view(buffer: torch.Tensor, info: TensorInfo, path: str) -> torch.Tensor:
+    raw = buffer[info.begin : info.end]
+    itemsize = info.torch_dtype.itemsize
+    if info.begin % itemsize:
+        raw = raw.clone()  # misaligned in a foreign file: copy so view() is legal
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=info.torch_dtype)
+    try:
+        return raw.view(info.torch_dtype).view(info.shape)
+    except RuntimeError as exc:
+        raise CorruptSampleError(path, f"cannot view tensor data: {exc}") from exc
+
+
+def _layer_positions(header: SampleHeader, options: LoadOptions) -> list[int] | None:
+    if options.layers is not None:
+        n = header.num_layers
+        positions = []
+        for p in options.layers:
+            if not -n <= p < n:
+                raise CorruptSampleError(
+                    header.path, f"layer position {p} out of range for {n} captured layers"
+                )
+            positions.append(p % n)
+        return positions
+    if options.layer_ids is not None:
+        ids = header.layer_ids
+        if ids is None:
+            raise CorruptSampleError(
+                header.path, "no layer_ids metadata; select layers by position instead"
+            )
+        try:
+            return [ids.index(i) for i in options.layer_ids]
+        except ValueError as exc:
+            raise CorruptSampleError(
+                header.path, f"requested layer ids {list(options.layer_ids)}, file has {ids}"
+            ) from exc
+    return None
+
+
+def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
+    """Load a sample from an open file descriptor (see ``load_sample``)."""
+    options = options or LoadOptions()
+    header = read_header_fd(fd, path)
+    buffer = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=options.pin_memory)
+    _read_exact(fd, buffer, header.data_start, path)
+    if options.verify_checksum and Meta.CRC32 in header.metadata:
+        actual = f"{zlib.crc32(memoryview(buffer.numpy())) & 0xFFFFFFFF:08x}"
+        if actual != header.metadata[Meta.CRC32]:
+            raise CorruptSampleError(
+                path, f"CRC32 mismatch: file says {header.metadata[Meta.CRC32]}, data is {actual}"
+            )
+    token_ids = _view(buffer, header.tokens, path)
+    if token_ids.dtype != torch.int64:
+        token_ids = token_ids.to(torch.int64)
+    hidden = _view(buffer, header.hidden, path)
+    layer_ids = header.layer_ids
+    positions = _layer_positions(header, options)
+    if positions is not None:
+        hidden = hidden[:, positions]
+        if layer_ids is not None:
+            layer_ids = [layer_ids[p] for p in positions]
+    if options.dtype is not None and hidden.dtype != options.dtype:
+        hidden = hidden.to(options.dtype)
+    return Sample(token_ids, hidden, path, header.metadata, layer_ids)
+
+
+def load_sample(path: str | os.PathLike[str], options: LoadOptions | None = None) -> Sample:
+    """Load one sample file, validating it completely first.
+
+    This does not look at the lock; use ``HiddenStateReader`` (or ``SharedLock``) for
+    files that may still be being written.
+
+    Args:
+        path: A ``.safetensors`` sample file.
+        options: Layer selection, dtype, pinning, checksum verification.
+
+    Returns:
+        The sample.
+
+    Raises:
+        IncompleteSampleError, CorruptSampleError: The file is unusable (named).
+        OSError: It cannot be opened.
+    """
+    path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return load_fd(fd, path, options)
+    finally:
+        os.close(fd)

@@ -1,0 +1,59 @@
+"""``Sample``: what the reader yields. Unpacks as ``(token_ids, hidden_states)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(eq=False)
+class Sample:
+    """One request's hidden states.
+
+    ``token_ids, hidden_states = sample`` works like a 2-tuple; the other fields are
+    there for whoever needs them.
+
+    Attributes:
+        token_ids: ``[tokens]`` int64.
+        hidden_states: ``[tokens, layers, hidden]`` (layers as selected on read).
+        path: The file it was read from.
+        metadata: The writer's ``__metadata__`` map (empty for vLLM-written files).
+        layer_ids: Captured layer ids of the layer axis, when known.
+    """
+
+    token_ids: torch.Tensor
+    hidden_states: torch.Tensor
+    path: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    layer_ids: list[int] | None = None
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        yield self.token_ids
+        yield self.hidden_states
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return (self.token_ids, self.hidden_states)[index]
+
+    @property
+    def num_tokens(self) -> int:
+        """Sequence length."""
+        return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data held by this sample."""
+        return (
+            self.token_ids.numel() * self.token_ids.element_size()
+            + self.hidden_states.numel() * self.hidden_states.element_size()
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Sample(path={self.path!r}, tokens={self.num_tokens}, "
+            f"hidden_states={tuple(self.hidden_states.shape)} {self.hidden_states.dtype})"
+        )
