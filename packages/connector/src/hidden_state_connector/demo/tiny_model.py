@@ -1,0 +1,102 @@
+"""A small Llama-architecture model with random weights and a byte-level tokenizer.
+
+Built locally with HF ``transformers``/``tokenizers`` (no downloads), cached on disk, and
+small enough for vLLM's CPU build: hidden 128, 2 heads (head_dim 64, the smallest the
+CPU attention backend accepts), 4 layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+BYTE_VOCAB = 256
+SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _byte_level_tokenizer() -> object:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    for tok in SPECIAL_TOKENS:
+        vocab[tok] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(
+    directory: str | os.PathLike[str],
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_heads: int = 2,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+) -> Path:
+    """Create (or reuse) a tiny random Llama model directory loadable by vLLM and HF.
+
+    Args:
+        directory: Where to save it; reused if it already holds the same configuration.
+        num_layers: Decoder layers.
+        hidden_size: Model width.
+        num_heads: Attention heads (keep ``hidden_size / num_heads`` at 64 or more for
+            vLLM's CPU attention backend).
+        dtype: ``"bfloat16"`` or ``"float32"`` weights.
+        seed: Weight initialisation seed.
+
+    Returns:
+        The model directory.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(directory)
+    recipe = {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "dtype": dtype,
+        "seed": seed,
+    }
+    stamp = path / "tiny_model_recipe.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _byte_level_tokenizer()
+    vocab_size = BYTE_VOCAB + len(SPECIAL_TOKENS)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
+    stamp.write_text(json.dumps(recipe))
+    return path

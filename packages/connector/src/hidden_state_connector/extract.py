@@ -1,0 +1,172 @@
+"""Gather a request's hidden states out of the paged cache, one bounded chunk at a time.
+
+A chunk is a run of whole blocks. On CUDA each chunk is gathered on a side stream into
+one preallocated device staging buffer (the only extra device memory, whatever the
+request length), copied asynchronously into a pinned host slab, and an event marks the
+copy done; the model's stream is never synchronised. On CPU the gather writes straight
+into the host slab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hidden_state_connector.buffers import Slab
+from hidden_state_connector.compat import CacheLayout
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Blocks ``[first, first + count)`` of a request, holding tokens ``[start, stop)``."""
+
+    first: int
+    count: int
+    start: int
+    stop: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in this chunk."""
+        return self.stop - self.start
+
+
+def plan_chunks(num_tokens: int, block_size: int, blocks_per_chunk: int) -> list[Chunk]:
+    """Split ``num_tokens`` into chunks of at most ``blocks_per_chunk`` blocks."""
+    chunks = []
+    tokens_per_chunk = block_size * blocks_per_chunk
+    for start in range(0, num_tokens, tokens_per_chunk):
+        stop = min(num_tokens, start + tokens_per_chunk)
+        first = start // block_size
+        count = -(-(stop - start) // block_size)
+        chunks.append(Chunk(first, count, start, stop))
+    return chunks
+
+
+def _sync_allowed() -> contextlib.AbstractContextManager[object]:
+    # vLLM >= 0.32 can flag host syncs inside the step; our small index upload is
+    # deliberate and on our own stream.
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ImportError:
+        return contextlib.nullcontext()
+    return gpu_sync_allowed()  # type: ignore[no-any-return]
+
+
+class Extractor:
+    """Copies chunks of the hidden-state cache into host slabs.
+
+    Args:
+        kv_cache: The cache-only layer's cache view.
+        layout: Its axis order (``compat.probe_layout``).
+        blocks_per_chunk: Blocks per chunk; bounds the staging buffer.
+        check_nonfinite: Compute a NaN/inf flag per chunk on the device.
+    """
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: CacheLayout,
+        blocks_per_chunk: int,
+        *,
+        check_nonfinite: bool,
+    ) -> None:
+        self.layout = layout
+        self.view = layout.blocks_tokens_layers(kv_cache)  # [blocks, block_size, layers, hidden]
+        self.dtype = kv_cache.dtype
+        self.device = kv_cache.device
+        self.blocks_per_chunk = blocks_per_chunk
+        self.token_bytes = layout.num_layers * layout.hidden_size * self.dtype.itemsize
+        self.slab_bytes = blocks_per_chunk * layout.block_size * self.token_bytes
+        self.on_cuda = self.device.type == "cuda"
+        self.check_nonfinite = check_nonfinite
+        self._stream: torch.cuda.Stream | None = None
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device memory held for gathering (0 on CPU, or before the first chunk)."""
+        return 0 if self._staging is None else self._staging.numel() * self.dtype.itemsize
+
+    def plan(self, num_tokens: int) -> list[Chunk]:
+        """Chunks for a request of ``num_tokens``."""
+        return plan_chunks(num_tokens, self.layout.block_size, self.blocks_per_chunk)
+
+    def _host_view(self, slab: Slab, blocks: int) -> torch.Tensor:
+        nbytes = blocks * self.layout.block_size * self.token_bytes
+        shape = (blocks, self.layout.block_size, self.layout.num_layers, self.layout.hidden_size)
+        return slab.data[:nbytes].view(self.dtype).view(shape)
+
+    def begin_step(self) -> None:
+        """Order this step's gathers after everything the model has written so far."""
+        if self.on_cuda:
+            stream = self._cuda_stream()
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def _cuda_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+            shape = (
+                self.blocks_per_chunk,
+                self.layout.block_size,
+                self.layout.num_layers,
+                self.layout.hidden_size,
+            )
+            self._staging = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self._stream
+
+    def copy(self, block_ids: Sequence[int], chunk: Chunk, slab: Slab) -> None:
+        """Start copying one chunk into ``slab`` (asynchronous on CUDA).
+
+        On CUDA, ``slab.event`` is recorded after the copy and ``slab.nonfinite`` is
+        filled asynchronously; wait for the event before reading either.
+        """
+        ids = torch.tensor(block_ids[chunk.first : chunk.first + chunk.count], dtype=torch.long)
+        host = self._host_view(slab, chunk.count)
+        if not self.on_cuda:
+            torch.index_select(self.view, 0, ids, out=host)
+            return
+        stream = self._cuda_stream()
+        assert self._staging is not None
+        staging = self._staging[: chunk.count]
+        with torch.cuda.stream(stream):
+            with _sync_allowed():
+                ids_dev = ids.to(self.device, non_blocking=True)
+            torch.index_select(self.view, 0, ids_dev, out=staging)
+            host.copy_(staging, non_blocking=True)
+            if self.check_nonfinite:
+                valid = staging.reshape(-1, self.layout.num_layers, self.layout.hidden_size)
+                bad = ~torch.isfinite(valid[: chunk.num_tokens]).all()
+                if slab.nonfinite is None:
+                    slab.nonfinite = torch.zeros((), dtype=torch.bool, pin_memory=True)
+                slab.nonfinite.copy_(bad, non_blocking=True)
+            if slab.event is None:
+                slab.event = torch.cuda.Event()
+            slab.event.record(stream)
+            # The staging buffer is reused by the next chunk on this same stream, so
+            # stream order alone keeps it safe.
+
+    def record_done(self) -> object | None:
+        """An event that completes when every copy issued so far has completed."""
+        if not self.on_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._cuda_stream())
+        return event
+
+    def chunk_bytes(self, slab: Slab, chunk: Chunk) -> torch.Tensor:
+        """The finished bytes of a chunk in its slab (after the copy completed)."""
+        return slab.data[: chunk.num_tokens * self.token_bytes]
+
+    def chunk_nonfinite(self, slab: Slab, chunk: Chunk) -> bool:
+        """Whether the chunk holds NaN/inf (after the copy completed)."""
+        if slab.nonfinite is not None and self.on_cuda:
+            return bool(slab.nonfinite.item())
+        host = self._host_view(slab, chunk.count).reshape(
+            -1, self.layout.num_layers, self.layout.hidden_size
+        )[: chunk.num_tokens]
+        return not bool(torch.isfinite(host).all())
+

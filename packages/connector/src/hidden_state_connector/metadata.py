@@ -1,0 +1,44 @@
+"""What the scheduler-side connector tells the worker-side connector each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hidden_state_connector.compat import KVConnectorMetadata
+
+
+@dataclass
+class NewSample:
+    """A request was scheduled for the first time: create its lock now."""
+
+    req_id: str
+    path: str
+
+
+@dataclass
+class SaveOrder:
+    """A request finished: write its hidden states (or, with ``failure``, give up).
+
+    Attributes:
+        req_id: vLLM request id.
+        path: Final data path.
+        token_ids: The tokens whose hidden states are saved.
+        block_ids: The request's blocks in the hidden-state cache group.
+        num_prompt_tokens: Prompt length (the rest of ``token_ids`` were generated).
+        failure: Why the sample cannot be written (aborted, nothing computed, ...).
+    """
+
+    req_id: str
+    path: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_prompt_tokens: int
+    failure: str | None = None
+
+
+@dataclass
+class HiddenStateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Per-step instructions for the worker."""
+
+    new_samples: list[NewSample] = field(default_factory=list)
+    saves: list[SaveOrder] = field(default_factory=list)

@@ -1,0 +1,26 @@
+"""vLLM plugin entry point: registers ``HiddenStateConnector`` with vLLM's connector factory.
+
+Declared under ``vllm.general_plugins``, which vLLM loads in every process it starts.
+Registration is by module path and class name, so vLLM imports the connector lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hidden_state_connector import CONNECTOR_MODULE, CONNECTOR_NAME
+
+log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Make ``kv_connector: "HiddenStateConnector"`` resolvable (idempotent)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    except ImportError:  # vLLM absent or reorganised: kv_connector_module_path still works
+        log.debug("vLLM connector factory not importable; %s not registered", CONNECTOR_NAME)
+        return
+    registry = getattr(KVConnectorFactory, "_registry", {})
+    if CONNECTOR_NAME in registry:
+        return
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

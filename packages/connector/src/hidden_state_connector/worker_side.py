@@ -1,0 +1,212 @@
+"""Worker-side half of the connector: locks, extraction and writing (TP rank 0 only).
+
+Runs in each worker process. Only tensor-parallel rank 0 writes: the hidden states are
+replicated across TP ranks, and ``get_finished_count() == 1`` tells vLLM to wait for
+one report per request, so the other ranks never hold blocks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import Any
+
+import torch
+
+from hidden_state_connector import __version__, compat
+from hidden_state_connector.config import ConnectorConfig
+from hidden_state_connector.extract import Extractor
+from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.stats import WriteStats
+from hidden_state_connector.writer import SaveJob, WritePipeline
+from hidden_state_reader.errors import PathOutsideRootError
+from hidden_state_reader.format import WriterLock, resolve_inside, sample_metadata
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """State the worker-side connector keeps.
+
+    Args:
+        config: Validated connector settings.
+        vllm_config: The engine's configuration.
+        block_size: Block size of the hidden-state cache group.
+        layer_ids: Captured layer ids, in layer-axis order.
+        stats: Shared counters.
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        vllm_config: Any,
+        block_size: int,
+        layer_ids: list[int],
+        stats: WriteStats,
+    ) -> None:
+        self.config = config
+        self.root = os.path.abspath(config.shared_storage_path)
+        self.block_size = block_size
+        self.layer_ids = layer_ids
+        self.stats = stats
+        self.vllm_config = vllm_config
+        self.model = str(getattr(vllm_config.model_config, "model", ""))
+        self.producer = f"hidden-state-connector/{__version__} vllm/{compat.vllm_version()}"
+        self.is_writer = True
+        self.pipeline: WritePipeline | None = None
+        self._locks: dict[str, WriterLock] = {}
+        self._lock_errors: dict[str, str] = {}
+        self._finished_ids: set[str] = set()
+        self._ready_ids: set[str] = set()
+        self._closed = False
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Find the hidden-state cache, work out its layout, start the writers."""
+        self.is_writer = compat.tensor_parallel_rank() == 0
+        layer_name = compat.find_cache_only_layer(self.vllm_config, kv_caches)
+        kv_cache = kv_caches[layer_name]
+        layout = compat.probe_layout(kv_cache, self.block_size, len(self.layer_ids))
+        token_bytes = layout.num_layers * layout.hidden_size * kv_cache.dtype.itemsize
+        block_bytes = layout.block_size * token_bytes
+        blocks_per_chunk = max(1, self.config.chunk_bytes // block_bytes)
+        extractor = Extractor(
+            kv_cache, layout, blocks_per_chunk, check_nonfinite=self.config.check_nonfinite
+        )
+        log.info(
+            "HiddenStateConnector: %s, layers %s, hidden %d, %s; cache %s (token axis %d), "
+            "%d blocks (%d tokens) per chunk; writing to %s%s",
+            kv_cache.device,
+            self.layer_ids,
+            layout.hidden_size,
+            kv_cache.dtype,
+            tuple(kv_cache.shape),
+            layout.token_axis,
+            blocks_per_chunk,
+            blocks_per_chunk * layout.block_size,
+            self.root,
+            "" if self.is_writer else " (not this TP rank)",
+        )
+        if not self.is_writer:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        self.pipeline = WritePipeline(
+            extractor,
+            num_threads=self.config.num_writer_threads,
+            host_budget=self.config.host_buffer_bytes,
+            when_full=self.config.when_full,
+            max_queued_bytes=self.config.max_queued_bytes,
+            checksum=self.config.checksum,
+            check_nonfinite=self.config.check_nonfinite,
+            fsync=self.config.fsync,
+            stats=self.stats,
+        )
+        # vLLM calls shutdown(); this covers interpreters that exit without it.
+        atexit.register(self.shutdown)
+
+    # -- per step -------------------------------------------------------------------
+
+    def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
+        """Create and hold the lock of every newly scheduled request (``wait_for_save``)."""
+        if not self.is_writer or not self.config.use_synchronization_lock:
+            return
+        for new in meta.new_samples:
+            if new.req_id in self._locks or new.req_id in self._lock_errors:
+                continue
+            try:
+                self._check_inside(new.path)
+                self._locks[new.req_id] = self._create_lock(new.req_id, new.path)
+            except (OSError, PathOutsideRootError) as exc:
+                self._lock_errors[new.req_id] = f"cannot create lock: {exc}"
+
+    def _create_lock(self, req_id: str, path: str) -> WriterLock:
+        try:
+            return WriterLock.create(path, request_id=req_id)
+        except FileNotFoundError:
+            # The storage directory vanished (deleted by hand?): recreate it once.
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            return WriterLock.create(path, request_id=req_id)
+
+    def _check_inside(self, path: str) -> None:
+        # Defence in depth: the scheduler validated it, but it crossed a process boundary.
+        rel = os.path.relpath(path, self.root)
+        if resolve_inside(self.root, rel) != os.path.realpath(path):
+            raise PathOutsideRootError(path, self.root, "does not resolve to itself")
+
+    def get_finished(
+        self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """Start saves, move chunks along, report requests whose blocks may be freed."""
+        if not self.is_writer or self.pipeline is None:
+            return None, None
+        if meta is not None:
+            for order in meta.saves:
+                self._start(order)
+        self.pipeline.pump()
+        self._finished_ids |= finished_req_ids
+        self._ready_ids.update(self.pipeline.finished())
+        # vLLM only accepts ids it has announced as finished (this call or before).
+        done = self._ready_ids & self._finished_ids
+        self._ready_ids -= done
+        self._finished_ids -= done
+        self.stats.maybe_log(len(self._ready_ids) + len(self.pipeline._unreported))
+        return (done or None), None
+
+    def _start(self, order: SaveOrder) -> None:
+        assert self.pipeline is not None
+        lock = self._locks.pop(order.req_id, None)
+        lock_error = self._lock_errors.pop(order.req_id, None)
+        token_ids = torch.tensor(order.token_ids, dtype=torch.int64)
+        extractor = self.pipeline.extractor
+        job = SaveJob(
+            req_id=order.req_id,
+            path=order.path,
+            token_ids=token_ids,
+            block_ids=order.block_ids,
+            lock=lock,
+            metadata=sample_metadata(
+                layer_ids=self.layer_ids,
+                model=self.model,
+                request_id=order.req_id,
+                num_prompt_tokens=order.num_prompt_tokens,
+                producer=self.producer,
+            ),
+            chunks=extractor.plan(len(order.token_ids)),
+            nbytes=len(order.token_ids) * extractor.token_bytes,
+        )
+        failure = order.failure or lock_error
+        if failure is None and lock is None and self.config.use_synchronization_lock:
+            try:  # no lock yet (should not happen): create it now
+                self._check_inside(order.path)
+                job.lock = self._create_lock(order.req_id, order.path)
+            except (OSError, PathOutsideRootError) as exc:
+                failure = f"cannot create lock: {exc}"
+        if failure is not None:
+            self.pipeline.submit_failed(job, failure)
+        else:
+            self.pipeline.submit(job)
+
+    # -- shutdown -------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Drain queued writes (bounded), then release every lock (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        abandoned = 0
+        if self.pipeline is not None:
+            abandoned = self.pipeline.close(self.config.shutdown_timeout)
+        for lock in self._locks.values():
+            lock.mark_failed("engine shut down before the request finished")
+            lock.release()
+        self._locks.clear()
+        total = self.stats.total
+        log.info(
+            "HiddenStateConnector shut down: %d files, %.2f GB, %d failed, %d abandoned",
+            total.files,
+            total.bytes / 1e9,
+            total.failures,
+            abandoned,
+        )

@@ -1,0 +1,309 @@
+"""The write pipeline: save jobs, the chunk pump, writer threads, back-pressure, shutdown.
+
+Flow of one sample:
+
+1. ``submit``: a ``SaveJob`` (the request's blocks, token ids, lock) joins a FIFO.
+2. A writer thread takes the job (``admitted``), creates the temp file, writes the
+   header and token ids, then waits for chunks.
+3. ``pump`` (called from the engine's step) copies chunks of admitted jobs into free
+   host slabs, in FIFO order, as long as slabs are free. Only admitted jobs get slabs,
+   so every lent slab has a thread that will drain it: no deadlock, bounded memory.
+4. The writer thread writes each chunk and returns its slab; at the end it publishes
+   the file atomically and releases the lock.
+5. ``finished`` reports a job once all its device-to-host copies are complete: its KV
+   blocks may be freed then, before the disk write ends (clients wait on the lock).
+
+Any failure (full disk, permissions, vanished directory) fails that one sample: no final
+file, the lock released with a ``failed`` status, counters and a log line naming the
+request. The server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hidden_state_connector.buffers import Slab, SlabPool
+from hidden_state_connector.extract import Chunk, Extractor
+from hidden_state_connector.stats import WriteStats
+from hidden_state_reader.format import SampleFileWriter, WriterLock
+
+log = logging.getLogger(__name__)
+
+_END = None  # sentinel in a job's chunk queue: no more chunks will come
+
+
+@dataclass(eq=False)
+class SaveJob:
+    """One sample on its way from the KV cache to disk."""
+
+    req_id: str
+    path: str
+    token_ids: torch.Tensor
+    block_ids: list[int]
+    lock: WriterLock | None
+    metadata: dict[str, str]
+    chunks: list[Chunk]
+    nbytes: int
+    next_chunk: int = 0
+    admitted: bool = False
+    produced_all: bool = False
+    failure: str | None = None
+    done_event: Any = None
+    reported: bool = False
+    published: bool = False
+    finished: threading.Event = field(default_factory=threading.Event)
+    ready: queue.SimpleQueue[tuple[Chunk, Slab] | None] = field(default_factory=queue.SimpleQueue)
+
+    def fail(self, reason: str) -> None:
+        """Stop producing chunks for this job (the first reason wins)."""
+        if self.failure is None:
+            self.failure = reason
+
+
+class WritePipeline:
+    """Owns the slab pool, the writer threads and every job in flight.
+
+    Args:
+        extractor: Gathers chunks from the cache.
+        num_threads: Writer threads.
+        host_budget: Bytes of host slabs.
+        when_full: ``"wait"`` or ``"drop"`` (see ``ConnectorConfig``).
+        max_queued_bytes: Queue bound for ``"drop"``.
+        checksum: Record CRC32s.
+        check_nonfinite: Record NaN/inf flags.
+        fsync: fsync each file before publishing.
+        stats: Where counters go.
+    """
+
+    def __init__(
+        self,
+        extractor: Extractor,
+        *,
+        num_threads: int,
+        host_budget: int,
+        when_full: str,
+        max_queued_bytes: int,
+        checksum: bool,
+        check_nonfinite: bool,
+        fsync: bool,
+        stats: WriteStats,
+    ) -> None:
+        self.extractor = extractor
+        self.pool = SlabPool(extractor.slab_bytes, host_budget, pinned=extractor.on_cuda)
+        if extractor.slab_bytes > host_budget:
+            log.warning(
+                "one chunk (%d bytes) exceeds host_buffer_bytes (%d); using one slab",
+                extractor.slab_bytes,
+                host_budget,
+            )
+        self.when_full = when_full
+        self.max_queued_bytes = max_queued_bytes
+        self.checksum = checksum
+        self.check_nonfinite = check_nonfinite
+        self.fsync = fsync
+        self.stats = stats
+        self._jobs: deque[SaveJob] = deque()  # submitted, not yet fully produced
+        self._unreported: dict[str, SaveJob] = {}
+        self._queue: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued_bytes = 0
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"hidden-state-writer-{i}", daemon=True)
+            for i in range(num_threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- engine-thread side ----------------------------------------------------------
+
+    def submit(self, job: SaveJob) -> None:
+        """Queue a job (or fail it at once when ``when_full="drop"`` and the queue is full)."""
+        self._unreported[job.req_id] = job
+        with self._lock:
+            full = (
+                self.when_full == "drop" and self._queued_bytes + job.nbytes > self.max_queued_bytes
+            )
+            if not full and not self._closed:
+                self._queued_bytes += job.nbytes
+        if self._closed or full:
+            reason = "connector is shutting down" if self._closed else "writer queue full (dropped)"
+            self._fail_unstarted(job, reason, dropped=full)
+            return
+        self._jobs.append(job)
+        self._queue.put(job)
+        self.stats.queued(len(self._unreported))
+
+    def submit_failed(self, job: SaveJob, reason: str) -> None:
+        """Register a job that fails before any work (it is still reported finished)."""
+        self._unreported[job.req_id] = job
+        self._fail_unstarted(job, reason)
+
+    def _fail_unstarted(self, job: SaveJob, reason: str, *, dropped: bool = False) -> None:
+        job.fail(reason)
+        job.produced_all = True
+        if job.lock is not None:
+            job.lock.mark_failed(reason)
+            job.lock.release()
+        self.stats.failure(job.req_id, job.path, reason, dropped=dropped)
+        job.finished.set()
+
+    def pump(self) -> None:
+        """Copy as many pending chunks into free slabs as possible (never blocks)."""
+        if not self._jobs:
+            return
+        self.extractor.begin_step()
+        while self._jobs:
+            job = self._jobs[0]
+            with self._lock:
+                admitted = job.admitted
+            if not admitted:
+                return  # writers take jobs in FIFO order: later ones are not admitted
+            if not self._produce(job):
+                return  # out of slabs
+            self._jobs.popleft()
+
+    def _produce(self, job: SaveJob) -> bool:
+        """Issue the job's remaining chunks; False if slabs ran out first."""
+        while job.next_chunk < len(job.chunks) and job.failure is None:
+            slab = self.pool.try_acquire()
+            if slab is None:
+                return False
+            chunk = job.chunks[job.next_chunk]
+            try:
+                self.extractor.copy(job.block_ids, chunk, slab)
+            except Exception as exc:  # e.g. a CUDA error: fail the sample, not the server
+                self.pool.release(slab)
+                job.fail(f"gather failed: {exc!r}")
+                break
+            job.next_chunk += 1
+            job.ready.put((chunk, slab))
+        job.done_event = self.extractor.record_done()
+        job.produced_all = True
+        job.ready.put(_END)
+        return True
+
+    def finished(self) -> list[str]:
+        """Request ids whose device-to-host copies are all complete (each reported once)."""
+        done = []
+        for req_id, job in list(self._unreported.items()):
+            if not job.produced_all:
+                continue
+            if job.done_event is not None and not job.done_event.query():
+                continue
+            del self._unreported[req_id]
+            done.append(req_id)
+        return done
+
+    # -- writer threads ------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                job.admitted = True
+            try:
+                self._write(job)
+            finally:
+                with self._lock:
+                    self._queued_bytes -= job.nbytes
+                job.finished.set()
+
+    def _write(self, job: SaveJob) -> None:
+        started = time.monotonic()
+        writer: SampleFileWriter | None = None
+        try:
+            writer = SampleFileWriter(
+                job.path,
+                token_ids=job.token_ids,
+                hidden_shape=(
+                    job.token_ids.shape[0],
+                    self.extractor.layout.num_layers,
+                    self.extractor.layout.hidden_size,
+                ),
+                hidden_dtype=self.extractor.dtype,
+                metadata=job.metadata,
+                lock=job.lock,
+                checksum=self.checksum,
+                record_nonfinite=self.check_nonfinite,
+                fsync=self.fsync,
+            )
+        except OSError as exc:
+            job.fail(f"cannot create file: {exc}")
+        while True:
+            item = job.ready.get()
+            if item is _END:
+                break
+            chunk, slab = item
+            try:
+                if slab.event is not None:
+                    slab.event.synchronize()
+                if writer is not None and job.failure is None:
+                    if self.check_nonfinite:
+                        writer.note_nonfinite(self.extractor.chunk_nonfinite(slab, chunk))
+                    writer.write_hidden(self.extractor.chunk_bytes(slab, chunk))
+            except Exception as exc:
+                job.fail(f"write failed: {exc}")
+            finally:
+                self.pool.release(slab)
+        if job.failure is None and writer is not None:
+            try:
+                writer.publish()
+                job.published = True
+                self.stats.written(job.nbytes, time.monotonic() - started)
+                return
+            except Exception as exc:
+                job.fail(f"publish failed: {exc}")
+        reason = job.failure or "unknown failure"
+        if writer is not None:
+            writer.abort(reason)
+        elif job.lock is not None:
+            job.lock.mark_failed(reason)
+            job.lock.release()
+        self.stats.failure(job.req_id, job.path, reason)
+
+    # -- shutdown ------------------------------------------------------------------
+
+    def close(self, timeout: float) -> int:
+        """Drain queued writes for up to ``timeout`` seconds, then fail the rest.
+
+        Returns:
+            Number of samples that had to be abandoned.
+        """
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        jobs = list(self._jobs) + [j for j in self._unreported.values() if j not in self._jobs]
+        while time.monotonic() < deadline:
+            waiting = [j for j in jobs if not j.finished.is_set()]
+            if not waiting:
+                break
+            self.pump()  # the engine no longer steps: produce remaining chunks here
+            waiting[0].finished.wait(0.05)
+        abandoned = 0
+        for job in jobs:
+            if not job.finished.is_set():
+                abandoned += 1
+                job.fail("connector shut down before the sample was written")
+                if not job.produced_all:
+                    job.produced_all = True
+                    job.ready.put(_END)
+        for _ in self._threads:
+            self._queue.put(None)
+        end = time.monotonic() + 5.0
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        for job in jobs:
+            if not job.admitted and job.lock is not None and job.lock.held:
+                job.lock.mark_failed("connector shut down before the sample was written")
+                job.lock.release()
+        return abandoned
