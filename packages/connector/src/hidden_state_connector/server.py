@@ -1,0 +1,205 @@
+"""Start and stop a ``vllm serve`` process configured for hidden-state extraction.
+
+One place builds the command line (used by ``hidden-state serve``, the demo, the
+benchmarks and the tests), so the speculative and kv-transfer configs are always right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from hidden_state_connector import CONNECTOR_NAME
+
+
+def default_layer_ids(num_hidden_layers: int) -> list[int]:
+    """EAGLE-3's choice of layers: low, middle and high (speculators' default)."""
+    n = num_hidden_layers
+    return sorted({min(2, n - 1), n // 2, max(n - 3, 0)})
+
+
+def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
+    """The ``speculative_config`` that makes vLLM capture these layers."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+
+
+def kv_transfer_config(out_dir: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that routes captured states to ``HiddenStateConnector``."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": os.fspath(out_dir), **(extra or {})},
+    }
+
+
+@dataclass
+class ServeOptions:
+    """What ``vllm serve`` needs to write hidden states.
+
+    Attributes:
+        model: Model path or name.
+        out_dir: Storage directory for the samples.
+        layer_ids: Layers to capture.
+        port: HTTP port on 127.0.0.1.
+        connector: Extra ``kv_connector_extra_config`` keys.
+        vllm_args: Further ``vllm serve`` arguments, passed through.
+    """
+
+    model: str
+    out_dir: str
+    layer_ids: Sequence[int]
+    port: int = 8000
+    connector: dict[str, Any] = field(default_factory=dict)
+    vllm_args: list[str] = field(default_factory=list)
+
+    def command(self) -> list[str]:
+        """The ``vllm serve`` command line."""
+        return [
+            "vllm",
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--speculative-config",
+            json.dumps(speculative_config(self.layer_ids)),
+            "--kv-transfer-config",
+            json.dumps(kv_transfer_config(self.out_dir, self.connector)),
+            *self.vllm_args,
+        ]
+
+    def shell_command(self) -> str:
+        """The same command, quoted for a shell (what users copy)."""
+        return shlex.join(self.command())
+
+
+def _vllm_executable() -> list[str]:
+    # Prefer the vllm next to this interpreter (the venv's), not one on PATH.
+    candidate = Path(sys.executable).with_name("vllm")
+    return [str(candidate)] if candidate.exists() else ["vllm"]
+
+
+class VllmServer:
+    """A ``vllm serve`` subprocess; a context manager that always stops it.
+
+    Args:
+        options: What to serve.
+        log_file: Where the server's output goes (a file keeps pipes from filling up).
+        env: Extra environment variables.
+        preexec_fn: Run in the child before exec (e.g. to set resource limits).
+    """
+
+    def __init__(
+        self,
+        options: ServeOptions,
+        *,
+        log_file: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        preexec_fn: Any = None,
+    ) -> None:
+        self.options = options
+        self.log_path = Path(log_file)
+        self._env = {**os.environ, **(env or {})}
+        self._preexec_fn = preexec_fn
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI-compatible API."""
+        return f"http://127.0.0.1:{self.options.port}"
+
+    def start(self, timeout: float = 300.0) -> VllmServer:
+        """Start the server and wait until ``/health`` answers.
+
+        Raises:
+            RuntimeError: The server exited or did not become healthy in time; the
+                message holds the end of its log.
+        """
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        command = _vllm_executable() + self.options.command()[1:]
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            preexec_fn=self._preexec_fn,  # noqa: PLW1509 - only resource limits
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{self.tail()}")
+            if self.healthy():
+                return self
+            time.sleep(0.5)  # waiting for an external server: nothing to block on
+        self.stop()
+        raise RuntimeError(f"vllm serve not healthy after {timeout:.0f}s:\n{self.tail()}")
+
+    def healthy(self) -> bool:
+        """Whether ``/health`` answers 200."""
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def tail(self, lines: int = 40) -> str:
+        """The last lines of the server log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """Stop the server: SIGINT (clean shutdown), then SIGTERM, then SIGKILL.
+
+        Returns:
+            The exit code, or None if it was never started.
+        """
+        proc = self.process
+        if proc is None:
+            return None
+        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            if proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(wait)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the whole server process group at once (fault injection)."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,211 @@
+"""The connector inside a real offline vLLM engine (CPU build): values, paths, leaks."""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import HFReference, assert_matches_reference
+
+from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_reader import HiddenStateReader, Sample
+from hidden_state_reader.format import LockState, lock_path, probe
+
+pytestmark = pytest.mark.vllm
+
+# Configured out of order on purpose: the model captures in layer order.
+CONFIGURED_LAYERS = [4, 1, 2]
+CAPTURED_LAYERS = [1, 2, 4]
+VOCAB = 250
+
+
+@dataclass
+class Engine:
+    llm: object
+    out: Path
+    outside: Path
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    from vllm import LLM
+
+    base = tmp_path_factory.mktemp("offline")
+    out, outside = base / "hs", base / "outside"
+    out.mkdir()
+    outside.mkdir()
+    os.symlink(outside, out / "escape")  # a symlink inside the root that leads out of it
+    llm = LLM(
+        model=str(tiny_model_fp32),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_batched_tokens=128,  # prompts over 128 tokens take chunked prefill
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        kv_cache_memory_bytes=512 * 1024**2,  # CPU build: KV space in host memory
+        skip_tokenizer_init=True,
+        seed=0,
+        speculative_config=speculative_config(CONFIGURED_LAYERS),
+        kv_transfer_config=kv_transfer_config(
+            str(out),
+            {
+                "allow_custom_save_path": True,
+                "checksum": True,
+                # Tiny buffers: many chunks per request and slab back-pressure.
+                "chunk_bytes": 64 * 1024,
+                "host_buffer_bytes": 256 * 1024,
+                "num_writer_threads": 2,
+                "stats_interval": 0,
+            },
+        ),
+    )
+    yield Engine(llm, out, outside)
+    del llm
+    gc.collect()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+
+
+def generate(
+    engine: Engine, prompts: list[list[int]], *, max_tokens: int = 1, params: dict | None = None
+) -> list[dict]:
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        detokenize=False,
+        extra_args={"kv_transfer_params": params} if params else None,
+    )
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
+    return [dict(o.kv_transfer_params or {}) | {"output": list(o.outputs[0].token_ids)} for o in outputs]
+
+
+def read(path: str) -> Sample:
+    """Read one sample through the reader (it waits on the lock until the file is final)."""
+    root, name = os.path.split(path)
+    samples = list(HiddenStateReader(root, names=[name], on_error="raise", verify_checksum=True))
+    assert len(samples) == 1
+    return samples[0]
+
+
+def test_values_equal_hf_transformers_including_chunked_prefill(
+    engine: Engine, hf_fp32: HFReference
+) -> None:
+    lengths = [1, 7, 16, 17, 129, 300]  # block edges, and prompts split by chunked prefill
+    prompts = [prompt(n, seed=n) for n in lengths]
+    results = generate(engine, prompts)
+    for p, result in zip(prompts, results):
+        sample = read(result["hidden_states_path"])
+        assert sample.token_ids.tolist() == p
+        assert sample.hidden_states.shape == (len(p), 3, 128)
+        assert sample.layer_ids == CAPTURED_LAYERS
+        assert sample.metadata["request_id"]
+        assert sample.metadata["num_prompt_tokens"] == str(len(p))
+        assert sample.metadata["nonfinite"] == "0"
+        assert_matches_reference(sample, hf_fp32)
+
+
+def test_prefix_caching_with_shared_prefixes_keeps_values_right(
+    engine: Engine, hf_fp32: HFReference
+) -> None:
+    shared = prompt(64, seed=1234)
+    first = [shared + prompt(10 + i, seed=500 + i) for i in range(3)]
+    generate(engine, first)  # fills the prefix cache
+    again = [shared + prompt(20 + i, seed=600 + i) for i in range(3)]
+    for p, result in zip(again, generate(engine, again)):
+        sample = read(result["hidden_states_path"])
+        assert sample.token_ids.tolist() == p
+        assert_matches_reference(sample, hf_fp32)
+
+
+def test_include_output_tokens_saves_generated_tokens_but_the_last(
+    engine: Engine, hf_fp32: HFReference
+) -> None:
+    p = prompt(30, seed=77)
+    [result] = generate(engine, [p], max_tokens=5, params={"include_output_tokens": True})
+    sample = read(result["hidden_states_path"])
+    generated = result["output"]
+    assert len(generated) == 5
+    # The last generated token was never fed back, so it has no hidden state.
+    assert sample.token_ids.tolist() == p + generated[:-1]
+    assert sample.metadata["num_prompt_tokens"] == "30"
+    assert_matches_reference(sample, hf_fp32)
+
+
+def test_custom_path_inside_root_is_used(engine: Engine) -> None:
+    [result] = generate(
+        engine, [prompt(12, 1)], params={"hidden_states_path": "custom/sample_a.safetensors"}
+    )
+    assert result["hidden_states_path"] == str(engine.out / "custom" / "sample_a.safetensors")
+    assert read(result["hidden_states_path"]).num_tokens == 12
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "../evil.safetensors",
+        "/tmp/evil-absolute.safetensors",
+        "escape/evil.safetensors",  # through a symlink that leaves the root
+        "a/../../evil.safetensors",
+        "x" * 300 + ".safetensors",
+        "nul\x00byte.safetensors",
+        "not-a-sample.txt",
+    ],
+)
+def test_hostile_paths_are_refused_and_nothing_is_written_outside(
+    engine: Engine, hostile: str
+) -> None:
+    [result] = generate(engine, [prompt(9, 2)], params={"hidden_states_path": hostile})
+    path = Path(result["hidden_states_path"])
+    assert path.parent == engine.out, f"{hostile!r} was not refused: {path}"
+    assert read(str(path)).num_tokens == 9
+    assert not list(engine.outside.iterdir())
+    assert not Path("/tmp/evil-absolute.safetensors").exists()
+    assert not (engine.out.parent / "evil.safetensors").exists()
+
+
+def test_vllm_load_hidden_states_reads_our_files(engine: Engine) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        load_hidden_states,
+    )
+
+    [result] = generate(engine, [prompt(40, 3)])
+    theirs = load_hidden_states(result["hidden_states_path"])
+    ours = read(result["hidden_states_path"])
+    assert torch.equal(theirs["token_ids"], ours.token_ids)
+    assert torch.equal(theirs["hidden_states"], ours.hidden_states)
+
+
+def _open_files_under(root: Path) -> list[str]:
+    me = psutil.Process()
+    found = []
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            found += [f.path for f in proc.open_files() if f.path.startswith(str(root))]
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_500_requests_leave_no_open_files_locks_or_temp_files(engine: Engine) -> None:
+    prompts = [prompt(1 + i % 64, seed=10_000 + i) for i in range(500)]
+    results = generate(engine, prompts)
+    paths = [r["hidden_states_path"] for r in results]
+    assert len(set(paths)) == 500
+    names = [os.path.basename(p) for p in paths]
+    reader = HiddenStateReader(engine.out, names=names, on_error="raise")
+    lengths = [s.num_tokens for s in reader]
+    assert lengths == [len(p) for p in prompts]
+    assert reader.stats.yielded == 500
+    assert _open_files_under(engine.out) == []
+    assert all(probe(lock_path(p)) is LockState.FREE for p in paths)
+    assert not [f for f in os.listdir(engine.out) if ".tmp." in f]
