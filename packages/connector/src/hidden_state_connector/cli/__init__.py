@@ -1,0 +1,1 @@
+"""``hidden-state`` subcommands contributed by the connector package (serve, extract, demo)."""

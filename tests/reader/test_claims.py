@@ -1,0 +1,67 @@
+"""Exactly-once delivery across reader processes sharing one directory."""
+
+from __future__ import annotations
+
+import ast
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from samples import write_samples
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+WRITER = [sys.executable, str(TOOLS / "writer.py")]
+READER = [sys.executable, str(TOOLS / "claim_reader.py")]
+
+
+def start_reader(root: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*READER, str(root), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+@pytest.mark.parametrize("delete", [False, True], ids=["keep", "delete"])
+def test_four_processes_consume_2000_samples_exactly_once(hs_dir: Path, delete: bool) -> None:
+    extra = ["--delete"] if delete else []
+    readers = [start_reader(hs_dir, *extra) for _ in range(4)]
+    writer = subprocess.Popen([*WRITER, "stream", str(hs_dir), "2000"], stdout=subprocess.PIPE, text=True)
+    assert writer.wait(timeout=300) == 0
+    outputs = [r.communicate(timeout=300) for r in readers]
+    assert [r.returncode for r in readers] == [0, 0, 0, 0]
+    names = [line for out, _ in outputs for line in out.split()]
+    counts = Counter(names)
+    assert len(counts) == 2000, "no sample lost"
+    assert max(counts.values()) == 1, "no sample consumed twice"
+    assert all(out.split() for out, _ in outputs), "every reader took a share"
+    stats = [ast.literal_eval(err.split("stats ", 1)[1].strip()) for _, err in outputs]
+    assert sum(s["yielded"] for s in stats) == 2000
+    assert all(s["incomplete"] == s["corrupt"] == s["failed"] == 0 for s in stats)
+
+
+def test_a_dead_readers_claim_is_taken_over(hs_dir: Path) -> None:
+    write_samples(hs_dir, 3)
+    holder = start_reader(hs_dir, "--hold-first", "--idle", "60")
+    assert holder.stdout is not None
+    held = holder.stdout.readline().split()[1]
+    survivor = start_reader(hs_dir, "--idle", "4")
+    holder.send_signal(signal.SIGKILL)  # dies holding the claim; the kernel frees its lock
+    holder.wait()
+    out, err = survivor.communicate(timeout=60)
+    assert survivor.returncode == 0
+    assert sorted(out.split()) == [f"hs_{i}.safetensors" for i in range(3)]
+    assert held in out.split()
+    stats = ast.literal_eval(err.split("stats ", 1)[1].strip())
+    assert stats["reclaimed"] == 1
+
+
+def test_consumer_groups_each_see_every_sample(hs_dir: Path) -> None:
+    from hidden_state_reader import HiddenStateReader
+
+    write_samples(hs_dir, 5)
+    a = list(HiddenStateReader(hs_dir, claim=True, claim_group="job-a"))
+    b = list(HiddenStateReader(hs_dir, claim=True, claim_group="job-b"))
+    again = list(HiddenStateReader(hs_dir, claim=True, claim_group="job-a"))
+    assert len(a) == 5 and len(b) == 5 and again == []

@@ -1,0 +1,87 @@
+"""Following a directory while a separate process keeps writing into it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from samples import write_samples
+
+from hidden_state_reader import HiddenStateReader
+from hidden_state_reader.format import WriterLock
+
+WRITER = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "writer.py")]
+
+
+@pytest.mark.parametrize("watch", ["auto", "poll"])
+def test_follow_picks_up_files_written_after_start(hs_dir: Path, watch: str) -> None:
+    write_samples(hs_dir, 5, prefix="old_")
+    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=30, max_samples=205, watch=watch, poll_interval=0.2)
+    it = iter(reader)
+    first = [next(it) for _ in range(5)]  # what was there before
+    assert [os.path.basename(s.path) for s in first] == [f"old_{i}.safetensors" for i in range(5)]
+    writer = subprocess.Popen([*WRITER, "stream", str(hs_dir), "200"], stdout=subprocess.PIPE, text=True)
+    rest = list(it)  # ends at max_samples
+    assert writer.wait(timeout=60) == 0
+    assert len(rest) == 200
+    assert len({s.path for s in first + rest}) == 205
+
+
+def test_follow_ends_after_idle_timeout(hs_dir: Path) -> None:
+    write_samples(hs_dir, 2)
+    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.5)
+    assert len(list(reader)) == 2
+
+
+def test_follow_waits_for_a_lock_seen_before_its_data(hs_dir: Path) -> None:
+    # The lock appears first (pre-created by the server at schedule time): a sample is coming.
+    proc = subprocess.Popen(
+        [*WRITER, "hold", str(hs_dir / "late.safetensors")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == "locked"
+    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.3, lock_timeout=30)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.extend(reader))
+    t.start()
+    # Even though the idle timeout is short, a pending lock keeps the reader waiting.
+    t.join(timeout=1.0)
+    assert t.is_alive()
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    t.join(timeout=30)
+    assert proc.wait(timeout=10) == 0
+    assert len(got) == 1
+
+
+def test_close_stops_a_follow_reader_waiting_for_news(hs_dir: Path) -> None:
+    reader = HiddenStateReader(hs_dir, follow=True)
+    finished = threading.Event()
+    t = threading.Thread(target=lambda: (list(reader), finished.set()))
+    t.start()
+    assert not finished.wait(0.2)
+    reader.close()
+    assert finished.wait(5)
+
+
+def test_follow_with_delete_leaves_an_empty_directory(hs_dir: Path) -> None:
+    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=5, on_consumed="delete", max_samples=50)
+    writer = subprocess.Popen([*WRITER, "stream", str(hs_dir), "50"], stdout=subprocess.PIPE, text=True)
+    assert len(list(reader)) == 50
+    writer.wait(timeout=60)
+    assert [f for f in os.listdir(hs_dir) if not f.startswith(".")] == []
+
+
+def test_stale_lock_of_a_dead_writer_is_reported_not_waited_on(hs_dir: Path) -> None:
+    lock = WriterLock.create(str(hs_dir / "dead.safetensors"))
+    lock.release()  # writer gone, no data, no failure status
+    old = os.stat(hs_dir / "dead.safetensors.lock").st_mtime - 60
+    os.utime(hs_dir / "dead.safetensors.lock", (old, old))
+    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.5)
+    assert list(reader) == []
+    assert reader.stats.stale_locks == 1
