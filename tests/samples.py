@@ -6,13 +6,16 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from hidden_state_reader.format import sample_metadata, write_sample
+from safetensors.torch import save_file
 
 
 def make_tensors(
-    index: int, tokens: int = 8, layers: int = 3, hidden: int = 16, dtype: torch.dtype = torch.bfloat16
+    index: int,
+    tokens: int = 8,
+    layers: int = 3,
+    hidden: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic tensors for sample ``index``: token ids encode the index."""
     gen = torch.Generator().manual_seed(index)
@@ -45,7 +48,9 @@ def write_samples(
     return paths
 
 
-def write_vllm_style(path: str | os.PathLike[str], index: int, tokens: int = 8, layers: int = 3) -> Path:
+def write_vllm_style(
+    path: str | os.PathLike[str], index: int, tokens: int = 8, layers: int = 3
+) -> Path:
     """A file exactly as vLLM's ExampleHiddenStatesConnector writes it (safetensors.save_file)."""
     token_ids, hidden_states = make_tensors(index, tokens, layers)
     save_file({"hidden_states": hidden_states, "token_ids": token_ids}, os.fspath(path))

@@ -11,7 +11,6 @@ import psutil
 import pytest
 import torch
 from conftest import HFReference, assert_matches_reference
-
 from hidden_state_connector.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.format import LockState, lock_path, probe
@@ -86,7 +85,9 @@ def generate(
         extra_args={"kv_transfer_params": params} if params else None,
     )
     outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
-    return [dict(o.kv_transfer_params or {}) | {"output": list(o.outputs[0].token_ids)} for o in outputs]
+    return [
+        dict(o.kv_transfer_params or {}) | {"output": list(o.outputs[0].token_ids)} for o in outputs
+    ]
 
 
 def read(path: str) -> Sample:
@@ -103,7 +104,7 @@ def test_values_equal_hf_transformers_including_chunked_prefill(
     lengths = [1, 7, 16, 17, 129, 300]  # block edges, and prompts split by chunked prefill
     prompts = [prompt(n, seed=n) for n in lengths]
     results = generate(engine, prompts)
-    for p, result in zip(prompts, results):
+    for p, result in zip(prompts, results, strict=True):
         sample = read(result["hidden_states_path"])
         assert sample.token_ids.tolist() == p
         assert sample.hidden_states.shape == (len(p), 3, 128)
@@ -121,7 +122,7 @@ def test_prefix_caching_with_shared_prefixes_keeps_values_right(
     first = [shared + prompt(10 + i, seed=500 + i) for i in range(3)]
     generate(engine, first)  # fills the prefix cache
     again = [shared + prompt(20 + i, seed=600 + i) for i in range(3)]
-    for p, result in zip(again, generate(engine, again)):
+    for p, result in zip(again, generate(engine, again), strict=True):
         sample = read(result["hidden_states_path"])
         assert sample.token_ids.tolist() == p
         assert_matches_reference(sample, hf_fp32)

@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from hidden_state_connector.client import complete, complete_all
 from hidden_state_connector.server import ServeOptions, VllmServer
 from hidden_state_reader import HiddenStateReader, Sample
@@ -39,11 +38,15 @@ def server(tiny_model_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> V
         port=free_port(),
         connector={"stats_interval": 1, "num_writer_threads": 4},
         vllm_args=[
-            "--max-model-len", "2048",
-            "--max-num-batched-tokens", "256",
-            "--kv-cache-memory-bytes", str(512 * 1024**2),
+            "--max-model-len",
+            "2048",
+            "--max-num-batched-tokens",
+            "256",
+            "--kv-cache-memory-bytes",
+            str(512 * 1024**2),
             "--enforce-eager",
-            "--served-model-name", "tiny",
+            "--served-model-name",
+            "tiny",
         ],
     )
     srv = VllmServer(options, log_file=base / "server.log")
@@ -57,9 +60,13 @@ def test_concurrent_mixed_requests_stream_into_a_follow_reader(server: VllmServe
     prompts: list[str | list[int]] = []
     for i in range(60):
         n = [3, 17, 64, 300, 700][i % 5]
-        prompts.append("hidden states " * (n // 14 + 1) if i % 2 else [(i * 31 + k) % 250 for k in range(n)])
+        prompts.append(
+            "hidden states " * (n // 14 + 1) if i % 2 else [(i * 31 + k) % 250 for k in range(n)]
+        )
     received: list[Sample] = []
-    reader = HiddenStateReader(out, follow=True, claim=True, on_consumed="delete", idle_timeout=120, max_samples=60)
+    reader = HiddenStateReader(
+        out, follow=True, claim=True, on_consumed="delete", idle_timeout=120, max_samples=60
+    )
 
     def consume() -> None:
         received.extend(reader)
@@ -85,8 +92,14 @@ def test_client_disconnect_aborts_and_releases_the_lock_as_failed(server: VllmSe
     out = Path(server.options.out_dir)
     before = set(os.listdir(out))
     conn = http.client.HTTPConnection("127.0.0.1", server.options.port, timeout=60)
-    body = {"model": "tiny", "prompt": [5] * 50, "max_tokens": 1500, "stream": True,
-            "ignore_eos": True, "temperature": 0.0}
+    body = {
+        "model": "tiny",
+        "prompt": [5] * 50,
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200
@@ -121,6 +134,10 @@ def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: Vll
     assert "not written" in server.tail(200)
     # The fault is gone: the next request is written again.
     result = complete(server.url, "tiny", [8] * 20)
-    samples = list(HiddenStateReader(out, names=[os.path.basename(result["kv_transfer_params"]["hidden_states_path"])]))
+    samples = list(
+        HiddenStateReader(
+            out, names=[os.path.basename(result["kv_transfer_params"]["hidden_states_path"])]
+        )
+    )
     assert len(samples) == 1 and samples[0].num_tokens == 20
     shutil.rmtree(out / ".claims", ignore_errors=True)

@@ -27,7 +27,9 @@ def start_reader(root: Path, *args: str) -> subprocess.Popen[str]:
 def test_four_processes_consume_2000_samples_exactly_once(hs_dir: Path, delete: bool) -> None:
     extra = ["--delete"] if delete else []
     readers = [start_reader(hs_dir, *extra) for _ in range(4)]
-    writer = subprocess.Popen([*WRITER, "stream", str(hs_dir), "2000"], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [*WRITER, "stream", str(hs_dir), "2000"], stdout=subprocess.PIPE, text=True
+    )
     assert writer.wait(timeout=300) == 0
     outputs = [r.communicate(timeout=300) for r in readers]
     assert [r.returncode for r in readers] == [0, 0, 0, 0]

@@ -9,10 +9,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from samples import write_samples
-
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import WriterLock
+from samples import write_samples
 
 WRITER = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "writer.py")]
 
@@ -20,11 +19,15 @@ WRITER = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "w
 @pytest.mark.parametrize("watch", ["auto", "poll"])
 def test_follow_picks_up_files_written_after_start(hs_dir: Path, watch: str) -> None:
     write_samples(hs_dir, 5, prefix="old_")
-    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=30, max_samples=205, watch=watch, poll_interval=0.2)
+    reader = HiddenStateReader(
+        hs_dir, follow=True, idle_timeout=30, max_samples=205, watch=watch, poll_interval=0.2
+    )
     it = iter(reader)
     first = [next(it) for _ in range(5)]  # what was there before
     assert [os.path.basename(s.path) for s in first] == [f"old_{i}.safetensors" for i in range(5)]
-    writer = subprocess.Popen([*WRITER, "stream", str(hs_dir), "200"], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [*WRITER, "stream", str(hs_dir), "200"], stdout=subprocess.PIPE, text=True
+    )
     rest = list(it)  # ends at max_samples
     assert writer.wait(timeout=60) == 0
     assert len(rest) == 200
@@ -41,7 +44,9 @@ def test_follow_waits_for_a_lock_seen_before_its_data(hs_dir: Path) -> None:
     # The lock appears first (pre-created by the server at schedule time): a sample is coming.
     proc = subprocess.Popen(
         [*WRITER, "hold", str(hs_dir / "late.safetensors")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None and proc.stdin is not None
     assert proc.stdout.readline().strip() == "locked"
@@ -70,8 +75,12 @@ def test_close_stops_a_follow_reader_waiting_for_news(hs_dir: Path) -> None:
 
 
 def test_follow_with_delete_leaves_an_empty_directory(hs_dir: Path) -> None:
-    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=5, on_consumed="delete", max_samples=50)
-    writer = subprocess.Popen([*WRITER, "stream", str(hs_dir), "50"], stdout=subprocess.PIPE, text=True)
+    reader = HiddenStateReader(
+        hs_dir, follow=True, idle_timeout=5, on_consumed="delete", max_samples=50
+    )
+    writer = subprocess.Popen(
+        [*WRITER, "stream", str(hs_dir), "50"], stdout=subprocess.PIPE, text=True
+    )
     assert len(list(reader)) == 50
     writer.wait(timeout=60)
     assert [f for f in os.listdir(hs_dir) if not f.startswith(".")] == []

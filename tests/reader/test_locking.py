@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from hidden_state_reader import HiddenStateReader, WaitCancelledError
 from hidden_state_reader.format import SharedLock, WriterLock
 
@@ -87,7 +86,7 @@ def test_lock_timeout_leaves_no_thread_or_fd_behind(hs_dir: Path) -> None:
 def test_timeout_error_names_the_file_with_on_error_raise(hs_dir: Path) -> None:
     path = str(hs_dir / "hs_0.safetensors")
     lock = WriterLock.create(path)
-    with pytest.raises(Exception, match="hs_0.safetensors"):
+    with pytest.raises(Exception, match=r"hs_0\.safetensors"):
         list(HiddenStateReader(hs_dir, lock_timeout=0.1, on_error="raise"))
     lock.release()
 

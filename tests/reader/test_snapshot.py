@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from samples import make_tensors, write_samples, write_vllm_style
-
 from hidden_state_reader import (
     CorruptSampleError,
     HiddenStateReader,
@@ -17,6 +15,7 @@ from hidden_state_reader import (
     read_header,
 )
 from hidden_state_reader.format import WriterLock
+from samples import make_tensors, write_samples, write_vllm_style
 
 
 def test_sample_unpacks_as_token_ids_and_hidden_states(hs_dir: Path) -> None:
@@ -83,10 +82,22 @@ def _make_bad_files(root: Path) -> dict[str, type[Exception]]:
     (root / "empty.safetensors").write_bytes(b"")
     from safetensors.torch import save_file
 
-    save_file({"hidden_states": torch.zeros(3, 1, 4, dtype=torch.int32), "token_ids": torch.zeros(3, dtype=torch.int64)}, str(root / "wrong_dtype.safetensors"))
+    save_file(
+        {
+            "hidden_states": torch.zeros(3, 1, 4, dtype=torch.int32),
+            "token_ids": torch.zeros(3, dtype=torch.int64),
+        },
+        str(root / "wrong_dtype.safetensors"),
+    )
     save_file({"hidden_states": torch.zeros(3, 1, 4)}, str(root / "missing_tokens.safetensors"))
-    save_file({"hidden_states": torch.zeros(3, 1, 4), "token_ids": torch.zeros(4, dtype=torch.int64)}, str(root / "mismatch.safetensors"))
-    save_file({"hidden_states": torch.zeros(3, 4), "token_ids": torch.zeros(3, dtype=torch.int64)}, str(root / "two_dims.safetensors"))
+    save_file(
+        {"hidden_states": torch.zeros(3, 1, 4), "token_ids": torch.zeros(4, dtype=torch.int64)},
+        str(root / "mismatch.safetensors"),
+    )
+    save_file(
+        {"hidden_states": torch.zeros(3, 4), "token_ids": torch.zeros(3, dtype=torch.int64)},
+        str(root / "two_dims.safetensors"),
+    )
     return {
         "truncated.safetensors": IncompleteSampleError,
         "garbage.safetensors": CorruptSampleError,
@@ -98,7 +109,9 @@ def _make_bad_files(root: Path) -> dict[str, type[Exception]]:
     }
 
 
-def test_bad_files_are_skipped_counted_and_warned_about(hs_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_bad_files_are_skipped_counted_and_warned_about(
+    hs_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     bad = _make_bad_files(hs_dir)
     reader = HiddenStateReader(hs_dir)
     yielded = [os.path.basename(s.path) for s in reader]
@@ -163,4 +176,3 @@ def test_vanished_file_between_listing_and_reading_is_not_an_error(hs_dir: Path)
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         HiddenStateReader(tmp_path / "does-not-exist")
-

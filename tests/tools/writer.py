@@ -18,10 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-from samples import make_tensors, write_samples  # noqa: E402
-
-from hidden_state_reader.format import SampleFileWriter, WriterLock  # noqa: E402
+import torch
+from hidden_state_reader.format import SampleFileWriter, WriterLock
+from samples import make_tensors, write_samples
 
 
 def hold(path: str) -> None:
@@ -30,7 +29,11 @@ def hold(path: str) -> None:
     sys.stdin.readline()
     token_ids, hidden = make_tensors(7, tokens=6)
     writer = SampleFileWriter(
-        path, token_ids=token_ids, hidden_shape=tuple(hidden.shape), hidden_dtype=hidden.dtype, lock=lock
+        path,
+        token_ids=token_ids,
+        hidden_shape=tuple(hidden.shape),
+        hidden_dtype=hidden.dtype,
+        lock=lock,
     )
     writer.write_hidden(hidden)
     before_release = time.time()

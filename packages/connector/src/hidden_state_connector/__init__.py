@@ -1,4 +1,4 @@
-"""A production vLLM KV-connector plugin that writes ``extract_hidden_states`` output.
+r"""A production vLLM KV-connector plugin that writes ``extract_hidden_states`` output.
 
 After ``pip install hidden-state-connector`` vLLM finds the connector by name::
 

@@ -199,7 +199,9 @@ def probe_layout(kv_cache: torch.Tensor, block_size: int, num_layers: int) -> Ca
         RuntimeError: The view matches neither layout.
     """
     if kv_cache.dim() != 4:
-        raise RuntimeError(f"hidden-state cache view has shape {tuple(kv_cache.shape)}, expected 4-D")
+        raise RuntimeError(
+            f"hidden-state cache view has shape {tuple(kv_cache.shape)}, expected 4-D"
+        )
     _, d1, d2, hidden = kv_cache.shape
     if {d1, d2} != {block_size, num_layers}:
         raise RuntimeError(

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     """Writes each request's captured hidden states to ``NAME.safetensors``.
 
     Configure through ``kv_connector_extra_config`` (see ``ConnectorConfig``). Clients get
@@ -113,9 +113,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
         if self._worker is not None and meta is not None:
             self._worker.create_locks(meta)
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Start saves of finished requests; report those whose blocks may be freed."""
         if self._worker is None:
             return None, None
@@ -150,9 +148,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mis
         """Store-only: never provides tokens."""
         return 0, False
 
-    def update_state_after_alloc(
-        self, request: Any, blocks: Any, num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Store-only: nothing to track."""
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:

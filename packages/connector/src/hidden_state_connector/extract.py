@@ -53,7 +53,7 @@ def _sync_allowed() -> contextlib.AbstractContextManager[object]:
         from vllm.utils.gpu_sync_debug import gpu_sync_allowed
     except ImportError:
         return contextlib.nullcontext()
-    return gpu_sync_allowed()  # type: ignore[no-any-return]
+    return gpu_sync_allowed()
 
 
 class Extractor:
@@ -169,4 +169,3 @@ class Extractor:
             -1, self.layout.num_layers, self.layout.hidden_size
         )[: chunk.num_tokens]
         return not bool(torch.isfinite(host).all())
-

@@ -37,7 +37,7 @@ class SaveOrder:
 
 
 @dataclass
-class HiddenStateConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class HiddenStateConnectorMetadata(KVConnectorMetadata):
     """Per-step instructions for the worker."""
 
     new_samples: list[NewSample] = field(default_factory=list)

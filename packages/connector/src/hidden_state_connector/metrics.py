@@ -11,12 +11,12 @@ _MAX_KEYS = ("max_queue",)
 
 
 @dataclass
-class HiddenStateConnectorStats(KVConnectorStats):  # type: ignore[misc]
+class HiddenStateConnectorStats(KVConnectorStats):
     """Files, bytes, failures and write time since the last report (summed over workers)."""
 
     def reset(self) -> None:
         """Clear the counters."""
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         """Add another worker's (or interval's) counters."""

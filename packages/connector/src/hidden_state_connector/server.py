@@ -16,9 +16,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from importlib.metadata import PackageNotFoundError, version
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Any
 
@@ -103,7 +103,14 @@ def server_argv(options: ServeOptions) -> list[str]:
     try:
         version("vllm")
     except PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", options.model, *args]
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            options.model,
+            *args,
+        ]
     candidate = Path(sys.executable).with_name("vllm")
     return [str(candidate) if candidate.exists() else "vllm", "serve", options.model, *args]
 
@@ -152,13 +159,15 @@ class VllmServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self._env,
-            preexec_fn=self._preexec_fn,  # noqa: PLW1509 - only resource limits
+            preexec_fn=self._preexec_fn,
             start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.process.returncode}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"vllm serve exited with {self.process.returncode}:\n{self.tail()}"
+                )
             if self.healthy():
                 return self
             time.sleep(0.5)  # waiting for an external server: nothing to block on

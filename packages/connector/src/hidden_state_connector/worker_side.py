@@ -13,6 +13,8 @@ import os
 from typing import Any
 
 import torch
+from hidden_state_reader.errors import PathOutsideRootError
+from hidden_state_reader.format import WriterLock, resolve_inside, sample_metadata
 
 from hidden_state_connector import __version__, compat
 from hidden_state_connector.config import ConnectorConfig
@@ -20,8 +22,6 @@ from hidden_state_connector.extract import Extractor
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOrder
 from hidden_state_connector.stats import WriteStats
 from hidden_state_connector.writer import SaveJob, WritePipeline
-from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import WriterLock, resolve_inside, sample_metadata
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class WorkerSide:
         done = self._ready_ids & self._finished_ids
         self._ready_ids -= done
         self._finished_ids -= done
-        self.stats.maybe_log(len(self._ready_ids) + len(self.pipeline._unreported))
+        self.stats.maybe_log(len(self._ready_ids) + self.pipeline.in_flight)
         return (done or None), None
 
     def _start(self, order: SaveOrder) -> None:

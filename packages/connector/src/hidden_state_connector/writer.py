@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hidden_state_reader.format import SampleFileWriter, WriterLock
 
 from hidden_state_connector.buffers import Slab, SlabPool
 from hidden_state_connector.extract import Chunk, Extractor
 from hidden_state_connector.stats import WriteStats
-from hidden_state_reader.format import SampleFileWriter, WriterLock
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +202,11 @@ class WritePipeline:
             del self._unreported[req_id]
             done.append(req_id)
         return done
+
+    @property
+    def in_flight(self) -> int:
+        """Samples whose blocks are still held (not yet reported finished)."""
+        return len(self._unreported)
 
     # -- writer threads ------------------------------------------------------------
 

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from hidden_state_reader.format.names import Kind, classify, natural_key, sample_key
 from hidden_state_reader.waiting import CancelToken
@@ -134,7 +135,7 @@ class _Observer:
     """One watchdog observer per process, shared by all followers (inotify is scarce)."""
 
     _lock = threading.Lock()
-    _observer: object | None = None
+    _observer: Any = None
     _pid: int | None = None
 
     @classmethod
@@ -158,15 +159,14 @@ class _Observer:
                 observer.daemon = True
                 observer.start()
                 cls._observer, cls._pid = observer, os.getpid()
-            observer = cls._observer
-            return observer.schedule(Handler(), root, recursive=False)  # type: ignore[attr-defined]
+            return cls._observer.schedule(Handler(), root, recursive=False)
 
     @classmethod
     def unschedule(cls, watch: object) -> None:
         with cls._lock:
             if cls._observer is not None and cls._pid == os.getpid():
                 with contextlib.suppress(KeyError, OSError):
-                    cls._observer.unschedule(watch)  # type: ignore[attr-defined]
+                    cls._observer.unschedule(watch)
 
 
 class FollowSource:

@@ -44,7 +44,7 @@ class LoadOptions:
 
 
 def _read_exact(fd: int, buffer: torch.Tensor, offset: int, path: str) -> None:
-    view = memoryview(buffer.numpy()).cast("B")
+    view = buffer.numpy().data.cast("B")
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -99,7 +99,7 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     buffer = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=options.pin_memory)
     _read_exact(fd, buffer, header.data_start, path)
     if options.verify_checksum and Meta.CRC32 in header.metadata:
-        actual = f"{zlib.crc32(memoryview(buffer.numpy())) & 0xFFFFFFFF:08x}"
+        actual = f"{zlib.crc32(buffer.numpy().data) & 0xFFFFFFFF:08x}"
         if actual != header.metadata[Meta.CRC32]:
             raise CorruptSampleError(
                 path, f"CRC32 mismatch: file says {header.metadata[Meta.CRC32]}, data is {actual}"

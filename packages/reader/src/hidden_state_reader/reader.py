@@ -264,7 +264,8 @@ class HiddenStateReader:
             try:
                 fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                return self._no_data(source, name, lock.existed, claim)
+                self._no_data(source, name, lock.existed, claim)
+                return None
             try:
                 return load_fd(fd, data_path, self._load)
             except IncompleteSampleError:

@@ -217,9 +217,7 @@ def flock_wait(
             timer.join()
 
 
-def _wait_by_retrying(
-    fd: int, op: int, deadline: float | None, cancel: CancelToken | None
-) -> bool:
+def _wait_by_retrying(fd: int, op: int, deadline: float | None, cancel: CancelToken | None) -> bool:
     """Fallback when no wake signal is available: non-blocking tries with back-off."""
     delay = _POLL_MIN
     while True:

@@ -24,7 +24,9 @@ def parse_layers(text: str) -> list[int]:
     try:
         layers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes integers like 2,16,29, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--layers takes integers like 2,16,29, got {text!r}"
+        ) from None
     if not layers or any(x < 0 for x in layers):
         raise argparse.ArgumentTypeError(f"--layers needs non-negative layer ids, got {text!r}")
     return layers
@@ -59,7 +61,9 @@ def resolve_layers(model: str, layers: list[int] | None, include_last: bool) -> 
             raise SystemExit("hidden-state: --include-last needs a local model directory")
         layers = sorted(set(layers) | {n})
     if n is not None and any(x > n for x in layers):
-        raise SystemExit(f"hidden-state: layer ids must be <= {n} (num_hidden_layers), got {layers}")
+        raise SystemExit(
+            f"hidden-state: layer ids must be <= {n} (num_hidden_layers), got {layers}"
+        )
     return layers
 
 
@@ -92,7 +96,7 @@ def register(subparsers: Any) -> None:
         "--connector-config",
         type=json.loads,
         default={},
-        help='extra kv_connector_extra_config as JSON, e.g. \'{"fsync": true}\'',
+        help="extra kv_connector_extra_config as JSON, e.g. '{\"fsync\": true}'",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM arguments")

@@ -136,7 +136,9 @@ class SampleHeader:
         except ValueError as exc:
             raise CorruptSampleError(self.path, f"metadata layer_ids is not JSON: {raw!r}") from exc
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise CorruptSampleError(self.path, f"metadata layer_ids is not a list of ints: {raw!r}")
+            raise CorruptSampleError(
+                self.path, f"metadata layer_ids is not a list of ints: {raw!r}"
+            )
         return ids
 
 

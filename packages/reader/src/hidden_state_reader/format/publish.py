@@ -32,7 +32,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 class SampleFileWriter:
@@ -240,9 +240,7 @@ def write_sample(
             lock.release()
         raise
     try:
-        writer.note_nonfinite(
-            bool(hidden.numel()) and not bool(torch.isfinite(hidden).all())
-        )
+        writer.note_nonfinite(bool(hidden.numel()) and not bool(torch.isfinite(hidden).all()))
         writer.write_hidden(hidden)
     except BaseException as exc:
         writer.abort(f"write failed: {exc!r}")
