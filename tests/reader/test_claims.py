@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from samples import write_samples
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

@@ -9,8 +9,10 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import WriterLock
+
 from samples import write_samples
 
 WRITER = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "writer.py")]

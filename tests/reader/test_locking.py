@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from hidden_state_reader import HiddenStateReader, WaitCancelledError
 from hidden_state_reader.format import SharedLock, WriterLock
 

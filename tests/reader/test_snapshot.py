@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from hidden_state_reader import (
     CorruptSampleError,
     HiddenStateReader,
@@ -15,6 +16,7 @@ from hidden_state_reader import (
     read_header,
 )
 from hidden_state_reader.format import WriterLock
+
 from samples import make_tensors, write_samples, write_vllm_style
 
 

@@ -8,6 +8,8 @@ Quick start::
         ...
 """
 
+from hidden_state_reader.collate import PackCollate, PadCollate, pack_collate, pad_collate
+from hidden_state_reader.dataset import HiddenStateDataset
 from hidden_state_reader.errors import (
     CorruptSampleError,
     FailedSampleError,
@@ -21,8 +23,10 @@ from hidden_state_reader.errors import (
 )
 from hidden_state_reader.format import read_header, write_sample
 from hidden_state_reader.load import LoadOptions, load_sample
+from hidden_state_reader.loader import HiddenStateLoader
 from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.sample import Sample
+from hidden_state_reader.sharding import distributed_context
 from hidden_state_reader.stats import ReaderStats
 
 __version__ = "0.1.0"
@@ -30,11 +34,15 @@ __version__ = "0.1.0"
 __all__ = [
     "CorruptSampleError",
     "FailedSampleError",
+    "HiddenStateDataset",
     "HiddenStateError",
+    "HiddenStateLoader",
     "HiddenStateReader",
     "IncompleteSampleError",
     "LoadOptions",
     "LockTimeoutError",
+    "PackCollate",
+    "PadCollate",
     "PathOutsideRootError",
     "ReaderStats",
     "Sample",
@@ -42,7 +50,10 @@ __all__ = [
     "StaleLockError",
     "WaitCancelledError",
     "__version__",
+    "distributed_context",
     "load_sample",
+    "pack_collate",
+    "pad_collate",
     "read_header",
     "write_sample",
 ]

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from hidden_state_connector.server import ServeOptions, default_layer_ids, server_argv
+from hidden_state_reader.cli.common import CliError, add_command
 
-EXAMPLE = """\
-examples:
-  hidden-state serve meta-llama/Llama-3.1-8B-Instruct --out /data/hs
-  hidden-state serve ./my-model --out /data/hs --layers 2,16,29 --include-last -- --max-model-len 8192
-  hidden-state serve ./my-model --out /data/hs --dry-run     # print the vllm command only
+EXAMPLES = """\
+hidden-state serve meta-llama/Llama-3.1-8B-Instruct --out /data/hs
+hidden-state serve ./my-model --out /data/hs --layers 2,16,29 --include-last \\
+    --vllm-args --max-model-len 8192
+hidden-state serve ./my-model --out /data/hs --dry-run     # print the vllm command only
 """
 
 
@@ -47,18 +48,17 @@ def resolve_layers(model: str, layers: list[int] | None, include_last: bool) -> 
     """The layers to capture: explicit, or EAGLE-3's low/middle/high default.
 
     Raises:
-        SystemExit: The default cannot be computed (remote model without --layers).
+        CliError: The default cannot be computed (remote model without --layers), or a
+            layer id is out of range.
     """
     n = num_hidden_layers(model)
     if layers is None:
         if n is None:
-            raise SystemExit(
-                f"hidden-state: cannot read num_hidden_layers of {model!r}; pass --layers"
-            )
+            raise CliError(f"{model}: no num_hidden_layers in config.json; pass --layers")
         layers = default_layer_ids(n)
     if include_last:
         if n is None:
-            raise SystemExit("hidden-state: --include-last needs a local model directory")
+            raise CliError(f"{model}: --include-last needs a local model directory")
         layers = sorted(set(layers) | {n})
     if n is not None and any(x > n for x in layers):
         raise SystemExit(
@@ -79,16 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
-    parser = subparsers.add_parser(
+    parser = add_command(
+        subparsers,
         "serve",
-        help="start vllm serve writing hidden states to a directory",
+        summary="start vllm serve writing hidden states to a directory",
         description=(
-            "Start an OpenAI-compatible vLLM server whose requests also write the hidden "
-            "states of the chosen layers to DIR (one safetensors file per request). "
-            "Arguments after -- go to vLLM unchanged."
+            "Start an OpenAI-compatible vLLM server whose requests also write the hidden\n"
+            "states of the chosen layers to DIR (one safetensors file per request).\n"
+            "Prints the equivalent plain vLLM command. Arguments after --vllm-args go to vLLM."
         ),
-        epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        handler=run,
     )
     add_arguments(parser)
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
@@ -99,14 +100,19 @@ def register(subparsers: Any) -> None:
         help="extra kv_connector_extra_config as JSON, e.g. '{\"fsync\": true}'",
     )
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
-    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM arguments")
-    parser.set_defaults(func=run)
+    parser.add_argument(
+        "--vllm-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        metavar="ARG",
+        help="everything after this goes to vllm serve unchanged (put it last)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the equivalent vLLM command, then replace this process with the server."""
     layers = resolve_layers(args.model, args.layers, args.include_last)
-    extra = [a for a in args.vllm_args if a != "--"]
+    extra = list(args.vllm_args)
     os.makedirs(args.out, exist_ok=True)
     options = ServeOptions(
         model=args.model,

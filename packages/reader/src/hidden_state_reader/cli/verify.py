@@ -1,0 +1,380 @@
+"""``hidden-state verify`` (find problems) and ``clean`` (remove leftovers safely).
+
+``clean`` only ever removes lock files and temporary files, never a data file, and
+re-checks each candidate at the moment of removal:
+
+* a lock file is removed while ``clean`` itself holds ``LOCK_EX`` on it (so no writer
+  or reader holds it), after checking that the name still refers to the inode it
+  locked (a new writer replaces lock files by rename) and, for a stale or failed lock,
+  that the data file has still not appeared;
+* a temporary file is removed only if the lock protecting it is still not held and it
+  is still unchanged for ``--older-than`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hidden_state_reader.cli.common import (
+    EXIT_OK,
+    EXIT_PROBLEMS,
+    Progress,
+    add_command,
+    add_grace_argument,
+    add_progress_argument,
+    non_negative_float,
+    print_json,
+    require_dir,
+)
+from hidden_state_reader.cli.table import format_bytes, format_table
+from hidden_state_reader.format.lockfile import LockState, probe
+from hidden_state_reader.health import (
+    DEFAULT_GRACE,
+    HealthState,
+    SampleHealth,
+    count_states,
+    scan_health,
+    temp_owner_lock,
+)
+
+_ORPHAN_TEMP = "orphan temp file"
+_READY_LOCK = "lock of ready sample"
+
+DEFAULT_CLEAN_AGE = 300.0
+"""``clean`` leaves alone anything modified less than this many seconds ago."""
+
+
+def register(subparsers: Any) -> None:
+    """Add ``verify`` and ``clean``."""
+    p = add_command(
+        subparsers,
+        "verify",
+        summary="find corrupt, incomplete and failed samples, stale locks, orphan temp files",
+        description="Check every sample of a hidden-state directory without waiting for "
+        "writers and report\nthe problems, one line each: corrupt or incomplete data "
+        "files, samples their writer\nreported as failed, stale locks (writer gone, no "
+        "data), orphan temporary files.\nSamples still being written (pending) are not "
+        "problems.\n\n"
+        "exit status: 0 no problems, 1 problems found, 2 bad usage (e.g. no such directory)",
+        examples="""
+hidden-state verify /data/hs
+hidden-state verify /data/hs --checksums          # also read all data and check CRC32s
+hidden-state verify /data/hs --json > report.json
+""",
+        handler=run_verify,
+    )
+    p.add_argument("directory", metavar="DIR", help="the hidden-state directory")
+    p.add_argument(
+        "--checksums",
+        action="store_true",
+        help="read every ready sample's data and check the writer's CRC32 (slower)",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+    add_grace_argument(p, DEFAULT_GRACE)
+    add_progress_argument(p)
+
+    p = add_command(
+        subparsers,
+        "clean",
+        summary="remove orphan temp files and stale/failed lock files",
+        description="Remove what dead or failed writers left behind: orphan temporary "
+        "files, and lock files\nof samples whose data never appeared (stale or failed). "
+        "With --locks, also the lock\nfiles of complete samples (their lock is free, so "
+        "they are no longer needed).\nNever removes a data file, a held lock, or anything "
+        "modified less than --older-than\nseconds ago. Prints every file it removes.",
+        examples="""
+hidden-state clean /data/hs --dry-run         # show what would be removed
+hidden-state clean /data/hs
+hidden-state clean /data/hs --older-than 0 --locks
+""",
+        handler=run_clean,
+    )
+    p.add_argument("directory", metavar="DIR", help="the hidden-state directory")
+    p.add_argument(
+        "-n", "--dry-run", action="store_true", help="print what would be removed; remove nothing"
+    )
+    p.add_argument(
+        "--older-than",
+        type=non_negative_float,
+        default=DEFAULT_CLEAN_AGE,
+        metavar="S",
+        help="only remove files unchanged for at least S seconds",
+    )
+    p.add_argument(
+        "--locks",
+        action="store_true",
+        help="also remove the free lock files of complete (ready) samples",
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+    add_progress_argument(p)
+
+
+# -- verify --------------------------------------------------------------------------
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """``hidden-state verify``."""
+    root = require_dir(args.directory)
+    progress = Progress.for_args(args, f"verifying {root}")
+    results = list(scan_health(root, progress, checksums=args.checksums, grace=args.grace))
+    samples = [r for r in results if not r.is_temp]
+    temps = [r for r in results if r.is_temp]
+    problems = [r for r in results if r.problem]
+    verified = sum(1 for r in samples if r.checksum_verified)
+    rc = EXIT_PROBLEMS if problems else EXIT_OK
+    if args.json:
+        print_json(
+            {
+                "directory": os.path.abspath(root),
+                "ok": not problems,
+                "samples": len(samples),
+                "temp_files": len(temps),
+                "checksums_verified": verified if args.checksums else None,
+                "states": count_states(samples),
+                "temp_states": count_states(temps),
+                "problems": [r.as_dict() for r in problems],
+            }
+        )
+        return rc
+    if problems:
+        rows = [[r.state.value, r.name, r.reason] for r in problems]
+        print(format_table(["PROBLEM", "NAME", "REASON"], rows))
+    states = ", ".join(f"{n} {s}" for s, n in count_states(samples).items()) or "none"
+    plural = "s" if len(samples) != 1 else ""
+    line = f"checked {len(samples)} sample{plural} in {root}: {states}"
+    if temps:
+        line += f"; {len(temps)} temporary file{'s' if len(temps) != 1 else ''}"
+    if args.checksums:
+        line += f"; {verified} CRC32{'s' if verified != 1 else ''} verified"
+    print(line)
+    if problems:
+        print(
+            f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found "
+            f"(`hidden-state clean {root}` removes stale/failed locks and orphan temp files)"
+        )
+    else:
+        print("no problems found")
+    return rc
+
+
+# -- clean ---------------------------------------------------------------------------
+
+
+@dataclass
+class Removal:
+    """One file ``clean`` considered.
+
+    Attributes:
+        path: The file.
+        what: What it is (``orphan temp file``, ``stale lock``, ...).
+        why: The health verdict's reason.
+        size: Its size in bytes.
+        outcome: ``removed``, ``would remove`` (dry run), ``skipped`` or ``error``.
+        detail: Why it was skipped, or the error.
+    """
+
+    path: str
+    what: str
+    why: str
+    size: int = 0
+    outcome: str = ""
+    detail: str = ""
+
+
+def _candidates(results: list[SampleHealth], *, locks: bool, older_than: float) -> list[Removal]:
+    out = []
+    for r in results:
+        if r.is_temp:
+            if r.state is HealthState.ORPHAN_TEMP:
+                out.append(Removal(r.path, _ORPHAN_TEMP, r.reason, r.size or 0))
+            continue
+        if r.state in (HealthState.STALE, HealthState.FAILED):
+            item = Removal(_lock(r), f"{r.state.value} lock", r.reason)
+        elif locks and r.state is HealthState.READY and r.lock is LockState.FREE:
+            item = Removal(_lock(r), _READY_LOCK, "sample complete, lock free")
+        else:
+            continue
+        if r.age is not None and r.age < older_than:
+            item.outcome = "skipped"
+            item.detail = f"modified {r.age:.0f}s ago, less than --older-than {older_than:g}s"
+        out.append(item)
+    return out
+
+
+def _lock(r: SampleHealth) -> str:
+    path = r.lock_path
+    assert path is not None
+    return path
+
+
+def _age(path: str) -> float:
+    return time.time() - os.stat(path).st_mtime
+
+
+def remove_lock(lock_file: str, *, older_than: float, require_no_data: bool) -> str | None:
+    """Remove a lock file if nobody holds it; the caller decided it is not needed.
+
+    The file is locked ``LOCK_EX`` (non-blocking) for the duration of the checks and the
+    unlink, so a writer cannot hold it meanwhile, and it must still be the inode that
+    was locked (writers replace lock files by rename).
+
+    Args:
+        lock_file: ``NAME.safetensors.lock``.
+        older_than: Leave it if modified less than this many seconds ago.
+        require_no_data: Leave it if ``NAME.safetensors`` exists (stale/failed locks).
+
+    Returns:
+        None if it was removed, otherwise why it was left.
+    """
+    try:
+        fd = os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "already gone"
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "in use: a writer or reader holds it now"
+        mine = os.fstat(fd)
+        try:
+            current = os.stat(lock_file)
+        except FileNotFoundError:
+            return "already gone"
+        if (mine.st_dev, mine.st_ino) != (current.st_dev, current.st_ino):
+            return "replaced by a new writer"
+        if time.time() - current.st_mtime < older_than:
+            return f"modified less than {older_than:g}s ago"
+        if require_no_data and os.path.lexists(lock_file[: -len(".lock")]):
+            return "its data file has appeared"
+        os.unlink(lock_file)
+        return None
+    finally:
+        os.close(fd)
+
+
+def remove_temp(temp_file: str, *, older_than: float) -> str | None:
+    """Remove a temporary file if no writer owns it (see ``health.check_temp``).
+
+    Args:
+        temp_file: ``NAME.safetensors.tmp.<id>`` (or a lock file's temporary).
+        older_than: Leave it if modified less than this many seconds ago.
+
+    Returns:
+        None if it was removed, otherwise why it was left.
+    """
+    owner = temp_owner_lock(temp_file)
+    if owner == temp_file:
+        # A lock file being created: it is locked before it is renamed into place.
+        return remove_lock(temp_file, older_than=older_than, require_no_data=False)
+    if owner is not None and probe(owner) is LockState.HELD:
+        return f"in use: {os.path.basename(owner)} is held"
+    try:
+        if _age(temp_file) < older_than:
+            return f"modified less than {older_than:g}s ago"
+        os.unlink(temp_file)
+    except FileNotFoundError:
+        return "already gone"
+    return None
+
+
+def clean_directory(
+    root: str,
+    *,
+    older_than: float = DEFAULT_CLEAN_AGE,
+    locks: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> list[Removal]:
+    """Find and (unless ``dry_run``) remove leftovers of dead or failed writers.
+
+    Args:
+        root: The storage directory.
+        older_than: Grace period: nothing modified more recently is touched, and a
+            temporary file or data-less lock only counts as abandoned after it.
+        locks: Also remove free lock files of ready samples.
+        dry_run: Decide, but remove nothing.
+        progress: Scan progress callback.
+
+    Returns:
+        Every file considered, with its outcome.
+    """
+    results = list(scan_health(root, progress, grace=older_than))
+    plan = _candidates(results, locks=locks, older_than=older_than)
+    for item in plan:
+        if item.outcome:
+            continue
+        if dry_run:
+            item.outcome = "would remove"
+            continue
+        try:
+            if item.what == _ORPHAN_TEMP:
+                skip = remove_temp(item.path, older_than=older_than)
+            else:
+                skip = remove_lock(
+                    item.path,
+                    older_than=older_than,
+                    require_no_data=item.what != _READY_LOCK,
+                )
+        except OSError as exc:
+            item.outcome, item.detail = "error", str(exc)
+            continue
+        item.outcome = "skipped" if skip else "removed"
+        item.detail = skip or ""
+    return plan
+
+
+def run_clean(args: argparse.Namespace) -> int:
+    """``hidden-state clean``."""
+    root = require_dir(args.directory)
+    plan = clean_directory(
+        root,
+        older_than=args.older_than,
+        locks=args.locks,
+        dry_run=args.dry_run,
+        progress=Progress.for_args(args, f"scanning {root}"),
+    )
+    errors = [p for p in plan if p.outcome == "error"]
+    removed = [p for p in plan if p.outcome in ("removed", "would remove")]
+    rc = EXIT_PROBLEMS if errors else EXIT_OK
+    if args.json:
+        print_json(
+            {
+                "directory": os.path.abspath(root),
+                "dry_run": args.dry_run,
+                "files": [vars(p) for p in plan],
+            }
+        )
+        return rc
+    if plan:
+        rows = [[p.outcome, p.what, os.path.relpath(p.path, root), p.detail or p.why] for p in plan]
+        print(format_table(["ACTION", "KIND", "FILE", "DETAIL"], rows))
+    verb = "would remove" if args.dry_run else "removed"
+    nbytes = sum(p.size for p in removed)
+    line = f"{verb} {len(removed)} file{'s' if len(removed) != 1 else ''}"
+    if nbytes:
+        line += f" ({format_bytes(nbytes)})"
+    line += f" in {root}"
+    skipped = sum(1 for p in plan if p.outcome == "skipped")
+    if skipped:
+        line += f"; {skipped} skipped"
+    if errors:
+        line += f"; {len(errors)} could not be removed"
+    print(line)
+    return rc
+
+
+__all__ = [
+    "DEFAULT_CLEAN_AGE",
+    "Removal",
+    "clean_directory",
+    "register",
+    "remove_lock",
+    "remove_temp",
+    "run_clean",
+    "run_verify",
+]

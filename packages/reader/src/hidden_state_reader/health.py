@@ -1,0 +1,519 @@
+"""Health checks of a hidden-state directory: classify every sample without blocking.
+
+``check_sample`` looks at one sample (its data file and its companion lock) and says in
+which state it is; ``check_temp`` does the same for an in-progress temporary file;
+``scan_health`` walks a whole storage directory. Nothing here waits for a writer or
+modifies a file: a lock is only *probed* (``flock(LOCK_SH | LOCK_NB)``), and a header
+read is a few hundred bytes. ``hidden-state ls``, ``verify`` and ``clean`` are built on
+this module.
+
+States (``HealthState``):
+
+``ready``
+    A complete, valid sample whose writer is done (or that never had a lock).
+``pending``
+    A writer is still at work: the lock is held, or the files changed less than
+    ``grace`` seconds ago and no lock says otherwise (vLLM's connector creates its lock
+    file a moment before it locks it; a lock-less writer may still be appending).
+``failed``
+    The writer gave up and said why in the lock file; there is no data file.
+``stale``
+    A released lock file, older than ``grace``, whose data file never appeared: the
+    writer died.
+``incomplete``
+    The data file is shorter than its header promises and no writer is at work.
+``corrupt``
+    The data file is not a valid sample (bad header, dtype, shape, names, trailing
+    bytes, CRC32 mismatch), or it cannot be read at all.
+``orphan_temp``
+    A temporary file (``NAME.safetensors.tmp.<pid>.<rand>``) that no writer owns any
+    more: the lock that would protect it is not held and the file has not changed for
+    ``grace`` seconds.
+
+Example::
+
+    from hidden_state_reader.health import scan_health
+
+    for health in scan_health("/data/hs"):
+        if health.problem:
+            print(health.state.value, health.name, health.reason)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.format.header import Meta, SampleHeader, read_header
+from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
+from hidden_state_reader.format.names import (
+    DATA_SUFFIX,
+    LOCK_SUFFIX,
+    TEMP_INFIX,
+    Kind,
+    classify,
+    lock_path,
+    natural_key,
+    sample_key,
+)
+from hidden_state_reader.load import LoadOptions, load_sample
+
+DEFAULT_GRACE = 30.0
+"""Seconds a lock without data, a lock-less truncated file or a temporary file may be
+untouched and still count as work in progress (``pending``) rather than a leftover."""
+
+ProgressCallback = Callable[[int, int], None]
+"""``progress(done, total)``: called by ``scan_health`` after each directory entry."""
+
+
+class HealthState(str, enum.Enum):
+    """The state of one sample (or temporary file). The value is the printable name."""
+
+    READY = "ready"
+    PENDING = "pending"
+    FAILED = "failed"
+    STALE = "stale"
+    INCOMPLETE = "incomplete"
+    CORRUPT = "corrupt"
+    ORPHAN_TEMP = "orphan_temp"
+
+    @property
+    def is_problem(self) -> bool:
+        """Whether this state needs attention (everything but ``ready`` and ``pending``)."""
+        return self in PROBLEM_STATES
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PROBLEM_STATES = frozenset(
+    {
+        HealthState.FAILED,
+        HealthState.STALE,
+        HealthState.INCOMPLETE,
+        HealthState.CORRUPT,
+        HealthState.ORPHAN_TEMP,
+    }
+)
+"""States that ``hidden-state verify`` reports as problems."""
+
+
+@dataclass(frozen=True)
+class SampleHealth:
+    """What a non-blocking look at one sample (or temporary file) found.
+
+    Attributes:
+        name: The sample name (``NAME.safetensors``) or the temporary file's name.
+        path: The data file's path (whether or not it exists), or the temporary file's.
+        state: The verdict.
+        reason: Why, in a few words (empty for a plain ``ready`` sample).
+        header: The validated header, when the data file has one.
+        lock: What probing the lock file found (for a temporary file: the lock that
+            would protect it).
+        lock_status: The status the writer left in the lock file, when one was read.
+        size: Size in bytes of the data (or temporary) file; None if there is none.
+        age: Seconds since the newest of the data and lock files (or the temporary
+            file) was modified.
+        checksum_verified: True when a recorded CRC32 was checked and matched.
+        is_temp: This entry is a temporary file, not a sample.
+    """
+
+    name: str
+    path: str
+    state: HealthState
+    reason: str = ""
+    header: SampleHeader | None = None
+    lock: LockState = LockState.ABSENT
+    lock_status: LockStatus | None = None
+    size: int | None = None
+    age: float | None = None
+    checksum_verified: bool = False
+    is_temp: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """The sample is ready to be read."""
+        return self.state is HealthState.READY
+
+    @property
+    def problem(self) -> bool:
+        """The entry needs attention (see ``PROBLEM_STATES``)."""
+        return self.state.is_problem
+
+    @property
+    def lock_path(self) -> str | None:
+        """The lock file that governs this entry, if any can exist."""
+        if not self.is_temp:
+            return lock_path(self.path)
+        return temp_owner_lock(self.path)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-friendly summary (header fields flattened, no tensor data)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "path": self.path,
+            "state": self.state.value,
+            "reason": self.reason,
+            "kind": "temp" if self.is_temp else "sample",
+            "lock": self.lock.value,
+            "size": self.size,
+            "age": None if self.age is None else round(self.age, 3),
+        }
+        if self.lock_status is not None and self.lock_status.state is not None:
+            out["lock_status"] = {"state": self.lock_status.state, **self.lock_status.detail}
+        if self.header is not None:
+            h = self.header
+            out.update(
+                tokens=h.num_tokens,
+                layers=h.num_layers,
+                hidden=h.hidden_size,
+                dtype=h.hidden.dtype,
+            )
+        if self.checksum_verified:
+            out["checksum_verified"] = True
+        return out
+
+
+def _age(now: float, *mtimes: float | None) -> float | None:
+    known = [m for m in mtimes if m is not None]
+    return max(0.0, now - max(known)) if known else None
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def check_sample(
+    root: str | os.PathLike[str],
+    name: str,
+    *,
+    checksums: bool = False,
+    grace: float = DEFAULT_GRACE,
+    now: float | None = None,
+) -> SampleHealth:
+    """Classify one sample without blocking.
+
+    The lock is probed first and the data file looked at second; with this order a
+    writer that publishes before it releases its lock (every writer of this format)
+    can never be mistaken for a dead one.
+
+    Args:
+        root: The storage directory.
+        name: The sample's data-file name, ``NAME.safetensors`` (its lock-file name is
+            accepted too).
+        checksums: Also read the tensor data and check the writer's CRC32, if recorded.
+        grace: Seconds during which a released lock without data, or a truncated file
+            without a lock, still counts as ``pending`` (see ``DEFAULT_GRACE``).
+        now: The current time (``time.time()``); for tests.
+
+    Returns:
+        The verdict. A file that cannot be read (permissions, I/O error) is ``corrupt``
+        with the error as the reason.
+
+    Raises:
+        ValueError: ``name`` is not a sample or lock file name.
+        FileNotFoundError: Neither the data file nor the lock file exists (the sample was
+            consumed or removed meanwhile).
+    """
+    root = os.fspath(root)
+    key = sample_key(os.path.basename(name))
+    if key is None:
+        raise ValueError(f"{name!r} is not a sample name (expected NAME{DATA_SUFFIX})")
+    data_path = os.path.join(root, os.path.dirname(name), key)
+    try:
+        return _check_sample(data_path, key, checksums, grace, time.time() if now is None else now)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        return SampleHealth(key, data_path, HealthState.CORRUPT, f"cannot read: {exc}")
+
+
+def _check_sample(
+    data_path: str, name: str, checksums: bool, grace: float, now: float
+) -> SampleHealth:
+    lock_file = lock_path(data_path)
+    lock = probe(lock_file)
+    lock_mtime = _mtime(lock_file) if lock is not LockState.ABSENT else None
+    try:
+        st = os.stat(data_path)
+    except FileNotFoundError:
+        st = None
+    age = _age(now, lock_mtime, st.st_mtime if st is not None else None)
+    status = read_status(lock_file) if lock is not LockState.ABSENT else None
+
+    def verdict(state: HealthState, reason: str = "", **kw: Any) -> SampleHealth:
+        return SampleHealth(
+            name,
+            data_path,
+            state,
+            reason,
+            lock=lock,
+            lock_status=status,
+            size=st.st_size if st is not None else None,
+            age=age,
+            **kw,
+        )
+
+    if lock is LockState.HELD:
+        header = None
+        if st is not None:
+            try:
+                header = read_header(data_path)
+            except (CorruptSampleError, IncompleteSampleError, OSError):
+                header = None
+        return verdict(
+            HealthState.PENDING, f"writer holds the lock{_writer(status)}", header=header
+        )
+
+    if st is None:
+        if lock is LockState.ABSENT:
+            raise FileNotFoundError(f"{data_path}: neither the data file nor its lock exists")
+        assert status is not None
+        if status.failed:
+            return verdict(HealthState.FAILED, f"writer reported failure: {status.reason}")
+        lock_age = _age(now, lock_mtime)
+        if lock_age is not None and lock_age < grace:
+            return verdict(
+                HealthState.PENDING,
+                f"lock free for now and no data yet; lock created {lock_age:.1f}s ago",
+            )
+        return verdict(
+            HealthState.STALE,
+            "lock released but the data file never appeared"
+            + (f" (unchanged for {lock_age:.0f}s)" if lock_age is not None else ""),
+        )
+
+    try:
+        header = read_header(data_path)
+    except IncompleteSampleError as exc:
+        data_age = _age(now, st.st_mtime)
+        if lock is LockState.ABSENT and data_age is not None and data_age < grace:
+            return verdict(
+                HealthState.PENDING,
+                f"no lock and modified {data_age:.1f}s ago; a writer may still be "
+                f"appending ({exc.reason})",
+            )
+        return verdict(HealthState.INCOMPLETE, exc.reason)
+    except CorruptSampleError as exc:
+        return verdict(HealthState.CORRUPT, exc.reason)
+
+    verified = False
+    if checksums:
+        try:
+            load_sample(data_path, LoadOptions(verify_checksum=True))
+        except IncompleteSampleError as exc:
+            return verdict(HealthState.INCOMPLETE, exc.reason, header=header)
+        except CorruptSampleError as exc:
+            return verdict(HealthState.CORRUPT, exc.reason, header=header)
+        verified = Meta.CRC32 in header.metadata
+    notes = []
+    if header.num_tokens == 0:
+        notes.append("zero tokens: readers skip it")
+    if header.metadata.get(Meta.NONFINITE) == "1":
+        notes.append("hidden states contain NaN or inf")
+    return verdict(HealthState.READY, "; ".join(notes), header=header, checksum_verified=verified)
+
+
+def _writer(status: LockStatus | None) -> str:
+    if status is None or status.state is None:
+        return ""
+    pid, host = status.detail.get("pid"), status.detail.get("host")
+    if pid is None:
+        return ""
+    return f" (pid {pid}" + (f" on {host})" if host else ")")
+
+
+def temp_owner_lock(temp_file: str) -> str | None:
+    """The lock file whose holder owns a temporary file, or None if none can.
+
+    A data temp file ``NAME.safetensors.tmp.<id>`` is protected by the sample's lock
+    ``NAME.safetensors.lock``. A lock file being created,
+    ``NAME.safetensors.lock.tmp.<id>``, is locked itself before it is renamed into place,
+    so it is its own lock.
+
+    Args:
+        temp_file: Path (or name) of the temporary file.
+
+    Returns:
+        The path of the lock to probe, in the same directory as ``temp_file``.
+    """
+    final = temp_file.rsplit(TEMP_INFIX, 1)[0]
+    if final.endswith(DATA_SUFFIX + LOCK_SUFFIX):
+        return temp_file
+    if final.endswith(DATA_SUFFIX):
+        return lock_path(final)
+    return None
+
+
+def check_temp(
+    root: str | os.PathLike[str],
+    name: str,
+    *,
+    grace: float = DEFAULT_GRACE,
+    now: float | None = None,
+) -> SampleHealth:
+    """Classify a temporary file (``NAME.safetensors.tmp.<pid>.<rand>``) without blocking.
+
+    Rule: a temporary file is an orphan when the lock that protects it (see
+    ``temp_owner_lock``) is not held *and* the file has not been modified for ``grace``
+    seconds. A held lock means its writer is alive (the kernel releases ``flock`` locks
+    of dead processes); a recent modification means a lock-less writer may still be
+    writing. Otherwise it is ``pending``.
+
+    Args:
+        root: The storage directory.
+        name: The temporary file's name.
+        grace: Seconds of inactivity after which an unprotected temporary is an orphan.
+        now: The current time (``time.time()``); for tests.
+
+    Returns:
+        ``orphan_temp`` or ``pending``, with ``is_temp`` set.
+
+    Raises:
+        ValueError: ``name`` is not a temporary file name.
+        FileNotFoundError: The file is gone (published or removed meanwhile).
+    """
+    if classify(os.path.basename(name)) is not Kind.TEMP:
+        raise ValueError(f"{name!r} is not a temporary file name (NAME{TEMP_INFIX}<id>)")
+    path = os.path.join(os.fspath(root), name)
+    now = time.time() if now is None else now
+    owner = temp_owner_lock(path)
+    try:
+        lock = probe(owner) if owner is not None else LockState.ABSENT
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        lock = LockState.ABSENT
+    st = os.stat(path)
+    age = max(0.0, now - st.st_mtime)
+    base = os.path.basename(name)
+
+    def verdict(state: HealthState, reason: str) -> SampleHealth:
+        return SampleHealth(
+            base, path, state, reason, lock=lock, size=st.st_size, age=age, is_temp=True
+        )
+
+    if lock is LockState.HELD:
+        return verdict(
+            HealthState.PENDING, f"being written: {os.path.basename(owner or '')} is held"
+        )
+    if age < grace:
+        return verdict(HealthState.PENDING, f"modified {age:.1f}s ago; may still be written")
+    what = "no lock protects it" if lock is LockState.ABSENT else "its lock is not held"
+    return verdict(HealthState.ORPHAN_TEMP, f"{what} and it is unchanged for {age:.0f}s")
+
+
+def list_entries(root: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """List a storage directory once: sample names and temporary-file names.
+
+    Args:
+        root: The storage directory (not searched recursively; hidden entries such as
+            ``.claims`` and ``.quarantine`` are ignored).
+
+    Returns:
+        ``(samples, temps)``, both in natural order. A sample appears once whether it
+        was seen through its data file, its lock, or both.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: ``root`` is not a directory.
+    """
+    samples: set[str] = set()
+    temps: list[str] = []
+    with os.scandir(os.fspath(root)) as entries:
+        for entry in entries:
+            kind = classify(entry.name)
+            if kind is Kind.TEMP:
+                temps.append(entry.name)
+            elif kind in (Kind.DATA, Kind.LOCK):
+                key = sample_key(entry.name)
+                assert key is not None
+                samples.add(key)
+    return sorted(samples, key=natural_key), sorted(temps, key=natural_key)
+
+
+def scan_health(
+    root: str | os.PathLike[str],
+    progress: ProgressCallback | None = None,
+    *,
+    checksums: bool = False,
+    grace: float = DEFAULT_GRACE,
+    include_temps: bool = True,
+) -> Iterator[SampleHealth]:
+    """Check every sample (and temporary file) of a storage directory.
+
+    The directory is listed once; entries that vanish before they are looked at
+    (consumed by a reader, published under their final name) are left out.
+
+    Args:
+        root: The storage directory.
+        progress: Called as ``progress(done, total)`` after each entry.
+        checksums: Verify recorded CRC32s (reads all tensor data).
+        grace: See ``check_sample`` and ``check_temp``.
+        include_temps: Also report temporary files (after the samples).
+
+    Yields:
+        One ``SampleHealth`` per sample, in natural name order, then one per temporary
+        file.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: ``root`` is not a directory.
+    """
+    root = os.fspath(root)
+    samples, temps = list_entries(root)
+    if not include_temps:
+        temps = []
+    total = len(samples) + len(temps)
+    done = 0
+    now = time.time()
+    for name in samples:
+        try:
+            result: SampleHealth | None = check_sample(
+                root, name, checksums=checksums, grace=grace, now=now
+            )
+        except FileNotFoundError:
+            result = None
+        done += 1
+        if progress is not None:
+            progress(done, total)
+        if result is not None:
+            yield result
+    for name in temps:
+        try:
+            result = check_temp(root, name, grace=grace, now=now)
+        except FileNotFoundError:
+            result = None
+        done += 1
+        if progress is not None:
+            progress(done, total)
+        if result is not None:
+            yield result
+
+
+def count_states(results: Iterable[SampleHealth]) -> dict[str, int]:
+    """Count entries per state, in ``HealthState`` order, leaving out zero counts."""
+    counts = Counter(r.state for r in results)
+    return {s.value: counts[s] for s in HealthState if counts[s]}
+
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "PROBLEM_STATES",
+    "HealthState",
+    "ProgressCallback",
+    "SampleHealth",
+    "check_sample",
+    "check_temp",
+    "count_states",
+    "list_entries",
+    "scan_health",
+    "temp_owner_lock",
+]

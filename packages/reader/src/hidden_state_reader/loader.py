@@ -1,0 +1,150 @@
+"""``HiddenStateLoader``: a DataLoader for ``HiddenStateDataset`` whose resume is exact.
+
+Exactness comes from three things working together:
+
+* the dataset deals its positions to workers in chunks of ``batch_size``
+  (``hidden_state_reader.sharding.worker_chunks``), and the DataLoader returns the
+  workers' batches round-robin, in order, so batch ``j`` is chunk ``j``;
+* the collate function is wrapped so every batch carries how many positions it covers
+  (a sample skipped as unreadable still counts: it occupied a position);
+* the count is taken in the main process when the training loop receives a batch, never
+  when a worker prefetches one.
+
+So ``state_dict()`` holds ``(epoch, consumed)`` for this rank and nothing about workers:
+a run resumed with another ``num_workers`` (or ``batch_size``) continues with exactly
+the sample that comes next in the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from torch.utils.data import DataLoader
+
+from hidden_state_reader.collate import pad_collate
+from hidden_state_reader.dataset import HiddenStateDataset, Skipped
+
+_NOT_HERE = ("sampler", "batch_sampler", "shuffle")
+
+
+class _Counted(NamedTuple):
+    """A collated batch and the number of positions it covers.
+
+    A namedtuple, so the DataLoader's pin-memory thread pins the batch inside it.
+    """
+
+    positions: int
+    batch: Any
+
+
+class _CountingCollate:
+    """Drops ``Skipped`` stand-ins, collates the rest, and says how many positions it saw."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: Sequence[Any]) -> _Counted:
+        samples = [item for item in items if not isinstance(item, Skipped)]
+        return _Counted(len(items), self.collate_fn(samples) if samples else None)
+
+
+class HiddenStateLoader(DataLoader[Any]):
+    """A ``torch.utils.data.DataLoader`` for a ``HiddenStateDataset``, with exact resume.
+
+    Iterating it runs the rest of the current epoch; after a complete pass the epoch
+    advances (or call ``dataset.set_epoch(e)`` each epoch, as with
+    ``DistributedSampler``; both agree). ``state_dict()`` taken at any batch and given
+    to ``load_state_dict()`` of a fresh loader continues with the next sample of the
+    uninterrupted run, also with a different ``num_workers``.
+
+    Args:
+        dataset: The dataset. The loader takes it over: it sets its chunk size to
+            ``batch_size`` and counts what the training loop consumes.
+        batch_size: Samples per batch.
+        collate_fn: Builds a batch from a list of ``Sample`` objects (default:
+            ``pad_collate``). Samples skipped as unreadable never reach it; a batch
+            whose samples were all skipped is left out (under DDP that rank then has
+            one step fewer: use ``on_error="raise"`` where that must not happen).
+        drop_last: Drop the last, incomplete batch of each rank's epoch.
+        **kwargs: Other ``DataLoader`` arguments (``num_workers``, ``pin_memory``,
+            ``prefetch_factor``, ``persistent_workers``, ``multiprocessing_context``,
+            ...). ``in_order`` defaults to ``False`` in follow mode, where there is no
+            order to keep; static mode needs ``True``.
+
+    Raises:
+        TypeError: ``dataset`` is not a ``HiddenStateDataset``.
+        ValueError: Sampler/shuffle arguments (the dataset orders itself),
+            ``in_order=False`` in static mode, or several followers without claims.
+    """
+
+    dataset: HiddenStateDataset
+
+    def __init__(
+        self,
+        dataset: HiddenStateDataset,
+        batch_size: int = 1,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(dataset, HiddenStateDataset):
+            raise TypeError(f"HiddenStateLoader needs a HiddenStateDataset, got {type(dataset)}")
+        for key in _NOT_HERE:
+            if kwargs.get(key) is not None:
+                raise ValueError(
+                    f"{key}= does not apply: the dataset orders and shards itself "
+                    "(HiddenStateDataset(shuffle=..., seed=...))"
+                )
+            kwargs.pop(key, None)
+        if dataset.follow:
+            kwargs.setdefault("in_order", False)
+            if not dataset.claim and kwargs.get("num_workers", 0) > 1:
+                raise ValueError(
+                    "follow mode with claim=False and several workers would deliver every "
+                    "sample to every worker; use claim=True"
+                )
+        elif kwargs.get("in_order", True) is False:
+            raise ValueError("in_order=False would break the static order and exact resume")
+        dataset._bind(batch_size)
+        self.batch_collate_fn = collate_fn if collate_fn is not None else pad_collate
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=_CountingCollate(self.batch_collate_fn),
+            drop_last=drop_last,
+            **kwargs,
+        )
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        dataset = self.dataset
+        dataset._begin_pass()  # before workers start (or resume) and read the cursor
+        for counted in super().__iter__():
+            dataset._advance(counted.positions)
+            if counted.batch is not None:
+                yield counted.batch
+        dataset._end_pass()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being (or next to be) read."""
+        return self.dataset.epoch
+
+    @property
+    def consumed(self) -> int:
+        """Positions of this rank's epoch delivered to the training loop so far."""
+        return self.dataset.consumed
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the training loop is: epoch and positions consumed (one per rank)."""
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; the next iteration yields the next sample in order.
+
+        Raises:
+            ValueError: The state does not fit this dataset (see
+                ``HiddenStateDataset.load_state_dict``).
+        """
+        self.dataset.load_state_dict(state)
