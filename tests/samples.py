@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 
 import torch
-from hidden_state_reader.format import sample_metadata, write_sample
 from safetensors.torch import save_file
+
+from hidden_state_reader.format import sample_metadata, write_sample
 
 
 def make_tensors(

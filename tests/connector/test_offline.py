@@ -10,10 +10,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import HFReference, assert_matches_reference
+
 from hidden_state_connector.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.format import LockState, lock_path, probe
+
+from conftest import HFReference, assert_matches_reference
 
 pytestmark = pytest.mark.vllm
 

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from hidden_state_connector.client import complete, complete_all
 from hidden_state_connector.server import ServeOptions, VllmServer
 from hidden_state_reader import HiddenStateReader, Sample

@@ -19,7 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+
 from hidden_state_reader.format import SampleFileWriter, WriterLock
+
 from samples import make_tensors, write_samples
 
 

@@ -13,13 +13,12 @@ import logging
 import os
 from typing import Any
 
-from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
-
 from hidden_state_connector import compat
 from hidden_state_connector.config import ConnectorConfig
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, NewSample, SaveOrder
 from hidden_state_connector.stats import WriteStats
+from hidden_state_reader.errors import PathOutsideRootError
+from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,6 @@ import os
 from typing import Any
 
 import torch
-from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import WriterLock, resolve_inside, sample_metadata
 
 from hidden_state_connector import __version__, compat
 from hidden_state_connector.config import ConnectorConfig
@@ -22,6 +20,8 @@ from hidden_state_connector.extract import Extractor
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOrder
 from hidden_state_connector.stats import WriteStats
 from hidden_state_connector.writer import SaveJob, WritePipeline
+from hidden_state_reader.errors import PathOutsideRootError
+from hidden_state_reader.format import WriterLock, resolve_inside, sample_metadata
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hidden_state_reader.format import SampleFileWriter, WriterLock
 
 from hidden_state_connector.buffers import Slab, SlabPool
 from hidden_state_connector.extract import Chunk, Extractor
 from hidden_state_connector.stats import WriteStats
+from hidden_state_reader.format import SampleFileWriter, WriterLock
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,374 @@
+"""GPU validation and side-by-side measurements of the connector (run on a CUDA machine).
+
+Every engine configuration runs in its own subprocess (a clean GPU), driven by ``main``:
+
+    python benchmarks/gpu/bench.py validate             # values vs HF on CUDA, fp32 + bf16
+    python benchmarks/gpu/bench.py throughput           # none / vLLM example / ours, disk + shm
+    python benchmarks/gpu/bench.py long                 # 32k-token requests: extra device memory
+    python benchmarks/gpu/bench.py reader               # follow+claim readers at producer speed
+    python benchmarks/gpu/bench.py tp2                  # tensor parallel 2 (two GPUs)
+
+Results are printed as a table and written as JSON (``--json``). ``benchmarks/gpu/run.sh``
+installs the vLLM 0.26 kit and runs a chosen set in one device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LAYERS_8B = [2, 16, 29, 32]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def make_8b_model(root: Path) -> Path:
+    path = root / "llama-8b-shape"
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(HERE / "llama8b_config.json", path / "config.json")
+    return path
+
+
+def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, Any]:
+    from hidden_state_connector.server import speculative_config
+
+    kw: dict[str, Any] = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "enforce_eager": not args.graphs,
+        "attention_backend": "TRITON_ATTN",
+        "gpu_memory_utilization": args.gpu_mem,
+        "skip_tokenizer_init": True,
+        "seed": 0,
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": args.tp,
+    }
+    if args.dummy:
+        kw["load_format"] = "dummy"
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if kind == "none":
+        return kw
+    kw["speculative_config"] = speculative_config(args.layers)
+    if kind == "ours":
+        extra = {"shared_storage_path": out, "stats_interval": 0, **json.loads(args.connector)}
+        kw["kv_transfer_config"] = {
+            "kv_connector": "HiddenStateConnector",
+            "kv_connector_module_path": "hidden_state_connector.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": extra,
+        }
+    elif kind == "example":
+        kw["kv_transfer_config"] = {
+            "kv_connector": "ExampleHiddenStatesConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": out},
+        }
+    elif kind != "extract-only":
+        raise SystemExit(f"unknown kind {kind}")
+    return kw
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, length), generator=gen).tolist()
+
+
+def wait_released(paths: list[str], t0: float) -> list[float]:
+    """Seconds after t0 at which each file's lock could be taken (in file order)."""
+    from hidden_state_reader.format import SharedLock
+
+    out = []
+    for p in paths:
+        lock = SharedLock.acquire(p, timeout=600)
+        out.append(time.perf_counter() - t0)
+        if lock is not None:
+            lock.release()
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def connector_pool_bytes() -> int | None:
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        conn = get_kv_transfer_group()
+        worker = getattr(conn, "_worker", None)
+        if worker is None or worker.pipeline is None:
+            return None
+        return int(worker.pipeline.pool.allocated_bytes)
+    except Exception:
+        return None
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine configuration, one timed generate; prints a JSON line."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    out = tempfile.mkdtemp(prefix="hs-", dir=args.storage)
+    llm = LLM(**engine_kwargs(args, args.kind, out))
+    vocab = 128256 if args.dummy else 250
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, seed=1)
+    llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
+    warm_paths = []
+    prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, seed=2)
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    if in_process:
+        torch.cuda.synchronize()
+        base_alloc = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
+    paths = [p for p in paths if p]
+    release = wait_released(paths, t0) if paths else []
+    after_return = [max(0.0, r - elapsed) for r in release]
+    drained = (max(release) if release else elapsed)
+    result: dict[str, Any] = {
+        "kind": args.kind,
+        "storage": args.storage,
+        "graphs": args.graphs,
+        "prompts": args.num_prompts,
+        "prompt_len": args.prompt_len,
+        "tok_s": args.num_prompts * args.prompt_len / elapsed,
+        "elapsed_s": elapsed,
+        "files": len(paths),
+        "all_written_s": drained,
+        "release_after_return_p50_ms": 1000 * pct(after_return, 0.5),
+        "release_after_return_p99_ms": 1000 * pct(after_return, 0.99),
+        "release_after_return_max_ms": 1000 * (max(after_return) if after_return else float("nan")),
+    }
+    if paths:
+        total = sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+        result["bytes"] = total
+        result["write_gb_s"] = total / drained / 1e9
+    if in_process:
+        torch.cuda.synchronize()
+        result["peak_extra_device_mb"] = (torch.cuda.max_memory_allocated() - base_alloc) / 2**20
+        pool = connector_pool_bytes()
+        if pool is not None:
+            result["pinned_pool_mb"] = pool / 2**20
+    if paths and args.check:
+        from hidden_state_reader import HiddenStateReader
+
+        names = [os.path.basename(p) for p in paths[:8]]
+        n = sum(1 for _ in HiddenStateReader(os.path.dirname(paths[0]), names=names, on_error="raise"))
+        result["verified"] = n
+    del warm_paths
+    print("RESULT " + json.dumps(result), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def spawn_one(args: argparse.Namespace, kind: str, storage: str, extra: list[str], env: dict[str, str] | None = None) -> dict[str, Any] | None:
+    cmd = [sys.executable, __file__, "one", "--kind", kind, "--storage", storage, *extra]
+    log("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return dict(json.loads(line[7:]))
+    log(f"FAILED ({proc.returncode}):\n" + proc.stderr[-4000:])
+    return None
+
+
+# --------------------------------------------------------------------------- validate
+
+
+def validate(args: argparse.Namespace) -> int:
+    """Values on CUDA vs HF transformers, chunked prefill, prefix caching, output tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_reader import HiddenStateReader
+
+    dtype = args.dtype
+    model_dir = build_tiny_model(Path(args.work) / f"tiny-{dtype}", dtype=dtype)
+    out = tempfile.mkdtemp(prefix="hs-val-", dir=args.storage)
+    layers = [4, 1, 2, 0]
+    llm = LLM(
+        model=str(model_dir), dtype=dtype, max_model_len=4096, enforce_eager=not args.graphs,
+        attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3, skip_tokenizer_init=True,
+        enable_prefix_caching=True, max_num_batched_tokens=256, seed=0,
+        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}},
+        kv_transfer_config={"kv_connector": "HiddenStateConnector",
+                            "kv_connector_module_path": "hidden_state_connector.connector",
+                            "kv_role": "kv_producer",
+                            "kv_connector_extra_config": {"shared_storage_path": out, "chunk_bytes": 65536,
+                                                          "host_buffer_bytes": 1 << 20, "checksum": True,
+                                                          "stats_interval": 0}},
+    )
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    last: dict[str, torch.Tensor] = {}
+    hf.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("x", o[0] if isinstance(o, tuple) else o))
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 250, (96,), generator=gen).tolist()
+    prompts = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (1, 7, 16, 17, 129, 300, 2000)]
+    prompts += [shared + torch.randint(0, 250, (5 + i,), generator=gen).tolist() for i in range(4)]
+    prompts += [shared + torch.randint(0, 250, (9 + i,), generator=gen).tolist() for i in range(4)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    # The second group reuses the shared prefix from the prefix cache.
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:-4]], sp, use_tqdm=False)
+    outs += llm.generate([{"prompt_token_ids": p} for p in prompts[-4:]], sp, use_tqdm=False)
+    sp_out = SamplingParams(max_tokens=6, temperature=0.0, detokenize=False, ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"include_output_tokens": True}})
+    outs += llm.generate([{"prompt_token_ids": prompts[4]}], sp_out, use_tqdm=False)
+    tol = 1e-3 if dtype == "float32" else 3e-2
+    worst = 0.0
+    failures = []
+    names = [os.path.basename(o.kv_transfer_params["hidden_states_path"]) for o in outs]
+    samples = list(HiddenStateReader(out, names=names, on_error="raise", verify_checksum=True))
+    assert len(samples) == len(outs)
+    for o, s in zip(outs, samples):
+        expect_tokens = list(o.prompt_token_ids)
+        if len(o.outputs[0].token_ids) > 1:
+            expect_tokens += list(o.outputs[0].token_ids)[:-1]
+        if s.token_ids.tolist() != expect_tokens:
+            failures.append(f"{s.path}: token ids differ")
+            continue
+        with torch.no_grad():
+            ref = hf(s.token_ids[None].cuda(), output_hidden_states=True)
+        for pos, lid in enumerate(s.layer_ids or []):
+            exp = last["x"][0] if lid == 4 else ref.hidden_states[lid][0]
+            got = s.hidden_states[:, pos].float().cuda()
+            err = ((got - exp).norm() / exp.norm()).item()
+            worst = max(worst, err)
+            if not err < tol:
+                failures.append(f"{os.path.basename(s.path)} layer {lid}: rel err {err:.2e}")
+    result = {"dtype": dtype, "graphs": args.graphs, "samples": len(samples), "worst_rel_err": worst,
+              "layer_ids": samples[0].layer_ids, "failures": failures[:10]}
+    print("RESULT " + json.dumps(result), flush=True)
+    return 1 if failures else 0
+
+
+# --------------------------------------------------------------------------- suites
+
+
+def table(rows: list[dict[str, Any]], keys: list[str]) -> str:
+    widths = [max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys]
+    line = " | ".join(k.ljust(w) for k, w in zip(keys, widths))
+    sep = "-|-".join("-" * w for w in widths)
+    body = [" | ".join(_fmt(r.get(k)).ljust(w) for k, w in zip(keys, widths)) for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3f}"
+    return "" if v is None else str(v)
+
+
+def suite_throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    base = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len), "--check"]
+    if args.dummy:
+        base.append("--dummy")
+    for graphs in args.graph_modes:
+        g = ["--graphs"] if graphs else []
+        for storage in args.storages:
+            # Interleave kinds so drift during the run hits all of them alike.
+            for rep in range(args.repeats):
+                for kind in ("none", "example", "ours"):
+                    r = spawn_one(args, kind, storage, base + g)
+                    if r:
+                        r["rep"] = rep
+                        rows.append(r)
+    return rows
+
+
+def suite_long(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    extra = ["--model", args.model, "--num-prompts", "2", "--prompt-len", str(args.long_len),
+             "--max-model-len", str(args.long_len + 64), "--max-num-batched-tokens", "8192"]
+    if args.dummy:
+        extra.append("--dummy")
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    for kind in ("none", "example", "ours"):
+        r = spawn_one(args, kind, args.storages[0], extra, env)
+        if r:
+            rows.append(r)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["validate", "throughput", "long", "tp2", "one", "all"])
+    parser.add_argument("--kind", default="ours")
+    parser.add_argument("--model", default="")
+    parser.add_argument("--dummy", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=LAYERS_8B)
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0)
+    parser.add_argument("--long-len", type=int, default=32768)
+    parser.add_argument("--gpu-mem", type=float, default=0.85)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--graphs", action="store_true")
+    parser.add_argument("--graph-modes", default="eager", help="eager,graphs")
+    parser.add_argument("--storage", default="/tmp")
+    parser.add_argument("--storages", default="/tmp")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--connector", default="{}", help="extra connector config JSON")
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--work", default="/tmp/hs-bench")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    args.graph_modes = [m == "graphs" for m in args.graph_modes.split(",")]
+    args.storages = args.storages.split(",")
+    if args.command == "one":
+        run_one(args)
+        return 0
+    if args.command == "validate":
+        return validate(args)
+    os.makedirs(args.work, exist_ok=True)
+    if not args.model:
+        args.model = str(make_8b_model(Path(args.work)))
+        args.dummy = True
+    rows: list[dict[str, Any]] = []
+    if args.command in ("throughput", "all"):
+        rows += suite_throughput(args)
+        print(table(rows, ["kind", "storage", "graphs", "tok_s", "write_gb_s", "release_after_return_p50_ms",
+                           "release_after_return_p99_ms", "all_written_s", "files"]))
+    if args.command in ("long", "all"):
+        long_rows = suite_long(args)
+        print(table(long_rows, ["kind", "prompt_len", "tok_s", "peak_extra_device_mb", "pinned_pool_mb"]))
+        rows += long_rows
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine: installs the vLLM 0.26 kit, then the chosen benchmark plan.
+# Usage (from the repo root, via the device tool):  bash benchmarks/gpu/run.sh PLAN
+#   PLAN: smoke | validate | full | tp2
+set -uo pipefail
+plan=${1:-smoke}
+source .gpu/install.sh || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl || exit 4
+export PYTHONPATH=$PWD/packages/reader/src:$PWD/packages/connector/src:$PYTHONPATH
+export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+df -h /tmp /dev/shm | tail -2
+B="python3 benchmarks/gpu/bench.py"
+case "$plan" in
+  smoke)
+    $B validate --dtype float32 2>&1 | tail -5 | tee "$OUT/validate_fp32.txt"
+    $B validate --dtype bfloat16 2>&1 | tail -3 | tee "$OUT/validate_bf16.txt"
+    $B throughput --num-prompts 64 --storages /tmp --graph-modes eager --json "$OUT/smoke.json" 2>&1 | tail -30
+    ;;
+  validate)
+    for g in "" "--graphs"; do
+      $B validate --dtype float32 $g 2>&1 | grep RESULT
+      $B validate --dtype bfloat16 $g 2>&1 | grep RESULT
+    done | tee "$OUT/validate.txt"
+    ;;
+  full)
+    $B throughput --num-prompts 512 --storages /tmp,/dev/shm --graph-modes eager,graphs --json "$OUT/throughput.json" 2>&1 | tail -40
+    $B long --json "$OUT/long.json" 2>&1 | tail -12
+    ;;
+  *) echo "unknown plan $plan"; exit 2 ;;
+esac
