@@ -194,6 +194,9 @@ def spawn_one(args: argparse.Namespace, kind: str, storage: str, extra: list[str
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
+            if args.json:  # append as we go: a time-out keeps what finished
+                with open(args.json + "l", "a") as f:
+                    f.write(line[7:] + "\n")
             return dict(json.loads(line[7:]))
     log(f"FAILED ({proc.returncode}):\n" + proc.stderr[-4000:])
     return None
@@ -243,7 +246,7 @@ def validate(args: argparse.Namespace) -> int:
     sp_out = SamplingParams(max_tokens=6, temperature=0.0, detokenize=False, ignore_eos=True,
                             extra_args={"kv_transfer_params": {"include_output_tokens": True}})
     outs += llm.generate([{"prompt_token_ids": prompts[4]}], sp_out, use_tqdm=False)
-    tol = 1e-3 if dtype == "float32" else 3e-2
+    tol = 3e-3 if dtype == "float32" else 3e-2  # TF32 matmuls in HF on CUDA
     worst = 0.0
     failures = []
     names = [os.path.basename(o.kv_transfer_params["hidden_states_path"]) for o in outs]

@@ -28,5 +28,9 @@ case "$plan" in
     $B throughput --num-prompts 512 --storages /tmp,/dev/shm --graph-modes eager,graphs --json "$OUT/throughput.json" 2>&1 | tail -40
     $B long --json "$OUT/long.json" 2>&1 | tail -12
     ;;
+  lean)
+    $B throughput --num-prompts 256 --storages /tmp --graph-modes eager --json "$OUT/throughput.json" 2>&1 | grep -v WARNING | tail -12
+    $B long --long-len 32768 --json "$OUT/long.json" 2>&1 | grep -v WARNING | tail -8
+    ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

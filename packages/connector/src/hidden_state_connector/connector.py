@@ -63,6 +63,12 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
                     configured,
                     captured,
                 )
+            if 0 in captured and torch.cuda.is_available():
+                log.warning(
+                    "layer id 0 (embeddings) is unreliable on CUDA: vLLM's fused add-RMSNorm "
+                    "updates the captured tensor in place (seen with vLLM 0.26 on an H200). "
+                    "Capture layers >= 1."
+                )
             self._scheduler = SchedulerSide(self.config, vllm_config, block_size, self._stats)
         else:
             self._worker = WorkerSide(self.config, vllm_config, block_size, captured, self._stats)
