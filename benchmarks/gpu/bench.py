@@ -301,7 +301,7 @@ def suite_throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         for storage in args.storages:
             # Interleave kinds so drift during the run hits all of them alike.
             for rep in range(args.repeats):
-                for kind in ("none", "example", "ours"):
+                for kind in args.kinds:
                     r = spawn_one(args, kind, storage, base + g)
                     if r:
                         r["rep"] = rep
@@ -316,7 +316,7 @@ def suite_long(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.dummy:
         extra.append("--dummy")
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    for kind in ("none", "example", "ours"):
+    for kind in args.kinds:
         r = spawn_one(args, kind, args.storages[0], extra, env)
         if r:
             rows.append(r)
@@ -343,6 +343,7 @@ def main() -> int:
     parser.add_argument("--storage", default="/tmp")
     parser.add_argument("--storages", default="/tmp")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--kinds", default="none,example,ours")
     parser.add_argument("--connector", default="{}", help="extra connector config JSON")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--work", default="/tmp/hs-bench")
@@ -350,6 +351,7 @@ def main() -> int:
     args = parser.parse_args()
     args.graph_modes = [m == "graphs" for m in args.graph_modes.split(",")]
     args.storages = args.storages.split(",")
+    args.kinds = args.kinds.split(",")
     if args.command == "one":
         run_one(args)
         return 0

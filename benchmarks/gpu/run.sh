@@ -32,5 +32,10 @@ case "$plan" in
     $B throughput --num-prompts 256 --storages /tmp --graph-modes eager --json "$OUT/throughput.json" 2>&1 | grep -v WARNING | tail -12
     $B long --long-len 32768 --json "$OUT/long.json" 2>&1 | grep -v WARNING | tail -8
     ;;
+  final)
+    $B long --kinds ours --json "$OUT/long.json" 2>&1 | grep -v WARNING | tail -4
+    $B throughput --kinds ours --num-prompts 256 --storages /tmp --graph-modes eager --json "$OUT/throughput.json" 2>&1 | grep -v WARNING | tail -4
+    $B long --kinds example --json "$OUT/long.json" 2>&1 | grep -v WARNING | tail -4
+    ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

@@ -72,8 +72,8 @@ class ConnectorConfig:
     use_synchronization_lock: bool = True
     num_writer_threads: int = 8
     allow_custom_save_path: bool = False
-    host_buffer_bytes: int = 1024**3
-    chunk_bytes: int = 64 * 1024**2
+    host_buffer_bytes: int = 2 * 1024**3
+    chunk_bytes: int = 16 * 1024**2
     when_full: str = "wait"
     max_queued_bytes: int = 8 * 1024**3
     fsync: bool = False

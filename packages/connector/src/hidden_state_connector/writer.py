@@ -98,6 +98,7 @@ class WritePipeline:
     ) -> None:
         self.extractor = extractor
         self.pool = SlabPool(extractor.slab_bytes, host_budget, pinned=extractor.on_cuda)
+        self.pool.preallocate()
         if extractor.slab_bytes > host_budget:
             log.warning(
                 "one chunk (%d bytes) exceeds host_buffer_bytes (%d); using one slab",
