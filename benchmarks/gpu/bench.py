@@ -18,11 +18,9 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -151,7 +149,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     paths = [p for p in paths if p]
     release = wait_released(paths, t0) if paths else []
     after_return = [max(0.0, r - elapsed) for r in release]
-    drained = (max(release) if release else elapsed)
+    drained = max(release) if release else elapsed
     result: dict[str, Any] = {
         "kind": args.kind,
         "storage": args.storage,
@@ -180,7 +178,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         from hidden_state_reader import HiddenStateReader
 
         names = [os.path.basename(p) for p in paths[:8]]
-        n = sum(1 for _ in HiddenStateReader(os.path.dirname(paths[0]), names=names, on_error="raise"))
+        n = sum(
+            1 for _ in HiddenStateReader(os.path.dirname(paths[0]), names=names, on_error="raise")
+        )
         result["verified"] = n
     del warm_paths
     print("RESULT " + json.dumps(result), flush=True)
@@ -188,7 +188,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def spawn_one(args: argparse.Namespace, kind: str, storage: str, extra: list[str], env: dict[str, str] | None = None) -> dict[str, Any] | None:
+def spawn_one(
+    args: argparse.Namespace,
+    kind: str,
+    storage: str,
+    extra: list[str],
+    env: dict[str, str] | None = None,
+) -> dict[str, Any] | None:
     cmd = [sys.executable, __file__, "one", "--kind", kind, "--storage", storage, *extra]
     log("$ " + " ".join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
@@ -219,32 +225,57 @@ def validate(args: argparse.Namespace) -> int:
     out = tempfile.mkdtemp(prefix="hs-val-", dir=args.storage)
     layers = [4, 1, 2, 0]
     llm = LLM(
-        model=str(model_dir), dtype=dtype, max_model_len=4096, enforce_eager=not args.graphs,
-        attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3, skip_tokenizer_init=True,
-        enable_prefix_caching=True, max_num_batched_tokens=256, seed=0,
-        speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}},
-        kv_transfer_config={"kv_connector": "HiddenStateConnector",
-                            "kv_connector_module_path": "hidden_state_connector.connector",
-                            "kv_role": "kv_producer",
-                            "kv_connector_extra_config": {"shared_storage_path": out, "chunk_bytes": 65536,
-                                                          "host_buffer_bytes": 1 << 20, "checksum": True,
-                                                          "stats_interval": 0}},
+        model=str(model_dir),
+        dtype=dtype,
+        max_model_len=4096,
+        enforce_eager=not args.graphs,
+        attention_backend="TRITON_ATTN",
+        gpu_memory_utilization=0.3,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=256,
+        seed=0,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+        },
+        kv_transfer_config={
+            "kv_connector": "HiddenStateConnector",
+            "kv_connector_module_path": "hidden_state_connector.connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {
+                "shared_storage_path": out,
+                "chunk_bytes": 65536,
+                "host_buffer_bytes": 1 << 20,
+                "checksum": True,
+                "stats_interval": 0,
+            },
+        },
     )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     last: dict[str, torch.Tensor] = {}
-    hf.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("x", o[0] if isinstance(o, tuple) else o))
+    hf.model.layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("x", o[0] if isinstance(o, tuple) else o)
+    )
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 250, (96,), generator=gen).tolist()
-    prompts = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (1, 7, 16, 17, 129, 300, 2000)]
+    prompts = [
+        torch.randint(0, 250, (n,), generator=gen).tolist() for n in (1, 7, 16, 17, 129, 300, 2000)
+    ]
     prompts += [shared + torch.randint(0, 250, (5 + i,), generator=gen).tolist() for i in range(4)]
     prompts += [shared + torch.randint(0, 250, (9 + i,), generator=gen).tolist() for i in range(4)]
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     # The second group reuses the shared prefix from the prefix cache.
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:-4]], sp, use_tqdm=False)
     outs += llm.generate([{"prompt_token_ids": p} for p in prompts[-4:]], sp, use_tqdm=False)
-    sp_out = SamplingParams(max_tokens=6, temperature=0.0, detokenize=False, ignore_eos=True,
-                            extra_args={"kv_transfer_params": {"include_output_tokens": True}})
+    sp_out = SamplingParams(
+        max_tokens=6,
+        temperature=0.0,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": {"include_output_tokens": True}},
+    )
     outs += llm.generate([{"prompt_token_ids": prompts[4]}], sp_out, use_tqdm=False)
     tol = 3e-3 if dtype == "float32" else 3e-2  # TF32 matmuls in HF on CUDA
     worst = 0.0
@@ -252,7 +283,7 @@ def validate(args: argparse.Namespace) -> int:
     names = [os.path.basename(o.kv_transfer_params["hidden_states_path"]) for o in outs]
     samples = list(HiddenStateReader(out, names=names, on_error="raise", verify_checksum=True))
     assert len(samples) == len(outs)
-    for o, s in zip(outs, samples):
+    for o, s in zip(outs, samples, strict=True):
         expect_tokens = list(o.prompt_token_ids)
         if len(o.outputs[0].token_ids) > 1:
             expect_tokens += list(o.outputs[0].token_ids)[:-1]
@@ -268,8 +299,14 @@ def validate(args: argparse.Namespace) -> int:
             worst = max(worst, err)
             if not err < tol:
                 failures.append(f"{os.path.basename(s.path)} layer {lid}: rel err {err:.2e}")
-    result = {"dtype": dtype, "graphs": args.graphs, "samples": len(samples), "worst_rel_err": worst,
-              "layer_ids": samples[0].layer_ids, "failures": failures[:10]}
+    result = {
+        "dtype": dtype,
+        "graphs": args.graphs,
+        "samples": len(samples),
+        "worst_rel_err": worst,
+        "layer_ids": samples[0].layer_ids,
+        "failures": failures[:10],
+    }
     print("RESULT " + json.dumps(result), flush=True)
     return 1 if failures else 0
 
@@ -279,9 +316,9 @@ def validate(args: argparse.Namespace) -> int:
 
 def table(rows: list[dict[str, Any]], keys: list[str]) -> str:
     widths = [max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys]
-    line = " | ".join(k.ljust(w) for k, w in zip(keys, widths))
+    line = " | ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True))
     sep = "-|-".join("-" * w for w in widths)
-    body = [" | ".join(_fmt(r.get(k)).ljust(w) for k, w in zip(keys, widths)) for r in rows]
+    body = [" | ".join(_fmt(r.get(k)).ljust(w) for k, w in zip(keys, widths, strict=True)) for r in rows]
     return "\n".join([line, sep, *body])
 
 
@@ -293,7 +330,15 @@ def _fmt(v: Any) -> str:
 
 def suite_throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    base = ["--model", args.model, "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len), "--check"]
+    base = [
+        "--model",
+        args.model,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--prompt-len",
+        str(args.prompt_len),
+        "--check",
+    ]
     if args.dummy:
         base.append("--dummy")
     for graphs in args.graph_modes:
@@ -311,8 +356,18 @@ def suite_throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def suite_long(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    extra = ["--model", args.model, "--num-prompts", "2", "--prompt-len", str(args.long_len),
-             "--max-model-len", str(args.long_len + 64), "--max-num-batched-tokens", "8192"]
+    extra = [
+        "--model",
+        args.model,
+        "--num-prompts",
+        "2",
+        "--prompt-len",
+        str(args.long_len),
+        "--max-model-len",
+        str(args.long_len + 64),
+        "--max-num-batched-tokens",
+        "8192",
+    ]
     if args.dummy:
         extra.append("--dummy")
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -324,13 +379,17 @@ def suite_long(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("command", choices=["validate", "throughput", "long", "tp2", "one", "all"])
     parser.add_argument("--kind", default="ours")
     parser.add_argument("--model", default="")
     parser.add_argument("--dummy", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")], default=LAYERS_8B)
+    parser.add_argument(
+        "--layers", type=lambda s: [int(x) for x in s.split(",")], default=LAYERS_8B
+    )
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -364,11 +423,29 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     if args.command in ("throughput", "all"):
         rows += suite_throughput(args)
-        print(table(rows, ["kind", "storage", "graphs", "tok_s", "write_gb_s", "release_after_return_p50_ms",
-                           "release_after_return_p99_ms", "all_written_s", "files"]))
+        print(
+            table(
+                rows,
+                [
+                    "kind",
+                    "storage",
+                    "graphs",
+                    "tok_s",
+                    "write_gb_s",
+                    "release_after_return_p50_ms",
+                    "release_after_return_p99_ms",
+                    "all_written_s",
+                    "files",
+                ],
+            )
+        )
     if args.command in ("long", "all"):
         long_rows = suite_long(args)
-        print(table(long_rows, ["kind", "prompt_len", "tok_s", "peak_extra_device_mb", "pinned_pool_mb"]))
+        print(
+            table(
+                long_rows, ["kind", "prompt_len", "tok_s", "peak_extra_device_mb", "pinned_pool_mb"]
+            )
+        )
         rows += long_rows
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -70,7 +70,9 @@ class SlabPool:
         with self._lock:
             first, self._allocated = self._allocated, self.capacity
         for index in range(first, self.capacity):
-            slab = Slab(index, torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned))
+            slab = Slab(
+                index, torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+            )
             with self._lock:
                 self._free.append(slab)
 

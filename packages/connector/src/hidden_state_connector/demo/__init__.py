@@ -1,0 +1,1 @@
+"""The ``hidden-state demo``: a tiny model, bundled prompts, a live server and a trainer."""

@@ -1,0 +1,121 @@
+"""One live progress line on stderr: what was produced, consumed, how fast, the loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TextIO
+
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Counters at one moment.
+
+    Attributes:
+        time: ``time.monotonic()`` when taken.
+        produced: Samples the server reported written.
+        failed: Requests without a sample.
+        consumed: Samples the training loop received.
+        tokens_produced: Prompt tokens of the produced samples.
+        tokens_consumed: Tokens of the consumed samples.
+        bytes_per_token: Tensor bytes per token of a sample (what the server writes).
+        bytes_read: Tensor bytes of the consumed samples.
+        loss: Recent loss on unseen data.
+        total: Prompts to send.
+    """
+
+    time: float
+    produced: int
+    failed: int
+    consumed: int
+    tokens_produced: int
+    tokens_consumed: int
+    bytes_per_token: float
+    bytes_read: int
+    loss: float | None
+    total: int
+
+
+def format_rate(value: float, unit: str) -> str:
+    """``12345.6, "tok/s"`` -> ``"12.3k tok/s"``."""
+    if value >= 1e6:
+        return f"{value / 1e6:.1f}M {unit}"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k {unit}"
+    return f"{value:.0f} {unit}"
+
+
+class ProgressLine:
+    """Prints a snapshot at most every ``interval`` seconds.
+
+    On a terminal the line is rewritten in place; otherwise each update is a new line.
+    Rates are over the interval since the previous update.
+
+    Args:
+        stream: Where to print (stderr).
+        interval: Minimum seconds between updates (at least 1).
+    """
+
+    def __init__(self, stream: TextIO, interval: float = 1.0) -> None:
+        self.stream = stream
+        self.interval = max(1.0, interval)
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self._last: Snapshot | None = None
+        self._start: float | None = None
+        self._width = 0
+        self._printed = False
+
+    def update(self, snap: Snapshot, *, force: bool = False) -> None:
+        """Print ``snap`` if ``interval`` has passed since the last line.
+
+        The first call only sets the baseline of the rates. ``force`` prints now, unless
+        nothing changed since the last line.
+        """
+        last = self._last
+        if last is None:
+            self._start = snap.time
+            self._last = snap
+            if not force:
+                return
+            last = Snapshot(snap.time, 0, 0, 0, 0, 0, 0.0, 0, None, snap.total)
+        elif force:
+            if self._printed and replace(snap, time=0.0) == replace(last, time=0.0):
+                return
+        elif snap.time - last.time < self.interval:
+            return
+        self._last = snap
+        self._printed = True
+        assert self._start is not None
+        dt = max(snap.time - last.time, 1e-9)
+        written = (snap.tokens_produced - last.tokens_produced) * snap.bytes_per_token
+        loss = "-" if snap.loss is None else f"{snap.loss:.3f}"
+        failed = f" ({snap.failed} failed)" if snap.failed else ""
+        text = (
+            f"[{snap.time - self._start:6.1f}s] produced {snap.produced}/{snap.total}{failed}"
+            f"  consumed {snap.consumed}"
+            f"  {format_rate((snap.tokens_produced - last.tokens_produced) / dt, 'tok/s')}"
+            f"  write {written / dt / MB:.2f} MB/s"
+            f"  read {(snap.bytes_read - last.bytes_read) / dt / MB:.2f} MB/s"
+            f"  loss {loss}"
+        )
+        if self.tty:
+            pad = max(0, self._width - len(text))
+            self._width = len(text)
+            self.stream.write("\r" + text + " " * pad)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        """End the in-place line (terminal only)."""
+        if self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0
+
+    def message(self, text: str) -> None:
+        """Print a message on its own line without breaking the progress line."""
+        self.finish()
+        self.stream.write(text + "\n")
+        self.stream.flush()

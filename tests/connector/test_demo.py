@@ -1,0 +1,227 @@
+"""``hidden-state demo``: a real ``vllm serve`` streaming into the draft-head training loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
+from hidden_state_connector.demo.progress import ProgressLine, Snapshot
+from hidden_state_connector.demo.prompts import bundled_prompts, load_prompts, parse_jsonl
+
+DEMO = [sys.executable, "-m", "hidden_state_connector.cli.demo"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+# -- the real thing --------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_demo_streams_every_prompt_into_training_exactly_once(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    out = tmp_path / "demo"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [*DEMO, "--num-prompts", "40", "--out", str(out), "--cache-dir", str(cache_dir)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and summary["failures"] == []
+    assert summary["prompts"] == summary["produced"] == summary["consumed"] == 40
+    assert summary["unique_consumed"] == 40 and summary["failed_requests"] == 0
+    assert summary["tokens_produced"] == summary["tokens_consumed"] > 40
+    assert summary["bytes_read"] > 0
+    assert summary["files_left"] == 0
+    assert not [f for _, _, files in os.walk(out / "hs") for f in files]
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert summary["server_exit_code"] == 0
+    png = out / "loss.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "samples consumed" in proc.stdout and "OK" in proc.stdout  # the table
+    assert "produced" in proc.stderr and "MB/s" in proc.stderr  # live progress
+    assert elapsed < 240
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_the_server_cleanly_and_exits_130(tmp_path: Path, cache_dir: Path) -> None:
+    out = tmp_path / "demo"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as err_file:
+        proc = subprocess.Popen(
+            [*DEMO, "--num-prompts", "5000", "--out", str(out), "--cache-dir", str(cache_dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while "produced" not in err.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, err.read_text()
+                time.sleep(0.2)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            assert children, "the server runs as a child process"
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 130, err.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "stopping cleanly" in err.read_text()
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, "server processes survived"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and not summary["ok"]
+    assert summary["server_exit_code"] == 0
+    assert 0 < summary["consumed"] < 5000
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+def test_a_server_that_cannot_start_fails_the_run(tmp_path: Path, cache_dir: Path) -> None:
+    out = tmp_path / "demo"
+    args = ["--num-prompts", "5", "--out", str(out), "--cache-dir", str(cache_dir)]
+    proc = subprocess.run(
+        [*DEMO, *args, "--", "--no-such-vllm-flag"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "no-such-vllm-flag" in proc.stderr  # the end of the server log is shown
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failures"] == ["server failed to start"] and not summary["ok"]
+
+
+def test_bad_model_directory_is_a_usage_error(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*DEMO, "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "not a local directory" in proc.stderr
+
+
+def test_help_has_description_and_examples() -> None:
+    proc = subprocess.run([*DEMO, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "training loop" in proc.stdout and "examples:" in proc.stdout
+    for option in (
+        "--model",
+        "--layers",
+        "--prompts",
+        "--num-prompts",
+        "--keep-files",
+        "--port",
+        "--concurrency",
+        "--batch-size",
+        "--cache-dir",
+    ):
+        assert option in proc.stdout
+
+
+def test_demo_is_a_hidden_state_subcommand() -> None:
+    from hidden_state_reader.cli.main import build_parser
+
+    args = build_parser().parse_args(["demo", "--num-prompts", "7"])
+    assert args.num_prompts == 7 and callable(args.handler)
+
+
+# -- pieces ----------------------------------------------------------------------------
+
+
+def test_bundled_prompts_are_a_few_hundred_distinct_texts() -> None:
+    prompts = bundled_prompts()
+    assert len(prompts) >= 300
+    assert len(set(prompts)) == len(prompts)
+    assert all(0 < len(p) < 400 for p in prompts)
+
+
+def test_prompt_files_are_validated_and_repeated(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "a"}\n\n{"text": "b"}\n')
+    assert load_prompts(path) == ["a", "b"]
+    assert load_prompts(path, 5) == ["a", "b", "a", "b", "a"]
+    with pytest.raises(ValueError, match=r"p\.jsonl:2"):
+        parse_jsonl('{"text": "a"}\n{"txt": "b"}\n', "p.jsonl")
+    with pytest.raises(ValueError, match="no prompts"):
+        parse_jsonl("\n", "empty.jsonl")
+
+
+def test_draft_head_learns_next_tokens_from_hidden_states() -> None:
+    torch.manual_seed(0)
+    vocab, layers, hidden = 16, 3, 32
+    table = torch.randn(vocab, layers, hidden)
+    ids = torch.randint(0, vocab, (4, 12))
+    ids[:, 1:] = (ids[:, :-1] * 3 + 1) % vocab  # next token is a function of this one
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, 8:] = False  # padding
+    states = table[ids].to(torch.bfloat16)
+    head = DraftHead(layers, hidden, vocab)
+    optimizer = torch.optim.Adam(head.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(60):
+        loss, count = next_token_loss(head(states), ids, mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert count == 4 * 11 - 4
+    assert losses[-1] < 0.1 * losses[0]
+
+
+def test_padding_is_never_a_label() -> None:
+    logits = torch.zeros(1, 4, 8, requires_grad=True)
+    ids = torch.tensor([[1, 2, 0, 0]])
+    mask = torch.tensor([[True, True, False, False]])
+    loss, count = next_token_loss(logits, ids, mask)
+    assert count == 1
+    loss.backward()
+    assert logits.grad is not None and logits.grad[0, 1:].abs().sum() == 0
+
+
+def test_progress_line_is_rate_limited(tmp_path: Path) -> None:
+    class Stream:
+        def __init__(self) -> None:
+            self.text = ""
+
+        def write(self, text: str) -> None:
+            self.text += text
+
+        def flush(self) -> None:
+            pass
+
+    stream = Stream()
+    line = ProgressLine(stream, interval=1.0)  # type: ignore[arg-type]
+
+    def snap(t: float, n: int) -> Snapshot:
+        return Snapshot(t, n, 0, n, n * 10, n * 10, 1e5, n * 1000000, 2.5, 100)
+
+    line.update(snap(0.0, 0))
+    line.update(snap(0.5, 5))
+    assert stream.text == ""  # baseline, then too soon
+    line.update(snap(1.0, 10))
+    assert stream.text.count("\n") == 1
+    assert "produced 10/100" in stream.text and "10.00 MB/s" in stream.text
+    assert "loss 2.500" in stream.text
+    line.update(snap(1.0, 10), force=True)
+    assert stream.text.count("\n") == 1  # nothing new

@@ -1,0 +1,550 @@
+"""``hidden-state extract``: offline dataset extraction with real vLLM (CPU), real files.
+
+Fast tests (no vLLM) cover inputs, the manifest, progress, usage errors and recovery of
+files already on disk; the ``vllm`` ones run the command as a subprocess end to end:
+mixed/invalid inputs, resume after SIGKILL, and generated tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from hidden_state_connector.cli import extract as extract_cli
+from hidden_state_connector.offline.errors import UsageError
+from hidden_state_connector.offline.extract import VllmEngine, remove_stale_temp_files
+from hidden_state_connector.offline.inputs import PromptEncoder, open_input
+from hidden_state_connector.offline.manifest import MANIFEST_NAME, Manifest, SampleRecord
+from hidden_state_connector.offline.progress import Progress, format_duration
+from hidden_state_reader import HiddenStateReader
+from hidden_state_reader.format import sample_metadata, write_sample
+
+# The CLI framework's stand-in: exactly what `hidden-state extract ...` does.
+RUNNER = (
+    "import argparse,sys; from hidden_state_connector.cli import extract; "
+    "p=argparse.ArgumentParser(); s=p.add_subparsers(); extract.register(s); "
+    "a=p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+)
+LAYERS = [1, 3]
+
+
+def extract_argv(*args: str, module: bool = False) -> list[str]:
+    """Command line of ``hidden-state extract ARGS`` through the runner (or ``-m``)."""
+    if module:
+        return [sys.executable, "-m", "hidden_state_connector.cli.extract", *args]
+    return [sys.executable, "-c", RUNNER, "extract", *args]
+
+
+def run_extract(
+    *args: str, module: bool = False, env: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        extract_argv(*args, module=module),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def run_in_process(*args: str) -> tuple[int, str, str]:
+    """Parse and run in this process (usage errors, help): (status, stdout, stderr)."""
+    parser = argparse.ArgumentParser(prog="hidden-state")
+    extract_cli.register(parser.add_subparsers())
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            parsed = parser.parse_args(["extract", *args])
+            code = parsed.func(parsed)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+def write_jsonl(path: Path, lines: list[Any]) -> Path:
+    text = [line if isinstance(line, str) else json.dumps(line) for line in lines]
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def poisoned_vllm(tmp_path: Path) -> dict[str, str]:
+    """Environment in which importing vllm fails: proves vLLM was never started."""
+    pkg = tmp_path / "poison" / "vllm"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("raise ImportError('vllm must not be imported here')\n")
+    return {"PYTHONPATH": os.pathsep.join([str(pkg.parent), os.environ.get("PYTHONPATH", "")])}
+
+
+def temp_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".tmp." in p.name)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_fp32: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_fp32)
+
+
+def expected_ids(tok: Any, record: dict[str, Any]) -> list[int]:
+    """What the model's tokenizer makes of a record (computed independently of extract)."""
+    if "token_ids" in record:
+        return list(record["token_ids"])
+    if "messages" in record:
+        chat = record["messages"]
+        text = tok.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=chat[-1]["role"] != "assistant"
+        )
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    return list(tok(record["text"])["input_ids"])
+
+
+def write_valid_sample(path: Path, token_ids: list[int], layers: list[int] = LAYERS) -> None:
+    write_sample(
+        path,
+        torch.tensor(token_ids),
+        torch.randn(len(token_ids), len(layers), 128),
+        metadata=sample_metadata(layer_ids=layers, num_prompt_tokens=len(token_ids)),
+    )
+
+
+# -- fast: inputs, manifest, progress, CLI usage ------------------------------------------
+
+
+def test_help_has_description_and_examples() -> None:
+    code, out, _ = run_in_process("--help")
+    assert code == 0
+    assert "hs_{index}.safetensors" in out and "manifest.jsonl" in out
+    assert "examples:" in out and "--include-output-tokens" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
+        (["--engine-args", "{not json"], "--engine-args: invalid JSON"),
+        (["--engine-args", "[1]"], "--engine-args: expected a JSON object"),
+        (["--engine-args", '{"dtype": "half"}'], "'dtype' is set by --dtype"),
+        (["--engine-args", "@nope.json"], "--engine-args nope.json: cannot read"),
+        (["--connector-config", '{"fsycn": true}'], "unknown key 'fsycn'"),
+        (["--connector-config", '{"num_writer_threads": "x"}'], "num_writer_threads"),
+        (["--connector-config", '{"allow_custom_save_path": false}'], "must stay true"),
+        (["--layers", "1,99"], "layer ids must be <= 4"),
+        (["--engine-args", '{"not_an_arg": 1}'], "unknown vLLM engine argument 'not_an_arg'"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line_naming_the_culprit(
+    tmp_path: Path, tiny_model_fp32: Path, extra: list[str], needle: str
+) -> None:
+    data = write_jsonl(tmp_path / "in.jsonl", [{"text": "hi"}])
+    args = [str(tiny_model_fp32), "--input", str(data), "--out", str(tmp_path / "out"), *extra]
+    code, out, err = run_in_process(*args)
+    assert code == 2, (out, err)
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_records_of_every_kind_and_bad_ones(tmp_path: Path, tokenizer: Any) -> None:
+    chat = [{"role": "user", "content": "hello"}]
+    lines: list[Any] = [
+        {"text": "plain"},
+        {"messages": chat},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+        {"token_ids": [5, 6]},
+        [7, 8, 9],
+        json.dumps("bare text"),
+        "",
+        '{"text": ',
+        {"text": ""},
+        {"token_ids": [1, -2]},
+        {"token_ids": []},
+        {"other": 1},
+        {"messages": [{"content": "no role"}]},
+        42,
+    ]
+    source = open_input(str(write_jsonl(tmp_path / "in.jsonl", lines)))
+    assert source.total == len(lines)
+    prompts = PromptEncoder(tokenizer).encode(list(source.items(lambda i: True)))
+    assert [p.index for p in prompts] == list(range(len(lines)))
+    sharegpt = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert prompts[0].token_ids == expected_ids(tokenizer, {"text": "plain"})
+    assert prompts[1].token_ids == expected_ids(tokenizer, {"messages": chat})
+    assert prompts[2].token_ids == expected_ids(tokenizer, {"messages": sharegpt})
+    assert prompts[3].token_ids == [5, 6] and prompts[4].token_ids == [7, 8, 9]
+    assert prompts[5].token_ids == expected_ids(tokenizer, {"text": "bare text"})
+    errors = {p.index: p.error for p in prompts if p.error}
+    assert set(errors) == set(range(6, len(lines)))
+    assert errors[6] == "empty line"
+    assert errors[7].startswith("invalid JSON")
+    assert "'text' is empty" in errors[8]
+    assert "negative" in errors[9] and "empty" in errors[10]
+    assert "keys: other" in errors[11] and "role" in errors[12] and "int" in errors[13]
+
+
+def test_json_array_gzip_and_limit(tmp_path: Path) -> None:
+    array = tmp_path / "in.json"
+    array.write_text(json.dumps([{"text": str(i)} for i in range(5)]))
+    source = open_input(str(array), limit=3)
+    assert source.total == 3
+    assert [i for i, _, _ in source.items(lambda i: i != 1)] == [0, 2]
+    packed = tmp_path / "in.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write('{"text": "a"}\n{"text": "b"}')  # no final newline
+    assert [r for _, r, _ in open_input(str(packed)).items(lambda i: True)] == [
+        {"text": "a"},
+        {"text": "b"},
+    ]
+
+
+def test_hf_dataset_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "dataset_dict.json").write_text("{}")
+    splits = {"train": [{"text": "a"}, {"text": "b"}], "test": [{"text": "c"}]}
+    fake = SimpleNamespace(load_from_disk=lambda path: splits)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    source = open_input(str(folder))
+    assert source.total == 2 and "split 'train'" in source.description
+    assert [r for _, r, _ in open_input(str(folder), split="test").items(lambda i: True)] == [
+        {"text": "c"}
+    ]
+    with pytest.raises(UsageError, match="--split dev: not in"):
+        open_input(str(folder), split="dev")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(UsageError, match="pip install datasets"):
+        open_input(str(folder))
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(UsageError, match="not a Hugging Face dataset"):
+        open_input(str(tmp_path / "plain"))
+
+
+def test_manifest_last_record_wins_and_a_torn_line_is_ignored(tmp_path: Path) -> None:
+    manifest = Manifest(str(tmp_path))
+    manifest.event("start", layers=LAYERS)
+    manifest.append(SampleRecord(0, "failed", error="boom"))
+    manifest.append(SampleRecord(0, "ok", "hs_0.safetensors", 3, 3, 100))
+    manifest.close()
+    with open(tmp_path / MANIFEST_NAME, "a") as f:
+        f.write('{"index": 1, "status": "o')  # killed mid-write
+    again = Manifest(str(tmp_path))
+    assert again.ignored_lines == 1 and set(again.samples) == {0}
+    assert again.samples[0].ok and again.samples[0].tokens == 3
+    assert again.last_start() is not None and again.last_start()["layers"] == LAYERS
+    again.append(SampleRecord(1, "ok", "hs_1.safetensors", 2, 2, 50))
+    again.close()
+    assert set(Manifest(str(tmp_path)).samples) == {0, 1}
+
+
+def test_progress_line_rates_eta_and_throttling() -> None:
+    now = [0.0]
+    stream = io.StringIO()
+    progress = Progress(10, stream=stream, interval=1.0, clock=lambda: now[0])
+    progress.mark_engine_ready()
+    now[0] = 2.0
+    progress.add_ok(100, 2_000_000, computed=True)
+    progress.add_ok(100, 2_000_000, computed=True)
+    progress.add_failed()
+    progress.maybe_print()
+    progress.maybe_print()  # throttled
+    now[0] = 2.5
+    progress.maybe_print()  # still throttled
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("extract: 3/10 (30.0%), 1 failed")
+    assert "1.0 samples/s" in lines[0] and "100 tok/s" in lines[0] and "2.0 MB/s" in lines[0]
+    assert "ETA 7.0s" in lines[0]
+    assert format_duration(3725) == "1h02m" and format_duration(75) == "1m15s"
+
+
+class FakeLLM:
+    """Stands in for vllm.LLM: enqueue + llm_engine.step (vLLM's id suffixes included)."""
+
+    def __init__(self, bad: int = -1) -> None:
+        self.bad = bad
+        self.queue: list[SimpleNamespace] = []
+        self.counter = 0
+        self.llm_engine = self
+
+    def enqueue(self, prompts: list[dict[str, Any]], params: Any, use_tqdm: bool) -> list[str]:
+        if self.bad in prompts[0]["prompt_token_ids"]:
+            raise ValueError("Token id is out of vocabulary\nmore detail")
+        external = str(self.counter)
+        self.counter += 1
+        self.queue.append(SimpleNamespace(request_id=external, finished=True, prompt=prompts[0]))
+        return [f"{external}-1a2b3c4d"]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.queue)
+
+    def step(self) -> list[SimpleNamespace]:
+        out, self.queue = self.queue[:2], self.queue[2:]
+        return out[::-1]  # finishing out of order
+
+
+def test_engine_maps_outputs_back_to_indices_and_reports_rejections() -> None:
+    engine = VllmEngine(FakeLLM(bad=99), lambda index: index)
+    assert engine.submit(10, [1]) is None
+    assert engine.submit(11, [2]) is None
+    assert engine.submit(12, [99]) == "vLLM rejected the prompt: Token id is out of vocabulary"
+    assert engine.submit(13, [3]) is None
+    assert engine.in_flight == 3
+    seen = []
+    while engine.in_flight:
+        seen += [(i, o.prompt["prompt_token_ids"]) for i, o, _ in engine.step()]
+    assert sorted(seen) == [(10, [1]), (11, [2]), (13, [3])]
+
+
+def test_engine_without_enqueue_isolates_a_bad_prompt_of_a_batch() -> None:
+    class OldLLM:
+        def generate(self, prompts: list[Any], params: list[Any], use_tqdm: bool) -> list[Any]:
+            if any(9 in p["prompt_token_ids"] for p in prompts):
+                raise ValueError("bad prompt")
+            return [SimpleNamespace(ids=p["prompt_token_ids"]) for p in prompts]
+
+    engine = VllmEngine(OldLLM(), lambda index: index)
+    for index, ids in ((0, [1]), (1, [9]), (2, [3])):
+        engine.submit(index, ids)
+    results = {i: (o.ids if o else err) for i, o, err in engine.step()}
+    assert results == {0: [1], 1: "vLLM rejected the prompt: bad prompt", 2: [3]}
+
+
+def test_stale_temp_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (tmp_path / f"hs_1.safetensors.tmp.{dead}.abc").write_bytes(b"partial")
+    (tmp_path / f"hs_1.safetensors.lock.tmp.{dead}.abc").write_bytes(b"")
+    mine = tmp_path / f"hs_2.safetensors.tmp.{os.getpid()}.abc"
+    mine.write_bytes(b"in progress")
+    (tmp_path / f"other.safetensors.tmp.{dead}.abc").write_bytes(b"not ours")
+    assert remove_stale_temp_files(str(tmp_path)) == 2
+    assert temp_files(tmp_path) == sorted([mine.name, f"other.safetensors.tmp.{dead}.abc"])
+
+
+def test_files_on_disk_are_verified_and_a_finished_run_never_starts_vllm(
+    tmp_path: Path, tiny_model_fp32: Path, tokenizer: Any
+) -> None:
+    records = [{"text": "first"}, {"text": "second"}, {"token_ids": [4, 5, 6]}]
+    data = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out"
+    out.mkdir()
+    # A killed run left: good files, a file of another prompt, a partial temp file.
+    write_valid_sample(out / "hs_0.safetensors", expected_ids(tokenizer, records[0]))
+    write_valid_sample(out / "hs_1.safetensors", expected_ids(tokenizer, records[1]))
+    write_valid_sample(out / "hs_2.safetensors", [1, 2, 3])
+    (out / "hs_2.safetensors.tmp.999999999.abcd").write_bytes(b"partial")
+    env = poisoned_vllm(tmp_path)
+    args = [str(tiny_model_fp32), "--input", str(data), "--out", str(out), "--layers", "1,3"]
+    first = run_extract(*args, env=env, timeout=120)
+    # hs_2 does not check out: deleted, and vLLM is needed for it (poisoned here).
+    assert first.returncode == 1, first.stderr
+    assert "cannot import vLLM (vllm must not be imported here)" in first.stderr
+    assert not (out / "hs_2.safetensors").exists()
+    assert temp_files(out) == []
+    state = Manifest(str(out)).samples
+    assert sorted(state) == [0, 1] and all(r.ok for r in state.values())
+    assert state[0].tokens == len(expected_ids(tokenizer, records[0]))
+    # Once hs_2 exists and checks out, nothing is left: no vLLM, "nothing to do".
+    write_valid_sample(out / "hs_2.safetensors", [4, 5, 6])
+    second = run_extract(*args, env=env, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "1 ok (0 written, 1 already on disk)" in second.stdout
+    started = time.monotonic()
+    third = run_extract(*args, env=env, timeout=120)
+    assert third.returncode == 0, third.stderr
+    assert third.stdout.startswith("nothing to do")
+    assert time.monotonic() - started < 15
+    # Other layers in the same directory are refused.
+    code, _, err = run_in_process(*args[:-1], "1,2")
+    assert code == 2 and "layers=[1, 3]" in err
+
+
+# -- vLLM end to end ----------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_mixed_input_writes_ok_samples_and_records_failures(
+    tmp_path: Path, tiny_model_fp32: Path, tokenizer: Any
+) -> None:
+    records: list[Any] = [
+        {"text": "The quick brown fox jumps over the lazy dog."},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Why is the sky blue?"},
+            ]
+        },
+        {"token_ids": list(range(10, 40))},
+        '{"text": "unterminated',
+        {"text": "y" * 200},  # 200 tokens > max_model_len - 1
+        {"token_ids": [1, 2, 5000]},  # out of vocabulary
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+        "",
+    ]
+    data = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out"
+    started = time.monotonic()
+    result = run_extract(
+        str(tiny_model_fp32),
+        "--input",
+        str(data),
+        "--out",
+        str(out),
+        "--layers",
+        "1,3",
+        "--max-model-len",
+        "128",
+        "--batch-size",
+        "2",
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert "extract: 8/8 (100.0%), 4 failed" in result.stderr  # the final progress line
+    ok = {0: records[0], 1: records[1], 2: records[2], 6: None}
+    for index in ok:
+        [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
+        if index == 6:
+            chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+            want = expected_ids(tokenizer, {"messages": chat})
+        else:
+            want = expected_ids(tokenizer, records[index])
+        assert sample.token_ids.tolist() == want, index
+        assert sample.hidden_states.shape == (len(want), 2, 128)
+        assert sample.layer_ids == LAYERS
+    state = Manifest(str(out)).samples
+    assert {i for i, r in state.items() if r.ok} == set(ok)
+    reasons = {i: r.error or "" for i, r in state.items() if not r.ok}
+    assert set(reasons) == {3, 4, 5, 7}
+    assert reasons[3].startswith("invalid JSON")
+    assert reasons[4] == "prompt has 200 tokens, more than max_model_len - 1 = 127"
+    assert "out of vocabulary" in reasons[5]
+    assert reasons[7] == "empty line"
+    for index, reason in reasons.items():
+        assert f"#{index}: {reason}" in result.stdout
+        assert not (out / f"hs_{index}.safetensors").exists()
+    assert "failed samples (4):" in result.stdout
+    assert temp_files(out) == []
+    print(f"mixed input run: {elapsed:.1f}s")
+
+
+@pytest.mark.vllm
+def test_resume_after_sigkill_records_every_index_once(
+    tmp_path: Path, tiny_model_fp32: Path
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    records = [
+        {"text": "".join(letters[i] for i in torch.randint(0, 27, (240,), generator=gen))}
+        for _ in range(150)
+    ]
+    data = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [
+        str(tiny_model_fp32),
+        "--input",
+        str(data),
+        "--out",
+        str(out),
+        "--layers",
+        "1,3",
+        "--batch-size",
+        "4",
+        "--max-model-len",
+        "512",
+    ]
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        extract_argv(*args, module=True),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: the engine core dies with it
+    )
+    try:
+        seen = sum(1 for _ in HiddenStateReader(out, follow=True, max_samples=20, idle_timeout=120))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert seen == 20
+    before = Manifest(str(out)).samples
+    assert len(before) < 150, "the run finished before the kill"
+    killed_at = time.monotonic() - started
+
+    resumed = run_extract(*args, module=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr[-3000:]
+    # It did not start over: the 20 files seen before the kill were skipped (recorded) or
+    # verified and kept (on disk, not yet recorded), never recomputed.
+    summary = re.search(
+        r"(\d+) written, (\d+) already on disk\), 0 failed, (\d+) skipped", resumed.stdout
+    )
+    assert summary, resumed.stdout
+    written, kept, skipped = map(int, summary.groups())
+    assert written + kept + skipped == 150 and kept + skipped >= 20 and skipped == len(before)
+    lines = [json.loads(line) for line in (out / MANIFEST_NAME).read_text().splitlines()]
+    ok_counts = Counter(doc["index"] for doc in lines if doc.get("status") == "ok")
+    assert ok_counts == Counter(range(150)), "every index ok exactly once"
+    state = Manifest(str(out)).samples
+    assert all(state[i].ok and (out / f"hs_{i}.safetensors").exists() for i in range(150))
+    assert temp_files(out) == []
+    resumed_at = time.monotonic() - started
+
+    third_started = time.monotonic()
+    third = run_extract(*args, module=True, env=poisoned_vllm(tmp_path))
+    assert third.returncode == 0, third.stderr
+    assert third.stdout.startswith("nothing to do: all 150 samples")
+    third_seconds = time.monotonic() - third_started
+    assert third_seconds < 15
+    print(
+        f"killed after {killed_at:.1f}s with {len(before)} recorded; resumed run done at "
+        f"{resumed_at:.1f}s; nothing-to-do run {third_seconds:.1f}s"
+    )
+
+
+@pytest.mark.vllm
+def test_include_output_tokens_stores_prompt_and_generated_tokens(
+    tmp_path: Path, tiny_model_fp32: Path, tokenizer: Any
+) -> None:
+    records = [{"text": "Once upon a time"}, {"token_ids": list(range(50, 90))}]
+    data = write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out"
+    result = run_extract(
+        str(tiny_model_fp32),
+        "--input",
+        str(data),
+        "--out",
+        str(out),
+        "--layers",
+        "1,3",
+        "--max-tokens",
+        "4",
+        "--include-output-tokens",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    state = Manifest(str(out)).samples
+    for index, record in enumerate(records):
+        prompt = expected_ids(tokenizer, record)
+        [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
+        assert sample.num_tokens == len(prompt) + 3  # 4 generated, the last never fed back
+        assert sample.token_ids[: len(prompt)].tolist() == prompt
+        assert sample.metadata["num_prompt_tokens"] == str(len(prompt))
+        assert (state[index].tokens, state[index].prompt_tokens) == (len(prompt) + 3, len(prompt))
