@@ -318,7 +318,9 @@ def table(rows: list[dict[str, Any]], keys: list[str]) -> str:
     widths = [max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys]
     line = " | ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True))
     sep = "-|-".join("-" * w for w in widths)
-    body = [" | ".join(_fmt(r.get(k)).ljust(w) for k, w in zip(keys, widths, strict=True)) for r in rows]
+    body = [
+        " | ".join(_fmt(r.get(k)).ljust(w) for k, w in zip(keys, widths, strict=True)) for r in rows
+    ]
     return "\n".join([line, sep, *body])
 
 
