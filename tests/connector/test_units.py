@@ -1,0 +1,172 @@
+"""Connector pieces that need no running engine: config, registration, layout, paths, buffers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hidden_state_connector import compat
+from hidden_state_connector.buffers import SlabPool
+from hidden_state_connector.config import ConnectorConfig, parse_size
+from hidden_state_connector.extract import plan_chunks
+from hidden_state_connector.server import ServeOptions, default_layer_ids
+from hidden_state_reader import PathOutsideRootError
+from hidden_state_reader.format import resolve_inside, safe_component
+
+
+def test_config_accepts_vllm_keys_and_sizes() -> None:
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "shared_storage_path": "/data/hs",
+            "use_synchronization_lock": "false",
+            "num_writer_threads": "4",
+            "allow_custom_save_path": True,
+            "host_buffer_bytes": "512MiB",
+            "chunk_bytes": 1048576,
+        }
+    )
+    assert cfg.use_synchronization_lock is False
+    assert cfg.num_writer_threads == 4
+    assert cfg.host_buffer_bytes == 512 * 1024**2
+    assert parse_size("k", "2GB") == 2 * 1000**3
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"num_writer_threads": 0}, "num_writer_threads"),
+        ({"num_writer_threads": "many"}, "num_writer_threads"),
+        ({"host_buffer_bytes": "lots"}, "host_buffer_bytes"),
+        ({"fsync": "perhaps"}, "fsync"),
+        ({"when_full": "explode"}, "when_full"),
+        ({"chunk_bytes": "2GiB", "host_buffer_bytes": "1GiB"}, "chunk_bytes"),
+        ({"shared_storage_path": ""}, "shared_storage_path"),
+    ],
+)
+def test_bad_config_values_name_the_key(extra: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        ConnectorConfig.from_extra_config({"shared_storage_path": "/x", **extra})
+
+
+def test_unknown_keys_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    ConnectorConfig.from_extra_config({"shared_storage_path": "/x", "sharde_storage": 1})
+    assert "sharde_storage" in caplog.text
+
+
+def test_plugin_registers_with_vllm_and_module_path_also_works() -> None:
+    pytest.importorskip("vllm")
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from hidden_state_connector.connector import HiddenStateConnector
+    from hidden_state_connector.plugin import register
+
+    register()
+    register()  # idempotent
+    by_name = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="HiddenStateConnector", kv_role="kv_producer")
+    )
+    by_path = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(
+            kv_connector="HiddenStateConnector",
+            kv_connector_module_path="hidden_state_connector.connector",
+            kv_role="kv_producer",
+        )
+    )
+    assert by_name is HiddenStateConnector and by_path is HiddenStateConnector
+
+
+def test_the_plugin_is_declared_as_a_vllm_entry_point() -> None:
+    from importlib.metadata import entry_points
+
+    names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "hidden_state_connector.plugin:register" in names
+
+
+@pytest.mark.parametrize("block_size,layers", [(16, 3), (16, 16), (32, 4)])
+def test_layout_probe_finds_the_token_axis_of_this_vllm(block_size: int, layers: int) -> None:
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models.extract_hidden_states import basic_cache
+
+    # Build a cache the way the installed vLLM writes it, and check the probe agrees.
+    probe_shape = (
+        (4, block_size, layers, 8)
+        if compat._parse(compat.vllm_version()) < (0, 27, 0)
+        else (4, layers, block_size, 8)
+    )
+    cache = torch.zeros(probe_shape)
+    layout = compat.probe_layout(cache, block_size, layers)
+    values = torch.randn(block_size * 2, layers, 8)
+    slots = torch.arange(block_size, block_size * 3)  # blocks 1 and 2
+    basic_cache(values, cache, slots)
+    view = layout.blocks_tokens_layers(cache)  # [blocks, block_size, layers, hidden]
+    assert torch.equal(view[1:3].reshape(-1, layers, 8), values)
+
+
+def test_layout_probe_rejects_a_mismatched_cache() -> None:
+    with pytest.raises(RuntimeError, match="does not match"):
+        compat.probe_layout(torch.zeros(4, 16, 3, 8), block_size=32, num_layers=3)
+
+
+def test_captured_order_is_ascending_and_unique() -> None:
+    assert compat.captured_layer_ids([29, 2, 16, 2]) == [2, 16, 29]
+
+
+def test_chunk_plan_covers_every_token_once() -> None:
+    chunks = plan_chunks(num_tokens=100, block_size=16, blocks_per_chunk=3)
+    assert [(c.start, c.stop) for c in chunks] == [(0, 48), (48, 96), (96, 100)]
+    assert [c.count for c in chunks] == [3, 3, 1]
+    assert plan_chunks(0, 16, 3) == []
+
+
+def test_slab_pool_is_bounded_and_reuses_slabs() -> None:
+    pool = SlabPool(1024, 3 * 1024 + 10, pinned=False)
+    pool.preallocate()
+    slabs = [pool.try_acquire() for _ in range(3)]
+    assert all(s is not None for s in slabs)
+    assert pool.try_acquire() is None
+    pool.release(slabs[0])  # type: ignore[arg-type]
+    again = pool.try_acquire()
+    assert again is slabs[0]
+    assert pool.allocated_bytes == 3 * 1024
+
+
+def test_resolve_inside_accepts_nested_and_refuses_escapes(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", root / "link")
+    assert resolve_inside(str(root), "a/b.safetensors") == str(root / "a" / "b.safetensors")
+    assert resolve_inside(str(root), str(root / "c.safetensors")) == str(root / "c.safetensors")
+    for bad in [
+        "../x.safetensors",
+        "/etc/x.safetensors",
+        "link/x.safetensors",
+        "a\0.safetensors",
+        "x.txt",
+        "y" * 300 + ".safetensors",
+        ".hidden.safetensors",
+        "",
+    ]:
+        with pytest.raises(PathOutsideRootError):
+            resolve_inside(str(root), bad)
+
+
+def test_safe_component_keeps_ids_distinct_and_bounded() -> None:
+    assert safe_component("cmpl-abc-0") == "cmpl-abc-0"
+    a, b = safe_component("a/b"), safe_component("a_b")
+    assert a != b and "/" not in a
+    assert len(safe_component("x" * 500)) <= 120
+    assert not safe_component("..").startswith(".")
+
+
+def test_serve_command_carries_both_configs() -> None:
+    cmd = ServeOptions(model="m", out_dir="/d", layer_ids=[2, 16, 29], port=9).command()
+    joined = " ".join(cmd)
+    assert "extract_hidden_states" in joined and '"HiddenStateConnector"' in joined
+    assert '"shared_storage_path": "/d"' in joined and cmd[:3] == ["vllm", "serve", "m"]
+    assert default_layer_ids(32) == [2, 16, 29]
+    assert default_layer_ids(4) == [1, 2]
