@@ -145,7 +145,9 @@ class WorkerSide:
             for order in meta.saves:
                 self._start(order)
         self.pipeline.pump()
-        self._finished_ids |= finished_req_ids
+        # Keep only ids of our own jobs: the save order of a finished request arrives in
+        # the same step as its id, and other ids (never-scheduled requests) must not pile up.
+        self._finished_ids |= {r for r in finished_req_ids if self.pipeline.tracks(r)}
         self._ready_ids.update(self.pipeline.finished())
         # vLLM only accepts ids it has announced as finished (this call or before).
         done = self._ready_ids & self._finished_ids

@@ -204,6 +204,10 @@ class WritePipeline:
             done.append(req_id)
         return done
 
+    def tracks(self, req_id: str) -> bool:
+        """Whether ``req_id`` has a job whose completion is not reported yet."""
+        return req_id in self._unreported
+
     @property
     def in_flight(self) -> int:
         """Samples whose blocks are still held (not yet reported finished)."""
