@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hidden_state_connector.cli.serve import parse_layers
+from hidden_state_reader.cli.common import positive_float, positive_int
 
 DESCRIPTION = """\
 A live vLLM server streaming hidden states into a training loop, in one command.
@@ -43,24 +44,6 @@ examples:
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-prompts",
-        type=_positive,
+        type=positive_int,
         default=DEFAULT_NUM_PROMPTS,
         metavar="N",
         help="prompts to send; the file is repeated if shorter (default: %(default)s)",
@@ -102,27 +85,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the consumed hidden-state files in OUT/hs instead of deleting them "
         "(OUT/hs is emptied when a run starts)",
     )
-    parser.add_argument("--port", type=_positive, help="server port (default: a free port)")
+    parser.add_argument("--port", type=positive_int, help="server port (default: a free port)")
     parser.add_argument(
         "--concurrency",
-        type=_positive,
+        type=positive_int,
         default=d.concurrency,
         help="requests in flight at most (default: %(default)s)",
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive,
+        type=positive_int,
         default=d.batch_size,
         help="samples per training batch (default: %(default)s)",
     )
     parser.add_argument(
         "--steps-per-batch",
-        type=_positive,
+        type=positive_int,
         default=d.steps_per_batch,
         help="optimizer steps on each batch (default: %(default)s)",
     )
     parser.add_argument(
-        "--lr", type=_positive_float, default=d.lr, help="Adam learning rate (default: %(default)s)"
+        "--lr", type=positive_float, default=d.lr, help="Adam learning rate (default: %(default)s)"
     )
     parser.add_argument(
         "--device", help="torch device of the draft head (default: cuda if available, else cpu)"
@@ -134,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--server-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=d.server_timeout,
         metavar="S",
         help="seconds to wait for the server to start (default: %(default)s)",

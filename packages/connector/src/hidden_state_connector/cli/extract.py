@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from hidden_state_connector.cli.serve import add_arguments, resolve_layers
-from hidden_state_reader.cli.common import CliError
+from hidden_state_reader.cli.common import CliError, non_negative_float, positive_int
 
 PROG = "hidden-state extract"
 
@@ -70,24 +70,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
-    return value
 
 
 def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +87,7 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="tokens to generate per prompt; 1 = prefill only (default 1)",
@@ -117,20 +99,20 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         metavar="N",
         help="requests kept in flight in vLLM (default 256)",
     )
     parser.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="vLLM max_model_len; longer prompts are recorded as failed (default: the model's)",
     )
     parser.add_argument("--dtype", default="auto", help="vLLM dtype (default auto)")
     parser.add_argument(
-        "--limit", type=_positive_int, metavar="N", help="only the first N input records"
+        "--limit", type=positive_int, metavar="N", help="only the first N input records"
     )
     parser.add_argument(
         "--retry-failed",
@@ -153,14 +135,14 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--progress-interval",
-        type=_seconds,
+        type=non_negative_float,
         default=1.0,
         metavar="S",
         help="seconds between progress lines on stderr (default 1)",
     )
     parser.add_argument(
         "--lock-timeout",
-        type=_seconds,
+        type=non_negative_float,
         default=600.0,
         metavar="S",
         help="seconds to wait for one file to be written before failing it (default 600)",

@@ -121,6 +121,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """``argparse`` type: a number greater than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
 def require_dir(path: str) -> str:
     """Return ``path`` if it is an existing directory, else raise ``CliError`` naming it."""
     if not os.path.exists(path):
