@@ -44,11 +44,9 @@ examples:
 """
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options."""
-    from hidden_state_connector.demo.run import (
+    from hidden_state_connector.demo.options import (
         DEFAULT_CACHE_DIR,
         DEFAULT_NUM_PROMPTS,
         DEFAULT_OUT,
@@ -149,13 +147,9 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0 on success, 1 on any failure, 2 for unusable options, 130 when interrupted.
     """
+    from hidden_state_connector.demo.options import EXIT_INTERRUPTED, DemoError, DemoOptions
     from hidden_state_connector.demo.report import format_table
-    from hidden_state_connector.demo.run import (
-        EXIT_INTERRUPTED,
-        DemoError,
-        DemoOptions,
-        run_demo,
-    )
+    from hidden_state_connector.demo.run import run_demo
 
     options = DemoOptions(
         model=args.model,

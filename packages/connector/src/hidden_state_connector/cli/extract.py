@@ -70,8 +70,6 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
-
-
 def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     """All options of ``extract`` (shared by the subcommand and ``python -m``)."""
     add_arguments(parser)  # model, --out, --layers, --include-last

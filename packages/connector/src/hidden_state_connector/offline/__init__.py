@@ -6,7 +6,14 @@ The engine behind ``hidden-state extract``. Modules:
   each record (``text``, chat ``messages`` or ``token_ids``) with the model's tokenizer.
 * ``manifest``: the append-only ``manifest.jsonl`` that makes runs resumable.
 * ``progress``: the progress line and the final throughput figures.
-* ``extract``: the loop that feeds vLLM and records each sample once its file is final.
+* ``settings``: ``ExtractOptions`` and the vLLM / connector settings it implies.
+* ``result``: ``ExtractResult``, what a run did.
+* ``resume``: what earlier runs left (recorded samples, unrecorded files, temporaries).
+* ``engine``: starts offline vLLM and feeds it one request at a time.
+* ``verify``: checks that a sample file holds a prompt's hidden states.
+* ``verifier``: waits for each finished request's file on threads, then checks it.
+* ``pipeline``: records -> prompts -> vLLM -> verified files -> manifest.
+* ``extract``: one run (``run_extract``): checks, run lock, manifest, progress, Ctrl-C.
 
 Nothing here imports vLLM, torch or transformers at import time.
 """

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from hidden_state_connector.offline.errors import UsageError
+from hidden_state_connector.offline.errors import UsageError, first_line
 
 TOKEN_FIELDS = ("token_ids", "input_ids")
 CHAT_FIELDS = ("messages", "conversations")
@@ -389,7 +389,7 @@ class PromptEncoder:
                 else:
                     texts.append((pos, kind, payload))
             except Exception as exc:
-                out[pos] = Prompt(index, None, _reason(exc))
+                out[pos] = Prompt(index, None, first_line(exc))
         for special in (True, False):  # plain text with special tokens, chats without
             group = [t for t in texts if (t[1] == "text") == special]
             if group:
@@ -416,10 +416,5 @@ class PromptEncoder:
                     ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
                     results.append(list(ids))
                 except Exception as exc:
-                    results.append(f"cannot tokenize: {_reason(exc)}")
+                    results.append(f"cannot tokenize: {first_line(exc)}")
             return results
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__

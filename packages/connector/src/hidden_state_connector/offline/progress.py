@@ -162,10 +162,7 @@ class Progress:
     def finish(self) -> None:
         """Print the final line and end it."""
         self.maybe_print(force=True)
-        if self._dirty:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._dirty = False
+        self.break_line()
 
     def break_line(self) -> None:
         """End an in-place line before other output (a log message, the summary)."""

@@ -1,0 +1,72 @@
+"""``verify_file``: does a final sample file hold this prompt's hidden states?
+
+Checks the token ids (exactly, or as a prefix when generated tokens may follow), the
+recorded layers and the recorded prompt length. ``hidden_state_reader`` (and so torch)
+is imported only when a file is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def read_token_ids(path: str, header: Any) -> list[int]:
+    """The ``token_ids`` tensor of a sample file whose header was validated."""
+    import numpy as np
+
+    info = header.tokens
+    with open(path, "rb") as f:
+        f.seek(header.data_start + info.begin)
+        raw = f.read(info.nbytes)
+    dtype = "<i8" if info.dtype == "I64" else "<i4"
+    return [int(t) for t in np.frombuffer(raw, dtype=dtype)]
+
+
+def verify_file(
+    path: str,
+    prompt: Sequence[int],
+    *,
+    layer_ids: Sequence[int],
+    include_output: bool,
+    expected: Sequence[int] | None = None,
+) -> tuple[int, int]:
+    """Check that a final sample file holds this prompt's hidden states.
+
+    Args:
+        path: The sample file.
+        prompt: The prompt's token ids.
+        layer_ids: The captured layers the file must record (when it records any).
+        include_output: Generated tokens may follow the prompt.
+        expected: The exact token ids the file must hold (when known).
+
+    Returns:
+        ``(tokens, bytes)`` of the file.
+
+    Raises:
+        ValueError: The file does not match; the message says how.
+        hidden_state_reader.SampleError: The file is incomplete or corrupt.
+        OSError: It cannot be read.
+    """
+    from hidden_state_reader.format import Meta, read_header
+
+    header = read_header(path)
+    tokens = read_token_ids(path, header)
+    n = len(prompt)
+    if expected is not None:
+        if tokens != list(expected):
+            raise ValueError(
+                f"its {len(tokens)} token ids differ from the {len(expected)} expected"
+            )
+    elif include_output:
+        if tokens[:n] != list(prompt):
+            raise ValueError(f"its token ids do not start with the prompt's {n} tokens")
+    elif tokens != list(prompt):
+        raise ValueError(f"its {len(tokens)} token ids differ from the prompt's {n}")
+    recorded = header.layer_ids
+    if recorded is not None and list(recorded) != list(layer_ids):
+        raise ValueError(f"it holds layers {recorded}, not {list(layer_ids)}")
+    prompt_meta = header.metadata.get(Meta.NUM_PROMPT_TOKENS)
+    if prompt_meta is not None and prompt_meta != str(n):
+        raise ValueError(f"it records {prompt_meta} prompt tokens, not {n}")
+    return len(tokens), header.file_size
