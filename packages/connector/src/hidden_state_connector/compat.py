@@ -7,7 +7,6 @@ derives the answer from the running engine instead of a version table.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as SupportsHMA
 
-log = logging.getLogger(__name__)
+from hidden_state_connector.logs import get_logger
+
+log = get_logger(__name__)
 
 MIN_VLLM = (0, 26, 0)
 MAX_VLLM_EXCLUSIVE = (0, 34, 0)

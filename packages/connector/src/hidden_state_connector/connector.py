@@ -7,7 +7,6 @@ speculative method.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +19,7 @@ from hidden_state_connector.compat import (
     SupportsHMA,
 )
 from hidden_state_connector.config import ConnectorConfig
+from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata
 from hidden_state_connector.scheduler_side import SchedulerSide
 from hidden_state_connector.stats import WriteStats
@@ -28,7 +28,7 @@ from hidden_state_connector.worker_side import WorkerSide
 if TYPE_CHECKING:
     from hidden_state_connector.metrics import HiddenStateConnectorStats
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):

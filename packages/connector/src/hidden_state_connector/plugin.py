@@ -6,11 +6,10 @@ Registration is by module path and class name, so vLLM imports the connector laz
 
 from __future__ import annotations
 
-import logging
-
 from hidden_state_connector import CONNECTOR_MODULE, CONNECTOR_NAME
+from hidden_state_connector.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def register() -> None:

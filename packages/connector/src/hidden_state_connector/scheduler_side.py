@@ -9,18 +9,18 @@ blocks until the worker has copied them out.
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
 from hidden_state_connector import compat
 from hidden_state_connector.config import ConnectorConfig
+from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, NewSample, SaveOrder
 from hidden_state_connector.stats import WriteStats
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 PATH_PARAM = "hidden_states_path"
 ERROR_PARAM = "hidden_states_error"

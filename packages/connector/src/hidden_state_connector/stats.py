@@ -6,12 +6,13 @@ KV-connector metrics (``get_kv_connector_stats``).
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
 
-log = logging.getLogger("hidden_state_connector")
+from hidden_state_connector.logs import get_logger
+
+log = get_logger("hidden_state_connector")
 
 
 @dataclass

@@ -8,7 +8,6 @@ one report per request, so the other ranks never hold blocks.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 from typing import Any
 
@@ -17,13 +16,14 @@ import torch
 from hidden_state_connector import __version__, compat
 from hidden_state_connector.config import ConnectorConfig
 from hidden_state_connector.extract import Extractor
+from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOrder
 from hidden_state_connector.stats import WriteStats
 from hidden_state_connector.writer import SaveJob, WritePipeline
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import WriterLock, resolve_inside, sample_metadata
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class WorkerSide:

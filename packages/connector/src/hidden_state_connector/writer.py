@@ -20,7 +20,6 @@ request. The server keeps serving.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -32,10 +31,11 @@ import torch
 
 from hidden_state_connector.buffers import Slab, SlabPool
 from hidden_state_connector.extract import Chunk, Extractor
+from hidden_state_connector.logs import get_logger
 from hidden_state_connector.stats import WriteStats
 from hidden_state_reader.format import SampleFileWriter, WriterLock
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _END = None  # sentinel in a job's chunk queue: no more chunks will come
 

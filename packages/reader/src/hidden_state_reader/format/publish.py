@@ -88,9 +88,24 @@ class SampleFileWriter:
         begin, end = self._layout.offsets[HIDDEN_STATES]
         self._hidden_remaining = end - begin
         self.tmp_path = temp_path(final_path)
-        self._fd: int | None = os.open(
-            self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+        # Every later step goes through the directory's descriptor, so a directory that is
+        # renamed meanwhile still gets its complete file, and a failure still removes the
+        # temp file (paths would point elsewhere).
+        self._dir_fd: int | None = os.open(
+            os.path.dirname(final_path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
         )
+        self._name = os.path.basename(final_path)
+        self._tmp_name = os.path.basename(self.tmp_path)
+        try:
+            self._fd: int | None = os.open(
+                self._tmp_name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                0o644,
+                dir_fd=self._dir_fd,
+            )
+        except BaseException:
+            self._close_dir()
+            raise
         try:
             self._write(self._layout.header, checksum=False)
             self._write(tensor_bytes(self._tokens))
@@ -159,12 +174,15 @@ class SampleFileWriter:
                 os.fsync(fd)
             os.close(fd)
             self._fd = None
-            os.replace(self.tmp_path, self.final_path)
+            dir_fd = self._dir_fd
+            os.replace(self._tmp_name, self._name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             if self._fsync:
-                _fsync_dir(os.path.dirname(self.final_path) or ".")
+                assert dir_fd is not None
+                os.fsync(dir_fd)
         except BaseException as exc:
             self.abort(f"publish failed: {exc!r}")
             raise
+        self._close_dir()
         if self.lock is not None:
             self.lock.release()
         return self.final_path
@@ -181,16 +199,15 @@ class SampleFileWriter:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp_path)
+        if self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._tmp_name, dir_fd=self._dir_fd)
+        self._close_dir()
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def _close_dir(self) -> None:
+        dir_fd, self._dir_fd = self._dir_fd, None
+        if dir_fd is not None:
+            os.close(dir_fd)
 
 
 def write_sample(
