@@ -54,9 +54,9 @@ def test_shuffle_is_seeded_and_changes_each_epoch(data: Path) -> None:
     )
     assert a.epoch_names() == b.epoch_names()
     assert [os.path.basename(s.path) for s in a] == a.epoch_names(0)
-    assert (a.epoch, a.consumed) == (0, N)  # finished; the next pass starts epoch 1
+    assert (a.epoch, a.consumed) == (1, 0)  # a complete pass moves to the next epoch
     assert [os.path.basename(s.path) for s in a] == b.epoch_names(1) != b.epoch_names(0)
-    assert a.epoch == 1
+    assert a.epoch == 2
     assert sorted(b.epoch_names(1)) == sorted(b.epoch_names(0))
     assert HiddenStateDataset(data, shuffle=True, seed=4).epoch_names() != a.epoch_names(0)
 
@@ -165,9 +165,9 @@ def test_main_process_iteration_counts_for_state_dict(data: Path) -> None:
     resumed.set_epoch(0)  # the usual per-epoch call keeps the restored position
     got += names_in(list(DataLoader(resumed, batch_size=3, collate_fn=pad_collate)))
     assert got == ds.epoch_names(0)
-    assert resumed.state_dict()["consumed"] == N and resumed.state_dict()["finished"]
+    assert (resumed.epoch, resumed.consumed) == (1, 0)
     next_epoch = names_in(list(DataLoader(resumed, batch_size=3, collate_fn=pad_collate)))
-    assert next_epoch == ds.epoch_names(1) and resumed.epoch == 1
+    assert next_epoch == ds.epoch_names(1) and resumed.epoch == 2
 
 
 def test_stateful_dataloader_resumes_through_the_dataset_state(data: Path) -> None:

@@ -57,7 +57,7 @@ def test_batches_follow_the_epoch_order_and_epochs_advance(data: Path, workers: 
     assert len(loader) == 6  # ceil(23 / 4)
     first = run(loader)
     assert first == ds.epoch_names(0)
-    assert (loader.epoch, loader.consumed) == (0, N)
+    assert (loader.epoch, loader.consumed) == (1, 0)  # ready for the next epoch
     second = run(loader)
     assert second == ds.epoch_names(1) != first
     # Calling set_epoch every epoch, as with DistributedSampler, agrees with that.
@@ -116,7 +116,7 @@ def test_checkpoint_in_the_last_batch_resumes_into_the_next_epoch(data: Path) ->
     loader = make(data, 2)
     for _ in loader:
         state = loader.state_dict()
-    assert state["consumed"] == N and not state["finished"]
+    assert (state["epoch"], state["consumed"]) == (0, N)
     resumed = make(data, 3)
     resumed.load_state_dict(state)
     resumed.dataset.set_epoch(0)
@@ -129,7 +129,7 @@ def test_drop_last_and_len(data: Path) -> None:
     assert len(loader) == N // B
     got = run(loader)
     assert got == loader.dataset.epoch_names(0)[: (N // B) * B]
-    assert loader.consumed == (N // B) * B
+    assert (loader.epoch, loader.consumed) == (1, 0)  # the pass is complete
     assert run(loader)[:B] == loader.dataset.epoch_names(1)[:B]
 
 
@@ -142,7 +142,7 @@ def test_unreadable_sample_still_counts_its_position(data: Path) -> None:
     resumed = make(data, 3)
     resumed.load_state_dict(state)
     assert got + run(resumed) == [n for n in epoch0 if n != bad]
-    assert resumed.consumed == N
+    assert (resumed.epoch, resumed.consumed) == (1, 0)
 
 
 def test_ranks_get_equal_batch_counts_and_resume_independently(data: Path) -> None:

@@ -151,7 +151,6 @@ class HiddenStateDataset(IterableDataset[Sample]):
         self._fingerprint = digest.hexdigest()[:16]
         self._epoch = 0
         self._consumed = 0
-        self._finished = False
         self._bound = False  # set by HiddenStateLoader
         # [epoch, start]: what worker processes (persistent ones too) read at iter().
         self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
@@ -224,7 +223,6 @@ class HiddenStateDataset(IterableDataset[Sample]):
         """
         if epoch != self._epoch:
             self._epoch, self._consumed = int(epoch), 0
-        self._finished = False
         self._push()
 
     def state_dict(self) -> dict[str, Any]:
@@ -241,7 +239,6 @@ class HiddenStateDataset(IterableDataset[Sample]):
             "mode": "follow" if self.follow else "static",
             "epoch": self._epoch,
             "consumed": self._consumed,
-            "finished": self._finished,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": None if self.follow else len(self._names),
@@ -274,23 +271,23 @@ class HiddenStateDataset(IterableDataset[Sample]):
             raise ValueError(f"consumed={consumed} is outside this rank's epoch of {len(self)}")
         self._epoch = int(state["epoch"])
         self._consumed = consumed
-        self._finished = bool(state.get("finished", False))
         self._push()
 
     def _push(self) -> None:
         self._shared.copy_(torch.tensor([self._epoch, self._consumed], dtype=torch.int64))
 
     def _begin_pass(self) -> None:
-        """Start a pass: after a complete one, that is the next epoch."""
-        if self._finished:
-            self._epoch, self._consumed, self._finished = self._epoch + 1, 0, False
+        """Start (or continue) a pass: publish the cursor to the workers."""
         self._push()
 
     def _advance(self, positions: int) -> None:
         self._consumed += positions
 
     def _end_pass(self) -> None:
-        self._finished = True
+        """A complete pass over a static dataset: the next one is the next epoch."""
+        if not self.follow:  # a followed stream has no epochs: keep counting
+            self._epoch, self._consumed = self._epoch + 1, 0
+            self._push()
 
     def _bind(self, batch_size: int) -> None:
         """Called by ``HiddenStateLoader``: chunk by its batch size, let it count."""
