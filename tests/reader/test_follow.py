@@ -86,6 +86,7 @@ def test_follow_with_delete_leaves_an_empty_directory(hs_dir: Path) -> None:
     assert len(list(reader)) == 50
     writer.wait(timeout=60)
     assert [f for f in os.listdir(hs_dir) if not f.startswith(".")] == []
+    assert reader.stats.vanished == 0, "late events about deleted files are not news"
 
 
 def test_stale_lock_of_a_dead_writer_is_reported_not_waited_on(hs_dir: Path) -> None:

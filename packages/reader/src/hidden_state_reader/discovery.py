@@ -36,6 +36,7 @@ from hidden_state_reader.waiting import CancelToken
 log = logging.getLogger(__name__)
 
 WATCH_MODES = ("auto", "inotify", "poll")
+_GONE_MEMORY = 65536  # consumed names remembered to ignore late events (~6 MB at most)
 
 
 def list_samples(root: str) -> list[str]:
@@ -193,6 +194,10 @@ class FollowSource:
         self.root = root
         self._events: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._known: set[str] = set()
+        # Names consumed and removed recently: events about them may still be queued
+        # (lock created, data renamed) and must not bring them back.
+        self._gone: deque[str] = deque()
+        self._gone_set: set[str] = set()
         self._ready: deque[str] = deque()
         self._deferred = _Deferred()
         self._closed = False
@@ -215,7 +220,7 @@ class FollowSource:
 
     def _admit(self, names: Iterable[str]) -> None:
         for name in names:
-            if name not in self._known:
+            if name not in self._known and name not in self._gone_set:
                 self._known.add(name)
                 self._ready.append(name)
 
@@ -224,6 +229,9 @@ class FollowSource:
             present = _scan(self.root)
         except FileNotFoundError:
             present = set()
+        # A file that exists again after its name was consumed is news, not an echo.
+        for name in present & self._gone_set:
+            self._gone_set.discard(name)
         fresh = [n for n in present if n not in self._known]
         fresh.sort(key=lambda n: _age_key(self.root, n))
         self._admit(fresh)
@@ -277,8 +285,17 @@ class FollowSource:
         self._deferred.push(name, delay)
 
     def forget(self, name: str) -> None:
-        """Let a later rescan or event offer ``name`` again, and free its memory."""
+        """Drop a name whose files are gone, freeing its memory.
+
+        Late events about it are ignored; a rescan (which sees only files that exist)
+        offers it again if a file of that name reappears.
+        """
         self._known.discard(name)
+        if name not in self._gone_set:
+            self._gone.append(name)
+            self._gone_set.add(name)
+            if len(self._gone) > _GONE_MEMORY:
+                self._gone_set.discard(self._gone.popleft())
 
     def close(self) -> None:
         """Stop watching; a blocked ``next`` returns None."""
