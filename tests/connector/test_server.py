@@ -50,7 +50,7 @@ def server(tiny_model_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> V
             "tiny",
         ],
     )
-    srv = VllmServer(options, log_file=base / "server.log")
+    srv = VllmServer(options, log_file=base / "server.log", env={"VLLM_LOGGING_LEVEL": "INFO"})
     srv.start()
     yield srv
     srv.stop()
@@ -86,6 +86,9 @@ def test_concurrent_mixed_requests_stream_into_a_follow_reader(server: VllmServe
         assert got[path].num_tokens == prompt_tokens
         assert got[path].hidden_states.shape[1:] == (3, 128)
     assert reader.stats.skipped == 0
+    log = Path(server.log_path).read_text()
+    assert "HiddenStateConnector: cpu, layers [1, 2, 4]" in log  # our INFO lines reach vLLM's log
+    assert "hidden states: " in log  # the periodic progress line (stats_interval=1)
     assert not [f for f in os.listdir(out) if f.endswith(".safetensors")], "consumed files deleted"
 
 
@@ -142,3 +145,20 @@ def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: Vll
     )
     assert len(samples) == 1 and samples[0].num_tokens == 20
     shutil.rmtree(out / ".claims", ignore_errors=True)
+
+
+def test_ctrl_c_drains_writes_and_leaves_no_partial_or_temp_files(server: VllmServer) -> None:
+    """Runs last: stops the module's server with SIGINT right after a burst of requests."""
+    from hidden_state_reader.health import scan_health
+
+    out = Path(server.options.out_dir)
+    prompts = [[(i * 13 + k) % 250 for k in range(200 + 40 * (i % 5))] for i in range(40)]
+    results = list(complete_all(server.url, "tiny", prompts, concurrency=8))
+    assert [r.error for r in results] == [None] * 40
+    # Some writes may still be in flight: a clean shutdown finishes them.
+    assert server.stop() == 0
+    assert not [n for n in os.listdir(out) if ".tmp." in n], "no temp file may survive"
+    states = {h.name: h.state for h in scan_health(str(out))}
+    for r in results:
+        assert states[os.path.basename(str(r.path))] == "ready"
+    assert set(states.values()) <= {"ready", "failed"}, states
