@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import time
 from collections import Counter
@@ -472,26 +473,18 @@ def scan_health(
     if not include_temps:
         temps = []
     total = len(samples) + len(temps)
-    done = 0
     now = time.time()
-    for name in samples:
+    checks: list[Callable[[], SampleHealth]] = []
+    checks += [
+        functools.partial(check_sample, root, name, checksums=checksums, grace=grace, now=now)
+        for name in samples
+    ]
+    checks += [functools.partial(check_temp, root, name, grace=grace, now=now) for name in temps]
+    for done, check in enumerate(checks, 1):
         try:
-            result: SampleHealth | None = check_sample(
-                root, name, checksums=checksums, grace=grace, now=now
-            )
+            result: SampleHealth | None = check()
         except FileNotFoundError:
-            result = None
-        done += 1
-        if progress is not None:
-            progress(done, total)
-        if result is not None:
-            yield result
-    for name in temps:
-        try:
-            result = check_temp(root, name, grace=grace, now=now)
-        except FileNotFoundError:
-            result = None
-        done += 1
+            result = None  # vanished since the listing: consumed or published meanwhile
         if progress is not None:
             progress(done, total)
         if result is not None:
