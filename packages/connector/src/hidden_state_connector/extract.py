@@ -17,6 +17,7 @@ import torch
 
 from hidden_state_connector.buffers import Slab
 from hidden_state_connector.compat import CacheLayout
+from hidden_state_reader.format import has_nonfinite
 
 
 @dataclass(frozen=True)
@@ -168,4 +169,4 @@ class Extractor:
         host = self._host_view(slab, chunk.count).reshape(
             -1, self.layout.num_layers, self.layout.hidden_size
         )[: chunk.num_tokens]
-        return not bool(torch.isfinite(host).all())
+        return has_nonfinite(host)

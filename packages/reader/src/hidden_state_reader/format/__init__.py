@@ -38,7 +38,12 @@ from hidden_state_reader.format.names import (
     sample_key,
     temp_path,
 )
-from hidden_state_reader.format.publish import SampleFileWriter, tensor_bytes, write_sample
+from hidden_state_reader.format.publish import (
+    SampleFileWriter,
+    has_nonfinite,
+    tensor_bytes,
+    write_sample,
+)
 
 __all__ = [
     "CLAIMS_DIR",
@@ -59,6 +64,7 @@ __all__ = [
     "WriterLock",
     "classify",
     "encode_header",
+    "has_nonfinite",
     "lock_path",
     "natural_key",
     "probe",
