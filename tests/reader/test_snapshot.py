@@ -178,3 +178,15 @@ def test_vanished_file_between_listing_and_reading_is_not_an_error(hs_dir: Path)
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         HiddenStateReader(tmp_path / "does-not-exist")
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_large_files_read_the_same_mapped_or_copied(hs_dir: Path, mmap: bool) -> None:
+    token_ids, hidden = make_tensors(1, tokens=600, layers=4, hidden=512)  # ~2.4 MB
+    write_samples(hs_dir, 1, tokens=600, layers=4, hidden=512, start=1)
+    reader = HiddenStateReader(hs_dir, mmap=mmap, on_consumed="delete")
+    [sample] = list(reader)
+    assert not os.listdir(hs_dir) or os.listdir(hs_dir) == [".claims"]  # files are gone...
+    assert torch.equal(sample.hidden_states, hidden)  # ...the tensors stay valid
+    sample.hidden_states[0, 0, 0] = 1.0  # and writable (private to this process)
+    assert torch.equal(sample.token_ids, token_ids)
