@@ -97,3 +97,23 @@ def test_stale_lock_of_a_dead_writer_is_reported_not_waited_on(hs_dir: Path) -> 
     reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.5)
     assert list(reader) == []
     assert reader.stats.stale_locks == 1
+
+
+def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) -> None:
+    import logging
+
+    from hidden_state_reader.discovery import FollowSource
+
+    source = FollowSource(str(hs_dir), rescan_interval=3600)
+    try:
+        assert source.watching
+        assert source.next(timeout=0.05) is None  # initial scan only
+        assert source.rescans == 1
+        # Fault injection: the kernel dropped events (watchdog only logs it).
+        logging.getLogger("watchdog.observers.inotify_c").warning(
+            "Inotify queue overflowed; filesystem events were lost"
+        )
+        assert source.next(timeout=0.05) is None
+        assert (source.rescans, source.overflows) == (2, 1)
+    finally:
+        source.close()

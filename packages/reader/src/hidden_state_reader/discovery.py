@@ -132,16 +132,42 @@ class SnapshotSource:
         """Nothing to release."""
 
 
+RESCAN = ""  # put into a follower's queue: events were lost, rescan now
+
+
+class _OverflowAlarm(logging.Handler):
+    """Turns watchdog's "Inotify queue overflowed" log record into immediate rescans.
+
+    watchdog only logs a queue overflow for non-recursive watches; without this, names
+    whose events were dropped would wait for the next periodic rescan.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.sinks: set[queue.SimpleQueue[str | None]] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overflow" in record.getMessage():
+            for sink in list(self.sinks):
+                sink.put(RESCAN)
+
+
 class _Observer:
     """One watchdog observer per process, shared by all followers (inotify is scarce)."""
 
     _lock = threading.Lock()
     _observer: Any = None
     _pid: int | None = None
+    _alarm = _OverflowAlarm()
 
     @classmethod
     def schedule(cls, root: str, sink: queue.SimpleQueue[str | None]) -> object:
-        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.events import (
+            FileCreatedEvent,
+            FileMovedEvent,
+            FileSystemEvent,
+            FileSystemEventHandler,
+        )
         from watchdog.observers import Observer
 
         class Handler(FileSystemEventHandler):
@@ -160,11 +186,18 @@ class _Observer:
                 observer.daemon = True
                 observer.start()
                 cls._observer, cls._pid = observer, os.getpid()
-            return cls._observer.schedule(Handler(), root, recursive=False)
+                logging.getLogger("watchdog.observers.inotify_c").addHandler(cls._alarm)
+            cls._alarm.sinks.add(sink)
+            # Ask the kernel only for creations and renames: every open, write and close in
+            # a busy directory would otherwise flood (and overflow) the inotify queue.
+            return cls._observer.schedule(
+                Handler(), root, recursive=False, event_filter=[FileCreatedEvent, FileMovedEvent]
+            )
 
     @classmethod
-    def unschedule(cls, watch: object) -> None:
+    def unschedule(cls, watch: object, sink: queue.SimpleQueue[str | None]) -> None:
         with cls._lock:
+            cls._alarm.sinks.discard(sink)
             if cls._observer is not None and cls._pid == os.getpid():
                 with contextlib.suppress(KeyError, OSError):
                     cls._observer.unschedule(watch)
@@ -212,6 +245,7 @@ class FollowSource:
         self._interval = rescan_interval if self._watch is not None else poll_interval
         self._next_rescan = 0.0  # the initial scan happens on the first next()
         self.rescans = 0
+        self.overflows = 0
 
     @property
     def watching(self) -> bool:
@@ -244,10 +278,16 @@ class FollowSource:
                 name = self._events.get_nowait()
             except queue.Empty:
                 return
-            if name is not None:
-                key = sample_key(name)
-                if key is not None:
-                    self._admit((key,))
+            self._note(name)
+
+    def _note(self, name: str | None) -> None:
+        if name == RESCAN:
+            self._next_rescan = 0.0  # events were lost: look at the directory now
+            self.overflows += 1
+        elif name is not None:
+            key = sample_key(name)
+            if key is not None:
+                self._admit((key,))
 
     def next(self, timeout: float | None = None) -> str | None:
         """Block until a new name appears; None when ``timeout`` passes or on close."""
@@ -274,10 +314,7 @@ class FollowSource:
                 name = self._events.get(timeout=max(0.0, wake - now))
             except queue.Empty:
                 continue
-            if name is not None:
-                key = sample_key(name)
-                if key is not None:
-                    self._admit((key,))
+            self._note(name)
         return None
 
     def defer(self, name: str, delay: float) -> None:
@@ -304,5 +341,5 @@ class FollowSource:
         self._closed = True
         self._events.put(None)
         if self._watch is not None:
-            _Observer.unschedule(self._watch)
+            _Observer.unschedule(self._watch, self._events)
             self._watch = None
