@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,9 +22,29 @@ from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOr
 from hidden_state_connector.stats import WriteStats
 from hidden_state_connector.writer import SaveJob, WritePipeline
 from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import WriterLock, resolve_inside, sample_metadata
+from hidden_state_reader.format import (
+    WriterLock,
+    open_dir_beneath,
+    resolve_inside,
+    sample_metadata,
+)
 
 log = get_logger(__name__)
+
+
+@dataclass
+class _Target:
+    """Where a scheduled request's sample will go: its pinned directory and its lock."""
+
+    dir_fd: int
+    lock: WriterLock | None
+
+    def abandon(self, reason: str) -> None:
+        """Release everything for a request that will never be saved."""
+        if self.lock is not None:
+            self.lock.mark_failed(reason)
+            self.lock.release()
+        os.close(self.dir_fd)
 
 
 class WorkerSide:
@@ -55,8 +76,8 @@ class WorkerSide:
         self.producer = f"hidden-state-connector/{__version__} vllm/{compat.vllm_version()}"
         self.is_writer = True
         self.pipeline: WritePipeline | None = None
-        self._locks: dict[str, WriterLock] = {}
-        self._lock_errors: dict[str, str] = {}
+        self._targets: dict[str, _Target] = {}
+        self._target_errors: dict[str, str] = {}
         self._finished_ids: set[str] = set()
         self._ready_ids: set[str] = set()
         self._closed = False
@@ -109,25 +130,44 @@ class WorkerSide:
     # -- per step -------------------------------------------------------------------
 
     def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
-        """Create and hold the lock of every newly scheduled request (``wait_for_save``)."""
-        if not self.is_writer or not self.config.use_synchronization_lock:
+        """Pin the directory and create the lock of every new request (``wait_for_save``)."""
+        if not self.is_writer:
             return
         for new in meta.new_samples:
-            if new.req_id in self._locks or new.req_id in self._lock_errors:
+            if new.req_id in self._targets or new.req_id in self._target_errors:
                 continue
             try:
-                self._check_inside(new.path)
-                self._locks[new.req_id] = self._create_lock(new.req_id, new.path)
+                self._targets[new.req_id] = self._pin(new.req_id, new.path)
             except (OSError, PathOutsideRootError) as exc:
-                self._lock_errors[new.req_id] = f"cannot create lock: {exc}"
+                self._target_errors[new.req_id] = f"cannot create lock: {exc}"
 
-    def _create_lock(self, req_id: str, path: str) -> WriterLock:
+    def _pin(self, req_id: str, path: str) -> _Target:
+        """Open the sample's directory beneath the root (no symlinks), lock the sample.
+
+        Everything later (temp file, rename) goes through this directory descriptor, so
+        swapping a path component for a symlink mid-request cannot redirect the file.
+        """
+        self._check_inside(path)
+        rel = os.path.relpath(
+            os.path.realpath(os.path.dirname(path)), os.path.realpath(self.root)
+        )
+        rel = "" if rel == "." else rel
         try:
-            return WriterLock.create(path, request_id=req_id)
+            dir_fd = open_dir_beneath(self.root, rel, create=True)
         except FileNotFoundError:
             # The storage directory vanished (deleted by hand?): recreate it once.
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            return WriterLock.create(path, request_id=req_id)
+            os.makedirs(self.root, exist_ok=True)
+            dir_fd = open_dir_beneath(self.root, rel, create=True)
+        try:
+            lock = (
+                WriterLock.create(path, dir_fd=dir_fd, request_id=req_id)
+                if self.config.use_synchronization_lock
+                else None
+            )
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        return _Target(dir_fd, lock)
 
     def _check_inside(self, path: str) -> None:
         # Defence in depth: the scheduler validated it, but it crossed a process boundary.
@@ -158,8 +198,13 @@ class WorkerSide:
 
     def _start(self, order: SaveOrder) -> None:
         assert self.pipeline is not None
-        lock = self._locks.pop(order.req_id, None)
-        lock_error = self._lock_errors.pop(order.req_id, None)
+        target = self._targets.pop(order.req_id, None)
+        failure = order.failure or self._target_errors.pop(order.req_id, None)
+        if failure is None and target is None:
+            try:  # not pinned at schedule time (should not happen): do it now
+                target = self._pin(order.req_id, order.path)
+            except (OSError, PathOutsideRootError) as exc:
+                failure = f"cannot create lock: {exc}"
         token_ids = torch.tensor(order.token_ids, dtype=torch.int64)
         extractor = self.pipeline.extractor
         job = SaveJob(
@@ -167,7 +212,8 @@ class WorkerSide:
             path=order.path,
             token_ids=token_ids,
             block_ids=order.block_ids,
-            lock=lock,
+            lock=target.lock if target is not None else None,
+            dir_fd=target.dir_fd if target is not None else None,
             metadata=sample_metadata(
                 layer_ids=self.layer_ids,
                 model=self.model,
@@ -178,13 +224,6 @@ class WorkerSide:
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
         )
-        failure = order.failure or lock_error
-        if failure is None and lock is None and self.config.use_synchronization_lock:
-            try:  # no lock yet (should not happen): create it now
-                self._check_inside(order.path)
-                job.lock = self._create_lock(order.req_id, order.path)
-            except (OSError, PathOutsideRootError) as exc:
-                failure = f"cannot create lock: {exc}"
         if failure is not None:
             self.pipeline.submit_failed(job, failure)
         else:
@@ -200,10 +239,9 @@ class WorkerSide:
         abandoned = 0
         if self.pipeline is not None:
             abandoned = self.pipeline.close(self.config.shutdown_timeout)
-        for lock in self._locks.values():
-            lock.mark_failed("engine shut down before the request finished")
-            lock.release()
-        self._locks.clear()
+        for target in self._targets.values():
+            target.abandon("engine shut down before the request finished")
+        self._targets.clear()
         total = self.stats.total
         log.info(
             "HiddenStateConnector shut down: %d files, %.2f GB, %d failed, %d abandoned",

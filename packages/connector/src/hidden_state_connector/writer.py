@@ -20,6 +20,7 @@ request. The server keeps serving.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -49,6 +50,7 @@ class SaveJob:
     token_ids: torch.Tensor
     block_ids: list[int]
     lock: WriterLock | None
+    dir_fd: int | None
     metadata: dict[str, str]
     chunks: list[Chunk]
     nbytes: int
@@ -66,6 +68,12 @@ class SaveJob:
         """Stop producing chunks for this job (the first reason wins)."""
         if self.failure is None:
             self.failure = reason
+
+    def close_dir(self) -> None:
+        """Close the pinned directory descriptor (idempotent)."""
+        fd, self.dir_fd = self.dir_fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class WritePipeline:
@@ -154,6 +162,7 @@ class WritePipeline:
         if job.lock is not None:
             job.lock.mark_failed(reason)
             job.lock.release()
+        job.close_dir()
         self.stats.failure(job.req_id, job.path, reason, dropped=dropped)
         job.finished.set()
 
@@ -225,6 +234,7 @@ class WritePipeline:
             try:
                 self._write(job)
             finally:
+                job.close_dir()
                 with self._lock:
                     self._queued_bytes -= job.nbytes
                 job.finished.set()
@@ -247,6 +257,7 @@ class WritePipeline:
                 checksum=self.checksum,
                 record_nonfinite=self.check_nonfinite,
                 fsync=self.fsync,
+                dir_fd=job.dir_fd,
             )
         except OSError as exc:
             job.fail(f"cannot create file: {exc}")
@@ -316,4 +327,6 @@ class WritePipeline:
             if not job.admitted and job.lock is not None and job.lock.held:
                 job.lock.mark_failed("connector shut down before the sample was written")
                 job.lock.release()
+            if not job.admitted:
+                job.close_dir()
         return abandoned

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
 from hidden_state_reader.sample import Sample
 
@@ -103,10 +104,18 @@ def _data_buffer(fd: int, header: SampleHeader, options: LoadOptions, path: str)
     A mapping avoids copying into fresh memory, whose page faults dominate reading large
     files from the page cache (measured 10x on the benchmark machine). It is private
     (copy-on-write), so the tensors are writable and never change the file, and it stays
-    valid after the file is deleted. Published files are never modified in place by this
-    project's writers; set ``mmap=False`` if yours rewrite files in place.
+    valid after the file is deleted. But pages not yet touched are read from the file
+    later: a file rewritten in place would change (or, shortened, crash with SIGBUS) a
+    sample already yielded. So only files of this project's writers are mapped: they
+    carry ``format_version`` and are published by rename, never rewritten in place.
+    Files of other writers (vLLM's example connector) are copied.
     """
-    if options.mmap and not options.pin_memory and header.file_size >= MMAP_MIN_BYTES:
+    if (
+        options.mmap
+        and not options.pin_memory
+        and header.file_size >= MMAP_MIN_BYTES
+        and Meta.FORMAT in header.metadata
+    ):
         mapping = mmap.mmap(fd, header.file_size, flags=mmap.MAP_PRIVATE)
         return torch.frombuffer(mapping, dtype=torch.uint8)[header.data_start :]
     buffer = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=options.pin_memory)
@@ -158,7 +167,10 @@ def load_sample(path: str | os.PathLike[str], options: LoadOptions | None = None
         OSError: It cannot be opened.
     """
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = open_regular(path)
+    except NotRegularFileError as exc:
+        raise CorruptSampleError(path, "not a regular file") from exc
     try:
         return load_fd(fd, path, options)
     finally:

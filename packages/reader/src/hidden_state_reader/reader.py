@@ -26,6 +26,7 @@ from hidden_state_reader.errors import (
     StaleLockError,
     WaitCancelledError,
 )
+from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.lockfile import SharedLock, read_status
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.load import LoadOptions, load_fd
@@ -233,6 +234,15 @@ class HiddenStateReader:
         except SampleError as exc:
             self._reject(name, exc, claim)
             return None
+        except FileNotFoundError:  # removed while we looked at it
+            self.stats.vanished += 1
+            if claim is not None:
+                claim.remove()
+            return None
+        except OSError as exc:  # permissions, symlink loops, I/O errors: this file only
+            error = CorruptSampleError(os.path.join(self.root, name), f"cannot read: {exc}")
+            self._reject(name, error, claim)
+            return None
         except BaseException:
             if claim is not None:
                 claim.abandon()
@@ -266,7 +276,9 @@ class HiddenStateReader:
             return None
         with lock:
             try:
-                fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = open_regular(data_path)
+            except NotRegularFileError as exc:
+                raise CorruptSampleError(data_path, "not a regular file") from exc
             except FileNotFoundError:
                 self._no_data(source, name, lock.existed, claim)
                 return None

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 
 FORMAT_VERSION = "1"
 HIDDEN_STATES = "hidden_states"
@@ -27,6 +28,9 @@ TOKEN_IDS = "token_ids"
 
 # A header larger than this is not something a writer of this format produces.
 MAX_HEADER_BYTES = 16 * 1024 * 1024
+# No real dimension comes near this; larger ones (even of empty tensors) are rejected so
+# they can never reach torch as a shape.
+MAX_DIM = 2**40
 HEADER_ALIGN = 8
 
 
@@ -133,7 +137,7 @@ class SampleHeader:
             return None
         try:
             ids = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CorruptSampleError(self.path, f"metadata layer_ids is not JSON: {raw!r}") from exc
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise CorruptSampleError(
@@ -167,7 +171,7 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     """
     try:
         raw = json.loads(header_bytes)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptSampleError(path, f"header is not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise CorruptSampleError(path, "header is not a JSON object")
@@ -182,10 +186,10 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
         if not isinstance(spec, dict):
             raise CorruptSampleError(path, f"tensor {name!r}: entry is not an object")
         dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CorruptSampleError(path, f"tensor {name!r}: unsupported dtype {dtype!r}")
         if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
         ):
             raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
         if (
@@ -237,7 +241,13 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
         raise CorruptSampleError(
             path, f"{file_size - expected_size} trailing bytes after the tensor data"
         )
-    return SampleHeader(path, data_start, file_size, tensors, dict(metadata))
+    header = SampleHeader(path, data_start, file_size, tensors, dict(metadata))
+    ids = header.layer_ids  # raises CorruptSampleError when malformed
+    if ids is not None and len(ids) != hidden.shape[1]:
+        raise CorruptSampleError(
+            path, f"metadata layer_ids {ids} do not match {hidden.shape[1]} captured layers"
+        )
+    return header
 
 
 def read_header_fd(fd: int, path: str) -> SampleHeader:
@@ -270,7 +280,10 @@ def read_header(path: str | os.PathLike[str]) -> SampleHeader:
         OSError: The file cannot be opened.
     """
     path = os.fspath(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = open_regular(path)
+    except NotRegularFileError as exc:
+        raise CorruptSampleError(path, "not a regular file") from exc
     try:
         return read_header_fd(fd, path)
     finally:

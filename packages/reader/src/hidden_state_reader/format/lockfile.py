@@ -25,6 +25,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from hidden_state_reader.errors import CorruptSampleError
+from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.names import lock_path, temp_path
 from hidden_state_reader.waiting import CancelToken, flock_wait
 
@@ -73,7 +75,7 @@ class WriterLock:
         self._fd: int | None = fd
 
     @classmethod
-    def create(cls, data_path: str, **detail: Any) -> WriterLock:
+    def create(cls, data_path: str, *, dir_fd: int | None = None, **detail: Any) -> WriterLock:
         """Create ``data_path + '.lock'`` already locked ``LOCK_EX``.
 
         Never blocks: the lock is taken on a fresh inode before it gets its public name,
@@ -82,6 +84,8 @@ class WriterLock:
 
         Args:
             data_path: The sample's final data path.
+            dir_fd: A descriptor of the sample's directory: create the lock there, by
+                name, whatever the directory's path now leads to.
             **detail: JSON-serialisable facts recorded in the status (request id, ...).
 
         Raises:
@@ -89,17 +93,23 @@ class WriterLock:
         """
         final = lock_path(data_path)
         tmp = temp_path(final)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        if dir_fd is not None:
+            final_name, tmp_name = os.path.basename(final), os.path.basename(tmp)
+        else:
+            final_name, tmp_name = final, tmp
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = os.open(tmp_name, flags, 0o644, dir_fd=dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             status = _encode_status(
                 STATE_WRITING, pid=os.getpid(), host=socket.gethostname(), **detail
             )
             os.pwrite(fd, status, 0)
-            os.replace(tmp, final)
+            os.replace(tmp_name, final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(tmp)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name, dir_fd=dir_fd)
             raise
         return cls(final, fd)
 
@@ -134,10 +144,13 @@ class WriterLock:
 def read_status(path: str) -> LockStatus:
     """Read the status a writer left in a lock file (``state=None`` if empty/foreign)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(_MAX_STATUS_BYTES)
-    except FileNotFoundError:
+        fd = open_regular(path)
+    except (FileNotFoundError, NotRegularFileError):
         return LockStatus(None, {})
+    try:
+        raw = os.pread(fd, _MAX_STATUS_BYTES, 0)
+    finally:
+        os.close(fd)
     try:
         doc = json.loads(raw) if raw.strip() else {}
     except ValueError:
@@ -151,7 +164,7 @@ def read_status(path: str) -> LockStatus:
 def probe(path: str) -> LockState:
     """Look at a lock file without blocking."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)
     except FileNotFoundError:
         return LockState.ABSENT
     try:
@@ -199,9 +212,11 @@ class SharedLock:
         """
         path = lock_path(data_path)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(path)
         except FileNotFoundError:
             return cls(path, None)
+        except NotRegularFileError as exc:
+            raise CorruptSampleError(data_path, "its lock file is not a regular file") from exc
         try:
             if not flock_wait(fd, timeout=timeout, cancel=cancel):
                 os.close(fd)
@@ -222,8 +237,3 @@ class SharedLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)

@@ -8,7 +8,9 @@ Readers keep their own bookkeeping in hidden sub-folders of the storage root
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import errno
 import os
 import re
 import uuid
@@ -24,6 +26,7 @@ QUARANTINE_DIR = ".quarantine"
 # Linux NAME_MAX; a component longer than this cannot be created at all.
 MAX_COMPONENT_BYTES = 255
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+FOREIGN_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 
 
 class Kind(enum.Enum):
@@ -38,7 +41,8 @@ class Kind(enum.Enum):
 def classify(filename: str) -> Kind:
     """Classify a bare file name (no directory part)."""
     if filename.startswith("."):
-        return Kind.OTHER
+        # safetensors >= 0.8 (vLLM's own connector) writes ".tmpXXXXXX" and renames it.
+        return Kind.TEMP if FOREIGN_TEMP.match(filename) else Kind.OTHER
     if TEMP_INFIX in filename:
         return Kind.TEMP
     if filename.endswith(DATA_SUFFIX + LOCK_SUFFIX):
@@ -88,6 +92,52 @@ def natural_key(name: str) -> tuple[object, ...]:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
 
 
+def open_dir_beneath(root: str, relative: str, *, create: bool = False) -> int:
+    """Open a directory below ``root`` one component at a time, never following a symlink.
+
+    The returned descriptor pins the directory: files created through it (``dir_fd=``)
+    land there even if someone later swaps a path component for a symlink.
+
+    Args:
+        root: The storage root (opened by path).
+        relative: The directory below it (``""`` for the root itself).
+        create: Create missing components.
+
+    Returns:
+        A directory descriptor (close it).
+
+    Raises:
+        PathOutsideRootError: A component is ``..``, hidden, or a symlink.
+        OSError: A component cannot be opened or created.
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in (p for p in relative.split("/") if p and p != "."):
+            if part == ".." or part.startswith("."):
+                raise PathOutsideRootError(relative, root, f"component {part!r} not allowed")
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                child = os.open(part, flags, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                child = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise PathOutsideRootError(
+                        relative, root, f"component {part!r} is not a plain directory"
+                    ) from exc
+                raise
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def resolve_inside(root: str, requested: str) -> str:
     """Resolve a client-supplied sample path and prove it stays inside ``root``.
 
@@ -113,6 +163,9 @@ def resolve_inside(root: str, requested: str) -> str:
     parts = requested.replace("\\", "/").split("/")
     if ".." in parts:
         raise PathOutsideRootError(requested, root, "contains a '..' component")
+    if any(p.startswith(".") for p in parts if p):
+        # Hidden folders hold the readers' bookkeeping and are never scanned.
+        raise PathOutsideRootError(requested, root, "a path component starts with '.'")
     if any(len(p.encode()) > MAX_COMPONENT_BYTES for p in parts):
         raise PathOutsideRootError(requested, root, "a path component is too long")
     if not requested.endswith(DATA_SUFFIX):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hidden_state_reader.format.header import (
+    FORMAT_VERSION,
     HIDDEN_STATES,
     TOKEN_IDS,
     Meta,
@@ -76,6 +77,8 @@ class SampleFileWriter:
         record_nonfinite: Record whether ``hidden_states`` contains NaN/inf (the caller
             reports it through ``note_nonfinite``).
         fsync: Make the file and its directory entry durable before releasing the lock.
+        dir_fd: A descriptor of the target directory (the writer duplicates it): the file
+            is created and renamed there, whatever its path leads to by then.
     """
 
     def __init__(
@@ -90,11 +93,14 @@ class SampleFileWriter:
         checksum: bool = False,
         record_nonfinite: bool = False,
         fsync: bool = False,
+        dir_fd: int | None = None,
     ) -> None:
         self.final_path = final_path
         self.lock = lock
         self._fsync = fsync
         self._meta = dict(metadata or {})
+        # Marks files published atomically by this module (readers may map them).
+        self._meta.setdefault(Meta.FORMAT, FORMAT_VERSION)
         if record_nonfinite:
             self._meta[Meta.NONFINITE] = "0"
         if checksum:
@@ -118,8 +124,12 @@ class SampleFileWriter:
         # Every later step goes through the directory's descriptor, so a directory that is
         # renamed meanwhile still gets its complete file, and a failure still removes the
         # temp file (paths would point elsewhere).
-        self._dir_fd: int | None = os.open(
-            os.path.dirname(final_path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        self._dir_fd: int | None = (
+            os.dup(dir_fd)
+            if dir_fd is not None
+            else os.open(
+                os.path.dirname(final_path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+            )
         )
         self._name = os.path.basename(final_path)
         self._tmp_name = os.path.basename(self.tmp_path)

@@ -1,0 +1,38 @@
+"""Opening files that are supposed to be regular files, without ever blocking.
+
+A name that looks like a sample can be anything: a FIFO (``open`` would block until a
+writer appears), a directory, a device. ``open_regular`` opens with ``O_NONBLOCK`` (no
+effect on regular files) and refuses anything that is not a regular file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+
+class NotRegularFileError(OSError):
+    """The path exists but is not a regular file."""
+
+
+def open_regular(path: str) -> int:
+    """Open ``path`` read-only; it must be a regular file.
+
+    Returns:
+        A file descriptor (close it).
+
+    Raises:
+        FileNotFoundError: Nothing there.
+        NotRegularFileError: A FIFO, directory, socket or device.
+        OSError: Other failures (permissions, symlink loops, ...).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFileError(f"{path}: not a regular file")
+    return fd
