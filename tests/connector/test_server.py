@@ -92,14 +92,15 @@ def test_concurrent_mixed_requests_stream_into_a_follow_reader(server: VllmServe
     assert not [f for f in os.listdir(out) if f.endswith(".safetensors")], "consumed files deleted"
 
 
-def test_client_disconnect_aborts_and_releases_the_lock_as_failed(server: VllmServer) -> None:
+def _disconnect_mid_stream(server: VllmServer) -> tuple[str, str]:
+    """Start a long streamed request, hang up after its first chunk; its lock and data paths."""
     out = Path(server.options.out_dir)
     before = set(os.listdir(out))
     conn = http.client.HTTPConnection("127.0.0.1", server.options.port, timeout=60)
     body = {
         "model": "tiny",
         "prompt": [5] * 50,
-        "max_tokens": 1500,
+        "max_tokens": 2048 - 50,  # as long as the model allows: it must outlast the hang-up
         "stream": True,
         "ignore_eos": True,
         "temperature": 0.0,
@@ -111,11 +112,21 @@ def test_client_disconnect_aborts_and_releases_the_lock_as_failed(server: VllmSe
     new_locks = [f for f in set(os.listdir(out)) - before if f.endswith(".lock")]
     assert len(new_locks) == 1
     conn.close()  # vLLM aborts the request when its client goes away
-    data_path = str(out / new_locks[0][: -len(".lock")])
-    lock = SharedLock.acquire(data_path, timeout=60)  # sleeps until the connector releases
-    assert lock is not None, "lock of an aborted request must be released"
-    lock.release()
-    status = read_status(str(out / new_locks[0]))
+    return str(out / new_locks[0]), str(out / new_locks[0][: -len(".lock")])
+
+
+def test_client_disconnect_aborts_and_releases_the_lock_as_failed(server: VllmServer) -> None:
+    for _attempt in range(3):
+        lock_file, data_path = _disconnect_mid_stream(server)
+        lock = SharedLock.acquire(data_path, timeout=60)  # sleeps until the connector releases
+        assert lock is not None, "lock of an aborted request must be released"
+        lock.release()
+        if not os.path.exists(data_path):
+            break
+        # On a loaded machine the whole generation can finish before vLLM notices the
+        # hang-up: then the sample is simply complete, and the abort is tried again.
+        assert not read_status(lock_file).failed
+    status = read_status(lock_file)
     assert status.failed and "ABORTED" in status.reason
     assert not os.path.exists(data_path)
     # and the server still serves
@@ -147,8 +158,8 @@ def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: Vll
     shutil.rmtree(out / ".claims", ignore_errors=True)
 
 
-def test_ctrl_c_drains_writes_and_leaves_no_partial_or_temp_files(server: VllmServer) -> None:
-    """Runs last: stops the module's server with SIGINT right after a burst of requests."""
+def test_stop_drains_writes_and_leaves_no_partial_or_temp_files(server: VllmServer) -> None:
+    """Runs last: SIGINT to the server (as a service manager stops it) right after a burst."""
     from hidden_state_reader.health import scan_health
 
     out = Path(server.options.out_dir)
@@ -156,9 +167,11 @@ def test_ctrl_c_drains_writes_and_leaves_no_partial_or_temp_files(server: VllmSe
     results = list(complete_all(server.url, "tiny", prompts, concurrency=8))
     assert [r.error for r in results] == [None] * 40
     # Some writes may still be in flight: a clean shutdown finishes them.
-    assert server.stop() == 0
+    assert server.stop() == 0, server.tail(80)
     assert not [n for n in os.listdir(out) if ".tmp." in n], "no temp file may survive"
-    states = {h.name: h.state for h in scan_health(str(out))}
+    health = {h.name: h for h in scan_health(str(out))}
+    states = {name: h.state for name, h in health.items()}
     for r in results:
-        assert states[os.path.basename(str(r.path))] == "ready"
+        sample = health[os.path.basename(str(r.path))]
+        assert sample.state == "ready", (sample.name, sample.reason, server.tail(60))
     assert set(states.values()) <= {"ready", "failed"}, states

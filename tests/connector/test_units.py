@@ -168,5 +168,6 @@ def test_serve_command_carries_both_configs() -> None:
     joined = " ".join(cmd)
     assert "extract_hidden_states" in joined and '"HiddenStateConnector"' in joined
     assert '"shared_storage_path": "/d"' in joined and cmd[:3] == ["vllm", "serve", "m"]
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "30"  # Ctrl-C drains, not aborts
     assert default_layer_ids(32) == [2, 16, 29]
     assert default_layer_ids(4) == [1, 2]

@@ -60,6 +60,10 @@ class ServeOptions:
         port: HTTP port on 127.0.0.1.
         connector: Extra ``kv_connector_extra_config`` keys.
         vllm_args: Further ``vllm serve`` arguments, passed through.
+        shutdown_timeout: vLLM's ``--shutdown-timeout``: seconds a stopping server keeps
+            stepping. vLLM's default (0) aborts at once, so a request answered just
+            before Ctrl-C never gets its save order to the writer and its sample ends
+            ``failed``; a drain lets it be written. ``None`` leaves vLLM's default.
     """
 
     model: str
@@ -68,6 +72,7 @@ class ServeOptions:
     port: int = 8000
     connector: dict[str, Any] = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
+    shutdown_timeout: int | None = 30
 
     def command(self) -> list[str]:
         """The ``vllm serve`` command line."""
@@ -83,6 +88,11 @@ class ServeOptions:
             json.dumps(speculative_config(self.layer_ids)),
             "--kv-transfer-config",
             json.dumps(kv_transfer_config(self.out_dir, self.connector)),
+            *(
+                ["--shutdown-timeout", str(self.shutdown_timeout)]
+                if self.shutdown_timeout is not None
+                else []
+            ),
             *self.vllm_args,
         ]
 
@@ -191,7 +201,12 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 60.0) -> int | None:
-        """Stop the server: SIGINT (clean shutdown), then SIGTERM, then SIGKILL.
+        """Stop the server: SIGINT to the server, then SIGTERM and SIGKILL to its group.
+
+        The first SIGINT goes to the server process only, as a service manager's stop
+        does: vLLM then drains (``--shutdown-timeout``) and stops its own workers, so
+        every answered request is written. A terminal's Ctrl-C instead reaches every
+        process of the group, and vLLM's worker processes exit on it at once.
 
         Returns:
             The exit code, or None if it was never started.
@@ -199,13 +214,21 @@ class VllmServer:
         proc = self.process
         if proc is None:
             return None
-        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        steps = (
+            (lambda: os.kill(proc.pid, signal.SIGINT), timeout),
+            (lambda: os.killpg(proc.pid, signal.SIGTERM), 10.0),
+            (lambda: os.killpg(proc.pid, signal.SIGKILL), 10.0),
+        )
+        for send, wait in steps:
             if proc.poll() is not None:
                 break
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
+                send()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(wait)
+        # Workers the server left behind (it was killed) must not outlive it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
             self._log = None

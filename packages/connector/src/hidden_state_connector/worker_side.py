@@ -148,9 +148,7 @@ class WorkerSide:
         swapping a path component for a symlink mid-request cannot redirect the file.
         """
         self._check_inside(path)
-        rel = os.path.relpath(
-            os.path.realpath(os.path.dirname(path)), os.path.realpath(self.root)
-        )
+        rel = os.path.relpath(os.path.realpath(os.path.dirname(path)), os.path.realpath(self.root))
         rel = "" if rel == "." else rel
         try:
             dir_fd = open_dir_beneath(self.root, rel, create=True)

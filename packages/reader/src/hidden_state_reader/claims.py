@@ -48,14 +48,16 @@ class Claim:
     reclaimed: bool
 
     def done(self) -> None:
-        """Mark the sample consumed and release the claim (idempotent)."""
-        fd, self.fd = self.fd, None
-        if fd is None:
+        """Mark the sample consumed and release the claim (idempotent).
+
+        The state is written before the descriptor is given up, so a call cut short by
+        Ctrl-C can simply be repeated.
+        """
+        if self.fd is None:
             return
-        try:
-            _write_state(fd, _DONE)
-        finally:
-            os.close(fd)
+        _write_state(self.fd, _DONE)
+        fd, self.fd = self.fd, None
+        os.close(fd)
 
     def abandon(self) -> None:
         """Give the sample back: remove the claim so another reader may take it."""

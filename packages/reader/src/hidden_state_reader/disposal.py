@@ -33,7 +33,12 @@ def dispose(root: str, name: str, action: str, done_dir: str | None) -> bool:
         return False
     if action == "move":
         assert done_dir is not None
-        os.replace(data, os.path.join(done_dir, name))
+        target = os.path.join(done_dir, name)
+        try:
+            os.replace(data, target)
+        except FileNotFoundError:
+            if not os.path.exists(target):  # not a repeat of a move already made
+                raise
     else:
         _unlink(data)
     _unlink(lock_path(data))

@@ -204,7 +204,7 @@ class HiddenStateReader:
                 finally:
                     # Reached when the caller asks for the next sample or stops
                     # iterating: either way the sample was delivered.
-                    self._consumed(source, name, claim)
+                    self._commit(source, name, claim)
                 last_news = time.monotonic()
         finally:
             source.close()
@@ -356,6 +356,18 @@ class HiddenStateReader:
         if self.on_error == "raise":
             raise exc
         log.warning("skipping %s", exc)
+
+    def _commit(
+        self, source: SnapshotSource | FollowSource, name: str, claim: Claim | None
+    ) -> None:
+        """Record a delivered sample as consumed, even if Ctrl-C lands midway."""
+        try:
+            self._consumed(source, name, claim)
+        except KeyboardInterrupt:
+            # Every step is repeatable: finish the record, then let the interrupt through
+            # (a half-recorded claim would hand the sample to another reader again).
+            self._consumed(source, name, claim)
+            raise
 
     def _consumed(
         self, source: SnapshotSource | FollowSource, name: str, claim: Claim | None

@@ -47,8 +47,8 @@ class ReaderStats:
         return self.incomplete + self.corrupt + self.failed + self.stale_locks + self.empty
 
     def as_dict(self) -> dict[str, int]:
-        """Plain dict, for logging or JSON."""
-        return asdict(self)
+        """Plain dict, for logging or JSON (with the ``skipped`` total)."""
+        return {**asdict(self), "skipped": self.skipped}
 
     def merge(self, other: ReaderStats) -> None:
         """Add another reader's counters to these."""

@@ -1,0 +1,554 @@
+"""Write path alone: the connector's real writer vs raw sequential writes, same filesystem.
+
+The connector's code runs exactly as in the engine's worker: ``Extractor`` gathers chunks
+of a synthetic CPU "hidden-state cache" (vLLM 0.32 layout ``[blocks, layers, block_size,
+hidden]``, bf16, random values) into the ``WritePipeline``'s slabs, its writer threads
+stream ``SampleFileWriter`` files and publish them. A driver thread plays the engine: it
+submits ``SaveJob``s (each with a held ``WriterLock``) and calls ``pump()`` every
+millisecond until every job is published.
+
+Baselines, interleaved with the pipeline trial by trial:
+
+* ``raw``: one file, ``os.write`` of 16 MiB random blocks, then ``fdatasync``.
+* ``raw, same files``: the same file sizes as the pipeline writes, one ``open/write/close``
+  each, then ``fdatasync`` of each.
+
+"Durable" rates end when the bytes are on the device (the raw file's ``fdatasync``; the
+pipeline's files each ``fdatasync``-ed after publication, or ``fsync=True`` in the
+connector); "page cache" rates end when the last ``write`` returned / the last file was
+published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    Context,
+    fmt,
+    goal,
+    log,
+    median,
+    remove_tree_contents,
+    rotate,
+    spread,
+    table,
+)
+
+NAME = "write"
+TITLE = "2. Write path alone (connector writer vs raw sequential write)"
+GOAL = 0.8
+RAW_BLOCK = 16 * 2**20
+
+
+class _Timers:
+    """Thread-safe accumulating timers (seconds per category)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def add(self, key: str, secs: float) -> None:
+        with self._lock:
+            self.seconds[key] += secs
+
+    def wrap(self, key: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(key, time.perf_counter() - t)
+
+        return wrapped
+
+
+class Variant:
+    """One connector configuration with its own pipeline (threads and slabs live across trials)."""
+
+    def __init__(self, name: str, cache: Any, layout: Any, settings: dict[str, Any]) -> None:
+        from hidden_state_connector.extract import Extractor
+        from hidden_state_connector.stats import WriteStats
+        from hidden_state_connector.writer import WritePipeline
+
+        self.name = name
+        self.settings = settings
+        block_bytes = layout.block_size * layout.num_layers * layout.hidden_size * 2
+        self.extractor = Extractor(
+            cache,
+            layout,
+            max(1, settings["chunk_bytes"] // block_bytes),
+            check_nonfinite=settings["check_nonfinite"],
+        )
+        self.pipeline = WritePipeline(
+            self.extractor,
+            num_threads=settings["num_writer_threads"],
+            host_budget=settings["host_buffer_bytes"],
+            when_full="wait",
+            max_queued_bytes=8 * 2**30,
+            checksum=False,
+            check_nonfinite=settings["check_nonfinite"],
+            fsync=settings["fsync"],
+            stats=WriteStats(0),
+        )
+        if settings.get("fast_nonfinite"):
+            self.extractor.chunk_nonfinite = fast_nonfinite(self.extractor)  # type: ignore[method-assign]
+        # Touch every slab once: a long-running server has faulted them in long ago.
+        for slab in list(self.pipeline.pool._free):
+            slab.data.fill_(0)
+
+    def trial(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
+        """Write ``requests`` (tokens, block ids) into ``directory``; time it."""
+        import torch
+
+        from hidden_state_connector.writer import SaveJob
+        from hidden_state_reader.format import WriterLock, sample_metadata
+
+        pipeline, extractor = self.pipeline, self.extractor
+        jobs = []
+        t0 = time.perf_counter()
+        for i, (tokens, blocks) in enumerate(requests):
+            path = str(directory / f"req-{i}.safetensors")
+            token_ids = torch.arange(tokens, dtype=torch.int64) % 250
+            job = SaveJob(
+                req_id=f"req-{i}",
+                path=path,
+                token_ids=token_ids,
+                block_ids=blocks,
+                lock=WriterLock.create(path, request_id=f"req-{i}"),
+                metadata=sample_metadata(
+                    layer_ids=list(range(extractor.layout.num_layers)),
+                    request_id=f"req-{i}",
+                    num_prompt_tokens=tokens,
+                    producer="benchmarks.write",
+                ),
+                chunks=extractor.plan(tokens),
+                nbytes=tokens * extractor.token_bytes,
+            )
+            pipeline.submit(job)
+            jobs.append(job)
+        pending = list(jobs)
+        while pending:
+            pipeline.pump()
+            pipeline.finished()
+            pending = [j for j in pending if not j.finished.is_set()]
+            if pending:
+                time.sleep(0.001)  # the engine steps about this often, at most
+        t_published = time.perf_counter()
+        failed = [j.failure for j in jobs if not j.published]
+        if failed:
+            raise RuntimeError(f"{self.name}: {len(failed)} samples failed: {failed[:2]}")
+        sizes = 0
+        for job in jobs:
+            fd = os.open(job.path, os.O_RDONLY)
+            try:
+                sizes += os.fstat(fd).st_size
+                if not self.settings["fsync"]:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        t_durable = time.perf_counter()
+        return {
+            "bytes": sizes,
+            "files": len(jobs),
+            "published_s": t_published - t0,
+            "durable_s": t_durable - t0,
+        }
+
+    def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
+        """One more trial with timers around each stage (thread-seconds per stage)."""
+        from hidden_state_connector import writer as writer_module
+
+        timers = _Timers()
+        real_writer = writer_module.SampleFileWriter
+
+        class TimedWriter(real_writer):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                t = time.perf_counter()
+                super().__init__(*args, **kwargs)
+                timers.add("create file, header, token ids", time.perf_counter() - t)
+
+            def write_hidden(self, chunk: Any) -> None:
+                t = time.perf_counter()
+                super().write_hidden(chunk)
+                timers.add("write hidden states (os.write)", time.perf_counter() - t)
+
+            def publish(self) -> str:
+                t = time.perf_counter()
+                try:
+                    return str(super().publish())
+                finally:
+                    timers.add("publish (rename, unlock, fsync if on)", time.perf_counter() - t)
+
+        ex = self.extractor
+        saved = (ex.copy, ex.chunk_nonfinite)
+        ex.copy = timers.wrap("gather out of the cache (engine thread)", ex.copy)  # type: ignore[method-assign]
+        ex.chunk_nonfinite = timers.wrap("NaN/inf check (writer threads)", ex.chunk_nonfinite)  # type: ignore[method-assign]
+        writer_module.SampleFileWriter = TimedWriter  # type: ignore[misc]
+        try:
+            res = self.trial(directory, requests)
+        finally:
+            writer_module.SampleFileWriter = real_writer  # type: ignore[misc]
+            ex.copy, ex.chunk_nonfinite = saved  # type: ignore[method-assign]
+        res["thread_seconds"] = dict(timers.seconds)
+        return res
+
+    def close(self) -> None:
+        self.pipeline.close(30)
+
+
+def fast_nonfinite(extractor: Any) -> Any:
+    """The NaN/inf check done on the integer bits with numpy (a proposed product change).
+
+    A float is NaN or \u00b1inf exactly when its exponent bits are all ones. Read as a
+    signed integer, +inf/NaN are the largest values (bf16: 0x7F80..0x7FFF); read as an
+    unsigned integer, -inf/-NaN are the largest (0xFF80..0xFFFF). So two ``max``
+    reductions answer it, with no temporary array, at memory speed; ``torch.isfinite`` on
+    bf16 CPU tensors is one to two orders of magnitude slower on this machine.
+    """
+    import numpy as np
+    import torch
+
+    signed, unsigned, pos, neg = {
+        torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0xFF80),
+        torch.float16: (np.int16, np.uint16, 0x7C00, 0xFC00),
+        torch.float32: (np.int32, np.uint32, 0x7F800000, 0xFF800000),
+    }[extractor.dtype]
+
+    def chunk_nonfinite(slab: Any, chunk: Any) -> bool:
+        n = chunk.num_tokens * extractor.token_bytes
+        if n == 0:
+            return False
+        data = slab.data[:n].numpy()
+        return bool(data.view(signed).max() >= pos or data.view(unsigned).max() >= neg)
+
+    return chunk_nonfinite
+
+
+def raw_trial(directory: Path, total: int, buf: memoryview) -> dict[str, Any]:
+    path = directory / "raw.bin"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = total
+        while left:
+            n = os.write(fd, buf[: min(len(buf), left)])
+            left -= n
+        t_written = time.perf_counter()
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    t_durable = time.perf_counter()
+    return {"bytes": total, "published_s": t_written - t0, "durable_s": t_durable - t0}
+
+
+def raw_files_trial(directory: Path, sizes: list[int], buf: memoryview) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    paths = []
+    for i, size in enumerate(sizes):
+        path = directory / f"raw-{i}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            left = size
+            while left:
+                left -= os.write(fd, buf[: min(len(buf), left)])
+        finally:
+            os.close(fd)
+        paths.append(path)
+    t_written = time.perf_counter()
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    t_durable = time.perf_counter()
+    return {"bytes": sum(sizes), "published_s": t_written - t0, "durable_s": t_durable - t0}
+
+
+def _settle(directory: Path) -> None:
+    """Remove a trial's files and let the device settle (outside the timed region)."""
+    remove_tree_contents(directory)
+    os.sync()
+    time.sleep(0.3)
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    from hidden_state_connector.compat import CacheLayout
+
+    work = ctx.workdir("write")
+    layers, hidden, block = 4, 4096, 16
+    tokens = ctx.pick(512, 1024)
+    n_requests = ctx.pick(8, 32)
+    trials = ctx.pick(2, 5)
+    cache_blocks = ctx.pick(64, 512)
+    host_budget = ctx.pick(256 * 2**20, 2 * 2**30)
+    layout = CacheLayout(token_axis=2, block_size=block, num_layers=layers, hidden_size=hidden)
+    log(f"write: building a {cache_blocks * block * layers * hidden * 2 / 2**20:.0f} MiB cache")
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(
+        (cache_blocks, layers, block, hidden), generator=gen, dtype=torch.float32
+    ).to(torch.bfloat16)
+    blocks_per_request = -(-tokens // block)
+    requests = []
+    for i in range(n_requests):
+        ids = torch.randperm(cache_blocks, generator=gen)[:blocks_per_request].tolist()
+        requests.append((tokens, ids))
+        del i
+    defaults = {
+        "num_writer_threads": 8,
+        "host_buffer_bytes": host_budget,
+        "chunk_bytes": 16 * 2**20,
+        "check_nonfinite": True,
+        "fsync": False,
+    }
+    variant_settings = {"connector": defaults}
+    if not ctx.quick:
+        variant_settings["connector, check_nonfinite off"] = {**defaults, "check_nonfinite": False}
+        variant_settings["connector, NaN check on int bits (proposed)"] = {
+            **defaults,
+            "fast_nonfinite": True,
+        }
+        variant_settings["connector, fsync on"] = {**defaults, "fsync": True}
+    variants = {
+        name: Variant(name, cache, layout, settings) for name, settings in variant_settings.items()
+    }
+    buf = memoryview(os.urandom(RAW_BLOCK))
+    names = ["raw", "raw, same files", *variants]
+    per: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    sizes: list[int] = []
+    try:
+        # Warm-up: one untimed pass of each connector variant (threads, slabs, allocator).
+        for variant in variants.values():
+            res = variant.trial(work, requests[: max(2, n_requests // 4)])
+            _settle(work)
+        probe = variants["connector"].trial(work, requests)
+        sizes = sorted(os.path.getsize(p) for p in work.glob("*.safetensors"))
+        total = sum(sizes)
+        _settle(work)
+        log(f"write: {n_requests} files of {sizes[0] / 2**20:.1f} MiB, {total / 1e9:.2f} GB/trial")
+        for t in range(trials):
+            for name in rotate(names, t):
+                if name == "raw":
+                    res = raw_trial(work, total, buf)
+                elif name == "raw, same files":
+                    res = raw_files_trial(work, sizes, buf)
+                else:
+                    res = variants[name].trial(work, requests)
+                per[name].append(res)
+                _settle(work)
+                log(
+                    f"write: trial {t + 1}/{trials} {name:32s} "
+                    f"{res['bytes'] / res['durable_s'] / 1e9:6.2f} GB/s durable, "
+                    f"{res['bytes'] / res['published_s'] / 1e9:6.2f} GB/s page cache"
+                )
+        profile = variants["connector"].profile(work, requests)
+        _settle(work)
+    finally:
+        for variant in variants.values():
+            variant.close()
+        with contextlib.suppress(OSError):
+            remove_tree_contents(work)
+    del probe
+    return _summarise(per, profile, variant_settings, sizes, trials, layout, tokens)
+
+
+def _summarise(
+    per: dict[str, list[dict[str, Any]]],
+    profile: dict[str, Any],
+    variant_settings: dict[str, dict[str, Any]],
+    sizes: list[int],
+    trials: int,
+    layout: Any,
+    tokens: int,
+) -> dict[str, Any]:
+    summary = {}
+    for name, rows in per.items():
+        summary[name] = {
+            "durable_gb_s": spread([r["bytes"] / r["durable_s"] / 1e9 for r in rows]),
+            "page_cache_gb_s": spread([r["bytes"] / r["published_s"] / 1e9 for r in rows]),
+        }
+
+    def paired(a: str, b: str, key: str) -> float:
+        return median(
+            [
+                (x["bytes"] / x[key]) / (y["bytes"] / y[key])
+                for x, y in zip(per[a], per[b], strict=False)
+            ]
+        )
+
+    def vs_best_raw(name: str, key: str) -> float:
+        # The faster of the two raw baselines of the same trial (the conservative choice).
+        out = []
+        for x, a, b in zip(per[name], per["raw"], per["raw, same files"], strict=False):
+            best = max(a["bytes"] / a[key], b["bytes"] / b[key])
+            out.append((x["bytes"] / x[key]) / best)
+        return median(out)
+
+    ratios = {}
+    for name in per:
+        if name.startswith("connector"):
+            ratios[f"{name} / raw"] = {
+                "durable": paired(name, "raw", "durable_s"),
+                "page_cache": paired(name, "raw", "published_s"),
+            }
+            ratios[f"{name} / best raw"] = {
+                "durable": vs_best_raw(name, "durable_s"),
+                "page_cache": vs_best_raw(name, "published_s"),
+            }
+    ratios["raw, same files / raw"] = {
+        "durable": paired("raw, same files", "raw", "durable_s"),
+        "page_cache": paired("raw, same files", "raw", "published_s"),
+    }
+    headline = ratios["connector / best raw"]["durable"]
+    return {
+        "setup": {
+            "cache_layout": "[blocks, layers, block_size, hidden] (vLLM 0.32), bf16",
+            "layers": layout.num_layers,
+            "hidden": layout.hidden_size,
+            "block_size": layout.block_size,
+            "tokens_per_request": tokens,
+            "files_per_trial": len(sizes),
+            "file_bytes": sizes[0] if sizes else 0,
+            "bytes_per_trial": sum(sizes),
+            "trials": trials,
+            "variants": variant_settings,
+        },
+        "trials": per,
+        "summary": summary,
+        "ratios": ratios,
+        "profile": profile,
+        "goals": [
+            goal(
+                "write: connector / raw sequential write (faster of the two raw baselines), "
+                "durable bytes/s",
+                headline,
+                GOAL,
+            )
+        ],
+    }
+
+
+def findings(res: dict[str, Any]) -> list[str]:
+    """Data-driven conclusions for the report's findings list."""
+    ratios = res["ratios"]
+    head = ratios["connector / best raw"]
+    verdict = "met" if head["durable"] >= GOAL else "missed"
+    summary = res["summary"]
+    text = (
+        f"**Write path**: the connector's pipeline sustained "
+        f"{summary['connector']['durable_gb_s']['median']:.2f} GB/s to the device, "
+        f"{head['durable']:.2f}\u00d7 the faster raw sequential write of the same bytes in "
+        f"the same trial (one file: {summary['raw']['durable_gb_s']['median']:.2f} GB/s, the "
+        f"same files: {summary['raw, same files']['durable_gb_s']['median']:.2f} GB/s); goal "
+        f"\u2265 {GOAL} {verdict}. Into the page cache: {head['page_cache']:.2f}\u00d7."
+    )
+    secs = res["profile"].get("thread_seconds", {})
+    total = sum(secs.values())
+    if secs and total > 0:
+        stage, top = max(secs.items(), key=lambda kv: kv[1])
+        text += (
+            f" Profile: {stage} takes {top / total:.0%} of the pipeline's thread time "
+            f"({top / (res['profile']['bytes'] / 1e9):.1f} thread-s per GB)."
+        )
+    out = [text]
+    off = ratios.get("connector, check_nonfinite off / best raw")
+    fast = ratios.get("connector, NaN check on int bits (proposed) / best raw")
+    if off and fast:
+        nan_secs = secs.get("NaN/inf check (writer threads)", 0.0)
+        out.append(
+            "The NaN/inf check: `Extractor.chunk_nonfinite` runs `torch.isfinite(...).all()` "
+            f"on bf16 on the CPU ({nan_secs / (res['profile']['bytes'] / 1e9):.1f} thread-s per "
+            f"GB in the profile). Without the check the connector reaches "
+            f"{off['durable']:.2f}\u00d7 raw; with the same check done by numpy on the "
+            "integer bits (for bf16: `int16 view max >= 0x7F80 or uint16 view max >= 0xFF80`, "
+            "two reductions and no temporary; a proposed change, prototyped as "
+            f"`fast_nonfinite` in `benchmarks/write.py`) {fast['durable']:.2f}\u00d7, with "
+            "identical results for NaN, \u00b1inf and finite values. On CUDA the check runs on "
+            "the device and is not affected."
+        )
+    fsync = ratios.get("connector, fsync on / best raw")
+    if fsync:
+        out.append(
+            f"`fsync: true` (each file made durable before its lock is released) measured "
+            f"{fsync['durable']:.2f}\u00d7 raw."
+        )
+    return out
+
+
+def render(res: dict[str, Any]) -> str:
+    setup = res["setup"]
+    out = [
+        f"{setup['files_per_trial']} samples of {setup['tokens_per_request']} tokens \u00d7 "
+        f"{setup['layers']} layers \u00d7 {setup['hidden']} hidden (bf16; "
+        f"{setup['file_bytes'] / 2**20:.1f} MiB per file, "
+        f"{setup['bytes_per_trial'] / 1e9:.2f} GB per trial), gathered from a "
+        f"{setup['cache_layout']} cache by `Extractor` and written by `WritePipeline` "
+        "(connector defaults: 8 writer threads, 16 MiB chunks; host buffers "
+        f"{setup['variants']['connector']['host_buffer_bytes'] / 2**30:g} GiB, touched "
+        f"before timing). {setup['trials']} trials per row, interleaved; medians (min\u2013max).",
+        "",
+    ]
+    rows = []
+    for name, s in res["summary"].items():
+        d, p = s["durable_gb_s"], s["page_cache_gb_s"]
+        ratio = res["ratios"].get(f"{name} / raw", {})
+        best = res["ratios"].get(f"{name} / best raw", {})
+        rows.append(
+            [
+                name,
+                f"{fmt(d['median'])} ({fmt(d['min'])}\u2013{fmt(d['max'])})",
+                f"{fmt(p['median'])} ({fmt(p['min'])}\u2013{fmt(p['max'])})",
+                ratio.get("durable", 1.0 if name == "raw" else None),
+                best.get("durable"),
+                ratio.get("page_cache", 1.0 if name == "raw" else None),
+                best.get("page_cache"),
+            ]
+        )
+    out.append(
+        table(
+            [
+                "writer",
+                "GB/s durable",
+                "GB/s page cache",
+                "vs raw, durable",
+                "vs faster raw, durable",
+                "vs raw, cache",
+                "vs faster raw, cache",
+            ],
+            rows,
+        )
+    )
+    out += [
+        "",
+        '"vs faster raw": against the faster of the two raw baselines in the same trial '
+        "(the goal's measure). Ratios are medians of per-trial ratios.",
+    ]
+    prof = res["profile"]
+    secs = prof.get("thread_seconds", {})
+    wall = prof["published_s"]
+    if secs:
+        out += [
+            "",
+            f"Where the time goes (one instrumented trial of the default connector: "
+            f"{prof['bytes'] / 1e9:.2f} GB published in {wall:.2f} s, "
+            f"{prof['bytes'] / wall / 1e9:.2f} GB/s; seconds summed over threads, so "
+            "columns can exceed the wall time when threads overlap):",
+            "",
+            table(
+                ["stage", "thread-seconds", "per GB"],
+                [
+                    [k, v, v / (prof["bytes"] / 1e9)]
+                    for k, v in sorted(secs.items(), key=lambda kv: -kv[1])
+                ],
+            ),
+        ]
+    return "\n".join(out)

@@ -1,0 +1,190 @@
+"""Scenario 3: the storage root fills up under a running ``vllm serve``.
+
+The storage root is a fresh 8 MiB tmpfs (``mount -t tmpfs``; skipped with the reason
+when that is not possible, e.g. not root). Requests of 1,500 tokens make samples of
+about 1.1 MiB each, so the seventh or eighth no longer fits.
+
+Checked: every request is still answered and ``/health`` stays ok while the disk is
+full; each sample that did not fit is recorded as failed (lock status ``failed`` with
+the reason, or, when even the lock could not be created, a "not written" line in the
+server log) and never leaves a partial final file or a temp file behind; after space is
+freed (files deleted), new samples are written again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hidden_state_connector.client import complete, complete_all
+from hidden_state_reader import HiddenStateReader, load_sample
+from hidden_state_reader.format import SharedLock, read_status
+
+from tools.relkit import TOKEN_BYTES, Figures, entries, held_locks, log_count, serve_options
+
+pytestmark = pytest.mark.vllm
+
+SIZE_MB = 8
+PROMPT = 1500  # tokens: 1500 x 768 B = 1.1 MiB per sample
+
+
+@pytest.fixture(scope="module")
+def small_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    mount_point = tmp_path_factory.mktemp("full") / "hs"
+    mount_point.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SIZE_MB}m,mode=755", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a {SIZE_MB} MiB tmpfs (needs root): {proc.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture(scope="module")
+def full_server(
+    tiny_model: Path, small_disk: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    from hidden_state_connector.server import VllmServer
+
+    log = tmp_path_factory.mktemp("full-log") / "server.log"
+    server = VllmServer(serve_options(tiny_model, small_disk), log_file=log)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def prompt(i: int, n: int = PROMPT) -> list[int]:
+    return [(i * 37 + k * 11) % 250 for k in range(n)]
+
+
+def outcome(root: Path, path: str) -> str:
+    """What became of one sample: written, failed (lock says why) or failed without lock."""
+    name = os.path.basename(path)
+    lock = SharedLock.acquire(path, timeout=60)  # the answer comes before the write ends
+    assert lock is not None, f"{name}: still locked after 60 s"
+    lock.release()
+    if os.path.exists(path):
+        load_sample(path)  # complete and valid, or this raises
+        return "written"
+    lock = os.path.join(root, name + ".lock")
+    if os.path.exists(lock):
+        status = read_status(lock)
+        assert status.failed, f"{name}: lock left without a failure status: {status}"
+        return "failed:" + ("ENOSPC" if "No space" in status.reason else status.reason[:60])
+    return "failed:no-lock"
+
+
+def test_full_disk_fails_samples_not_the_server(
+    full_server: Any, small_disk: Path, figures: Figures
+) -> None:
+    root = small_disk
+    log_before = full_server.tail(1_000_000).count("not written")
+
+    # 1. Overflow the disk: 14 samples of 1.1 MiB for 8 MiB.
+    results = list(
+        complete_all(full_server.url, "tiny", [prompt(i) for i in range(14)], concurrency=4)
+    )
+    assert [r.error for r in results] == [None] * 14, "every request is answered"
+    assert full_server.healthy()
+    outcomes = {r.path: outcome(root, r.path) for r in results if r.path}
+    written = [p for p, o in outcomes.items() if o == "written"]
+    failed = [p for p, o in outcomes.items() if o != "written"]
+    assert written and failed, outcomes
+    for p in written:
+        assert load_sample(p).num_tokens == PROMPT
+    listing = entries(root)
+    assert listing["temp"] == [], "an aborted write must remove its temp file"
+    assert held_locks(root) == 0
+    # The lock is released (failed) just before the log line is written.
+    not_written = log_count(full_server, "not written", log_before + len(failed)) - log_before
+    assert not_written == len(failed), "each failed sample is logged once"
+    log_reasons = sorted(
+        set(re.findall(r"not written \([^)]*\): (.{0,60})", full_server.tail(400)))
+    )
+
+    # 2. While full, the server keeps answering (small and large prompts alike).
+    later = [
+        complete(full_server.url, "tiny", prompt(100 + i, n)) for i, n in enumerate([4, 50, PROMPT])
+    ]
+    assert all(r["kv_transfer_params"]["hidden_states_path"] for r in later)
+    assert full_server.healthy()
+    during_full = [outcome(root, r["kv_transfer_params"]["hidden_states_path"]) for r in later]
+
+    # 2b. Completely full (not one page left): not even the lock file can be written.
+    fd = os.open(root / "filler.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, bytes(4096))
+    os.close(fd)
+    assert free_bytes(root) == 0
+    no_room = [complete(full_server.url, "tiny", prompt(150 + i, 30)) for i in range(2)]
+    assert full_server.healthy()
+    no_room_outcomes = [
+        outcome(root, r["kv_transfer_params"]["hidden_states_path"]) for r in no_room
+    ]
+    assert all(o.startswith("failed") for o in no_room_outcomes), no_room_outcomes
+    later += no_room
+
+    # 3. A reader sees the written samples and skips the failed ones, each counted.
+    reader = HiddenStateReader(root, orphan_grace=0)
+    seen = {s.path for s in reader}
+    assert seen == {
+        p
+        for p in list(outcomes) + [r["kv_transfer_params"]["hidden_states_path"] for r in later]
+        if os.path.exists(p)
+    }
+    assert reader.stats.corrupt == reader.stats.incomplete == 0
+
+    # 4. Free the space: writes resume.
+    free_before = free_bytes(root)
+    for name in os.listdir(root):
+        if not name.startswith("."):
+            os.unlink(root / name)
+    resumed = list(
+        complete_all(full_server.url, "tiny", [prompt(200 + i) for i in range(4)], concurrency=2)
+    )
+    after = [outcome(root, r.path) for r in resumed if r.path]
+    assert after == ["written"] * 4, after
+    assert full_server.healthy()
+
+    figures.record(
+        "disk-full",
+        disk_mib=SIZE_MB,
+        sample_mib=round((PROMPT * TOKEN_BYTES) / 2**20, 2),
+        requests=len(results),
+        answered=sum(r.error is None for r in results),
+        written=len(written),
+        failed=len(failed),
+        failure_kinds=sorted({o for o in outcomes.values() if o != "written"}),
+        server_log_not_written=not_written,
+        server_log_reasons=log_reasons,
+        while_full=during_full,
+        no_page_left=no_room_outcomes,
+        free_bytes_while_full=free_before,
+        after_freeing=after,
+        reader_stats={k: v for k, v in reader.stats.as_dict().items() if v},
+    )
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if not name.startswith("."):
+                os.unlink(root / name)

