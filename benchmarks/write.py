@@ -122,6 +122,7 @@ class Variant:
                 token_ids=token_ids,
                 block_ids=blocks,
                 lock=WriterLock.create(path, request_id=f"req-{i}"),
+                dir_fd=None,
                 metadata=sample_metadata(
                     layer_ids=list(range(extractor.layout.num_layers)),
                     request_id=f"req-{i}",
