@@ -117,3 +117,32 @@ def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) ->
         assert (source.rescans, source.overflows) == (2, 1)
     finally:
         source.close()
+
+
+def _blocked_signals(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as status:
+        for line in status:
+            if line.startswith("SigBlk:"):
+                return int(line.split()[1], 16)
+    raise AssertionError("no SigBlk line")
+
+
+def test_watcher_threads_leave_ctrl_c_to_the_main_thread(hs_dir: Path) -> None:
+    """A Ctrl-C delivered to a watchdog thread would leave the main thread asleep."""
+    import signal
+
+    from hidden_state_reader.discovery import FollowSource
+
+    source = FollowSource(str(hs_dir), watch="inotify")
+    try:
+        watchers = [t for t in threading.enumerate() if type(t).__module__.startswith("watchdog")]
+        assert len(watchers) >= 2  # the observer and this directory's emitter
+        for thread in watchers:
+            assert thread.native_id is not None
+            mask = _blocked_signals(thread.native_id)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                assert mask & (1 << (sig - 1)), f"{thread.name} takes signal {sig}"
+        main = threading.main_thread().native_id
+        assert main is not None and not _blocked_signals(main) & (1 << (signal.SIGINT - 1))
+    finally:
+        source.close()

@@ -35,6 +35,7 @@ from hidden_state_connector.extract import Chunk, Extractor
 from hidden_state_connector.logs import get_logger
 from hidden_state_connector.stats import WriteStats
 from hidden_state_reader.format import SampleFileWriter, WriterLock
+from hidden_state_reader.waiting import threads_ignore_signals
 
 log = get_logger(__name__)
 
@@ -129,8 +130,11 @@ class WritePipeline:
             threading.Thread(target=self._run, name=f"hidden-state-writer-{i}", daemon=True)
             for i in range(num_threads)
         ]
-        for t in self._threads:
-            t.start()
+        # vLLM's worker shuts down from its SIGTERM/SIGINT handler: keep those for the
+        # engine's thread.
+        with threads_ignore_signals():
+            for t in self._threads:
+                t.start()
 
     # -- engine-thread side ----------------------------------------------------------
 

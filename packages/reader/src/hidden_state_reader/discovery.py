@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hidden_state_reader.format.names import Kind, classify, natural_key, sample_key
-from hidden_state_reader.waiting import CancelToken
+from hidden_state_reader.waiting import CancelToken, threads_ignore_signals
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,8 @@ class _Observer:
                 if classify(name) in (Kind.DATA, Kind.LOCK):
                     sink.put(name)
 
-        with cls._lock:
+        # watchdog's threads (observer, one emitter per watch) start in here.
+        with cls._lock, threads_ignore_signals():
             if cls._observer is None or cls._pid != os.getpid():
                 observer = Observer()
                 observer.daemon = True

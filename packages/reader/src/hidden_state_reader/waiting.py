@@ -20,6 +20,7 @@ waits fall back to short non-blocking retries with exponential back-off.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -28,6 +29,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 from hidden_state_reader.errors import WaitCancelledError
@@ -73,6 +75,36 @@ def install_wake_handler() -> bool:
         return False
     signal.signal(WAKE_SIGNAL, _on_wake)
     return True
+
+
+# Signals a user sends to the whole process. A thread started inside
+# ``threads_ignore_signals()`` keeps them blocked, so the kernel hands them to the main
+# thread: delivered to a helper thread, a Ctrl-C would leave the main thread asleep in
+# its wait until that wait ended by itself.
+_PROCESS_SIGNALS = frozenset(
+    {
+        signal.SIGINT,
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        signal.SIGALRM,
+    }
+)
+
+
+@contextlib.contextmanager
+def threads_ignore_signals() -> Iterator[None]:
+    """Start threads in this block with the process's signals blocked (they inherit it).
+
+    The calling thread's own signal mask is restored on exit.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PROCESS_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _wake_available() -> bool:
@@ -197,7 +229,8 @@ def flock_wait(
         cancel._add(waiter)
     try:
         if timer is not None:
-            timer.start()
+            with threads_ignore_signals():
+                timer.start()
         while True:
             if cancel is not None and cancel.cancelled:
                 raise WaitCancelledError("wait cancelled")
