@@ -4,6 +4,8 @@ Every method reads the same files in the same order and hands each to a consumer
 touches every byte (an integer sum over the tensors' bytes):
 
 * ``reader``: ``for s in HiddenStateReader(dir)`` (snapshot mode: list, lock, validate, load).
+  Files of 1 MiB or more that carry ``format_version`` metadata are mapped
+  (``MAP_PRIVATE``); smaller ones are read into a fresh buffer.
 * ``raw``: ``open``/``fstat``/``preadv`` into one buffer/``close`` per file, no lock, no
   validation: the ceiling for a Python loop.
 * ``naive flock``: ``flock(LOCK_SH)`` on the lock file, then
@@ -12,9 +14,12 @@ touches every byte (an integer sum over the tensors' bytes):
   (the speculators-style loop).
 
 Reference rows that explain the numbers (no goal attached): the raw loop into one reused
-buffer (the cost of fresh memory), two prototypes of a faster ``load_fd`` (map the file;
-map large files and read small ones in one call), and the reader in a process with torch's
-huge-page allocator (``THP_MEM_ALLOC_ENABLE=1``, full mode only).
+buffer (the same reads without fresh memory) and the reader with ``mmap=False`` (every
+file copied into fresh memory: the path taken with ``pin_memory=True`` and for files
+without ``format_version``).
+
+The datasets are written with the package's ``write_sample``, as the connector writes
+them (``format_version`` set, published by rename), so the reader maps the large files.
 
 Warm: the files are in the page cache. Cold: the page cache is dropped before every pass
 (``echo 3 > /proc/sys/vm/drop_caches``; needs root). Passes are interleaved, the order
@@ -55,12 +60,10 @@ METHODS = (
     "naive flock",
     "naive poll",
     "raw, one reused buffer",
-    "mmap load (proposed)",
-    "mmap \u2265 1 MiB, else one read (proposed)",
-    "reader, THP_MEM_ALLOC_ENABLE=1",
+    "reader, mmap=False",
 )
 # Rows that explain the others; no goal is attached to them.
-REFERENCE = METHODS[4:]
+REFERENCE = ("raw, one reused buffer", "reader, mmap=False")
 
 
 def touch(tensor: Any) -> int:
@@ -104,14 +107,37 @@ def _names(root: Path) -> list[str]:
     return sorted((n for n in os.listdir(root) if n.endswith(".safetensors")), key=natural_key)
 
 
-def pass_reader(root: Path) -> int:
+def pass_reader(root: Path, mmap: bool = True) -> int:
     from hidden_state_reader import HiddenStateReader
 
     n = 0
-    for token_ids, hidden_states in HiddenStateReader(root, on_error="raise"):
+    for token_ids, hidden_states in HiddenStateReader(root, on_error="raise", mmap=mmap):
         touch(token_ids)
         touch(hidden_states)
         n += 1
+    return n
+
+
+def pass_reader_copy(root: Path) -> int:
+    """The ``reader`` pass with ``mmap=False``: every file is copied into fresh memory."""
+    return pass_reader(root, mmap=False)
+
+
+def mapped_files(root: Path) -> int:
+    """How many files of ``root`` the reader maps (by default) rather than copies.
+
+    The same test as ``hidden_state_reader.load``: at least ``MMAP_MIN_BYTES`` and a
+    ``format_version`` in the metadata (this project's writers set it).
+    """
+    from hidden_state_reader import read_header
+    from hidden_state_reader.format.header import Meta
+    from hidden_state_reader.load import MMAP_MIN_BYTES
+
+    n = 0
+    for name in _names(root):
+        header = read_header(root / name)
+        if header.file_size >= MMAP_MIN_BYTES and Meta.FORMAT in header.metadata:
+            n += 1
     return n
 
 
@@ -162,91 +188,6 @@ def pass_raw_reused(root: Path) -> int:
     return n
 
 
-def pass_mmap_load(root: Path) -> int:
-    """A prototype of loading by ``mmap`` instead of ``preadv`` into fresh memory.
-
-    Same lock and header validation as the reader (``SharedLock``, ``read_header_fd``),
-    then the file is mapped copy-on-write and the tensors are views of the mapping, as
-    ``safetensors.torch.load_file`` does: no copy, no fresh anonymous memory to fault in.
-    """
-    import mmap
-
-    import torch
-
-    from hidden_state_reader.format import SharedLock, read_header_fd
-
-    n = 0
-    for name in _names(root):
-        path = str(root / name)
-        with SharedLock.acquire(path) as _lock:  # type: ignore[union-attr]
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                header = read_header_fd(fd, path)
-                mapping = mmap.mmap(
-                    fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-            finally:
-                os.close(fd)
-        data = torch.frombuffer(mapping, dtype=torch.uint8)[header.data_start :]
-        tokens = data[header.tokens.begin : header.tokens.end].view(torch.int64)
-        hidden = data[header.hidden.begin : header.hidden.end].view(header.hidden_dtype)
-        touch(tokens)
-        touch(hidden.view(header.hidden.shape))
-        n += 1
-    return n
-
-
-MMAP_MIN_BYTES = 1 << 20
-
-
-def pass_proposed_load(root: Path) -> int:
-    """A prototype of the proposed ``load_fd``: map large files, read small ones in one go.
-
-    Files of at least ``MMAP_MIN_BYTES`` are mapped as in ``pass_mmap_load``. Smaller
-    files are read whole with one ``preadv`` (instead of three reads: length prefix,
-    header, data) and the header is validated from that buffer with the package's
-    ``parse_header``. Lock handling and validation are the reader's.
-    """
-    import mmap
-    import struct
-
-    import torch
-
-    from hidden_state_reader.format import SharedLock, read_header_fd
-    from hidden_state_reader.format.header import parse_header
-
-    n = 0
-    for name in _names(root):
-        path = str(root / name)
-        with SharedLock.acquire(path) as _lock:  # type: ignore[union-attr]
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                size = os.fstat(fd).st_size
-                if size >= MMAP_MIN_BYTES:
-                    header = read_header_fd(fd, path)
-                    mapping = mmap.mmap(
-                        fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                    )
-                    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-                else:
-                    whole = torch.empty(size, dtype=torch.uint8)
-                    view = whole.numpy().data.cast("B")
-                    done = 0
-                    while done < size:
-                        done += os.preadv(fd, [view[done:]], done)
-                    (length,) = struct.unpack_from("<Q", view, 0)
-                    header = parse_header(path, bytes(view[8 : 8 + length]), size)
-            finally:
-                os.close(fd)
-        data = whole[header.data_start :]
-        tokens = data[header.tokens.begin : header.tokens.end].view(torch.int64)
-        hidden = data[header.hidden.begin : header.hidden.end].view(header.hidden_dtype)
-        touch(tokens)
-        touch(hidden.view(header.hidden.shape))
-        n += 1
-    return n
-
-
 def pass_naive_flock(root: Path) -> int:
     from safetensors.torch import load_file
 
@@ -282,38 +223,13 @@ def pass_naive_poll(root: Path) -> int:
     return n
 
 
-def pass_reader_thp(root: Path) -> tuple[int, float]:
-    """The ``reader`` pass in a fresh process with torch's huge-page allocator switched on.
-
-    ``THP_MEM_ALLOC_ENABLE=1`` makes torch's CPU allocator ask for transparent huge pages
-    for large buffers (``madvise``), so a fresh sample buffer faults in 2 MiB at a time
-    instead of 4 KiB. Returns the count and the pass time measured in that process.
-    """
-    import subprocess
-
-    from benchmarks.common import child_env, python_module
-
-    proc = subprocess.run(
-        python_module("benchmarks.reader", "pass", str(root)),
-        env=child_env(THP_MEM_ALLOC_ENABLE="1"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    n, seconds = proc.stdout.split()
-    return int(n), float(seconds)
-
-
 PASSES: dict[str, Callable[[Path], Any]] = {
     "reader": pass_reader,
     "raw": pass_raw,
     "naive flock": pass_naive_flock,
     "naive poll": pass_naive_poll,
     "raw, one reused buffer": pass_raw_reused,
-    "mmap load (proposed)": pass_mmap_load,
-    "mmap \u2265 1 MiB, else one read (proposed)": pass_proposed_load,
-    "reader, THP_MEM_ALLOC_ENABLE=1": pass_reader_thp,
+    "reader, mmap=False": pass_reader_copy,
 }
 
 
@@ -352,8 +268,6 @@ def _measure(
             t = time.perf_counter()
             n = PASSES[method](root)
             dt = time.perf_counter() - t
-            if isinstance(n, tuple):  # timed in a subprocess
-                n, dt = n
             if n != expected:
                 raise RuntimeError(f"{method} read {n} of {expected} samples")
             times[method].append(dt)
@@ -374,8 +288,7 @@ def run(ctx: Context) -> dict[str, Any]:
         },
         "small": {"lengths": [16] * ctx.pick(100, 2000), "layers": 4, "hidden": 1024},
     }
-    # The huge-page row runs in a subprocess per pass (seconds of start-up): full mode only.
-    methods = METHODS[:-1] if ctx.quick else METHODS
+    methods = METHODS
     warm_rounds = ctx.pick(1, 5)
     cold_rounds = ctx.pick(1, 3)
     result: dict[str, Any] = {"datasets": {}, "goals": []}
@@ -399,6 +312,7 @@ def run(ctx: Context) -> dict[str, Any]:
             "files": count,
             "tensor_bytes": nbytes,
             "file_bytes": file_bytes,
+            "mapped_files": mapped_files(root),
             "layers": spec["layers"],
             "hidden": spec["hidden"],
             "token_lengths": sorted(set(spec["lengths"])),
@@ -448,71 +362,41 @@ def findings(res: dict[str, Any]) -> list[str]:
                 f"(goal 0.8 {'met' if r['raw'] >= GOAL_RAW else 'missed'}), {naive:.2f}\u00d7 "
                 f"the faster naive loop (goal 1 {'met' if naive >= GOAL_NAIVE else 'missed'})"
             )
+        mapped = d.get("mapped_files")
+        mapped_text = "" if mapped is None else f"; the reader maps {mapped} of {d['files']}"
         out.append(
-            f"**Reader, {name} files** ({d['file_bytes'] / d['files'] / 2**20:.2f} MiB each): "
-            + "; ".join(parts)
-            + "."
+            f"**Reader, {name} files** ({d['file_bytes'] / d['files'] / 2**20:.2f} MiB per "
+            f"file on average{mapped_text}): " + "; ".join(parts) + "."
         )
     large = res["datasets"].get("large", {})
-    warm = large.get("warm", {})
-    if "mmap load (proposed)" in warm and "naive flock" in warm:
-        r = large["warm_ratios"]
-        text = (
-            "Why the naive loops win on large files with a warm cache: "
-            "`safetensors.torch.load_file` maps the file (`mmap`) and the tensors point into "
-            "the page cache, so nothing is copied; the reader `preadv`s every sample into a "
-            "freshly allocated buffer, and on this VM the kernel's copy into fresh "
-            "(not yet faulted-in) memory runs at "
-            f"{warm['raw']['gb_s']:.1f} GB/s (the raw loop does the same and is no faster). "
-            f"Reading into one reused buffer reaches {warm['raw, one reused buffer']['gb_s']:.1f} "
-            "GB/s: most of the cost is faulting in fresh pages. A prototype that keeps the "
-            "reader's lock and header validation but maps the file instead of copying "
-            f"(`mmap load (proposed)` in `benchmarks/reader.py`) delivers "
-            f"{warm['mmap load (proposed)']['gb_s']:.1f} GB/s, "
-            f"{1 / r['mmap load (proposed)']:.1f}\u00d7 the reader"
-        )
-        if "reader, THP_MEM_ALLOC_ENABLE=1" in warm:
-            thp = warm["reader, THP_MEM_ALLOC_ENABLE=1"]["gb_s"]
-            text += (
-                f"; the unchanged reader with torch's huge-page allocator "
-                f"(`THP_MEM_ALLOC_ENABLE=1`) {thp:.1f} GB/s"
-            )
-        out.append(text + ".")
-    cold = large.get("cold", {})
-    if "mmap load (proposed)" in cold:
+    for cond in ("warm", "cold"):
+        rows = large.get(cond, {})
+        if not all(m in rows for m in METHODS):
+            continue
+        r = large[cond + "_ratios"]
+        gb = {m: rows[m]["gb_s"] for m in METHODS}
         out.append(
-            f"Cold cache, large files: reader {cold['reader']['gb_s']:.2f} GB/s, raw "
-            f"{cold['raw']['gb_s']:.2f}, naive flock {cold['naive flock']['gb_s']:.2f}, mmap "
-            f"prototype {cold['mmap load (proposed)']['gb_s']:.2f} GB/s."
-        )
-    combined = "mmap \u2265 1 MiB, else one read (proposed)"
-    parts = []
-    for name, d in res["datasets"].items():
-        for cond in ("warm", "cold"):
-            rows = d.get(cond, {})
-            if combined in rows:
-                speedup = 1 / d[cond + "_ratios"][combined]
-                vs_raw = rows[combined]["gb_s"] / rows["raw"]["gb_s"]
-                parts.append(
-                    f"{name} {cond} {rows[combined]['gb_s']:.2f} GB/s ({speedup:.2f}\u00d7 the "
-                    f"reader, {vs_raw:.2f}\u00d7 raw)"
-                )
-    if parts:
-        out.append(
-            "The proposed `load_fd` (prototype `mmap \u2265 1 MiB, else one read`: map files of "
-            "1 MiB or more, read smaller ones whole with one `preadv` and validate the header "
-            "from that buffer; same locking and validation): " + "; ".join(parts) + ". For the "
-            "large files it runs the same code as `mmap load (proposed)`, so the difference "
-            "between those two rows is this machine's noise."
+            f"Large files, {cond} cache, GB/s: reader {gb['reader']:.2f} (maps the files), "
+            f"naive flock {gb['naive flock']:.2f} (`safetensors.torch.load_file`, also maps), "
+            f"raw {gb['raw']:.2f} (`preadv` into a fresh buffer per file), raw into one reused "
+            f"buffer {gb['raw, one reused buffer']:.2f}, reader with `mmap=False` "
+            f"{gb['reader, mmap=False']:.2f} (copies into a fresh buffer per file). The reader "
+            f"is {r['reader, mmap=False']:.2f}\u00d7 as fast as its own copy path; the two raw "
+            f"rows differ only in fresh memory: "
+            f"{gb['raw, one reused buffer'] / gb['raw']:.2f}\u00d7."
         )
     small = res["datasets"].get("small", {})
     if small.get("warm"):
+        rows = small["warm"]
         prof = small.get("profile_reader_warm") or []
         top = ", ".join(f"`{p['function']}` {p['tottime_s'] * 1e3:.1f} ms" for p in prof[:3])
+        copy = ""
+        if "reader, mmap=False" in rows:
+            copy = f", reader with `mmap=False` {rows['reader, mmap=False']['gb_s']:.2f}"
         out.append(
-            f"Small files ({small['files']} per pass): the reader's per-file work (lock "
-            "file open + `flock`, header read and validation, two `open`s instead of one) "
-            f"is what separates it from the raw loop; profile top: {top}."
+            f"Small files, warm cache, GB/s: reader {rows['reader']['gb_s']:.2f}, raw "
+            f"{rows['raw']['gb_s']:.2f}{copy}. Per file the reader also opens and `flock`s "
+            f"the lock file and reads and validates the header; profile top: {top}."
         )
     return out
 
@@ -582,20 +466,3 @@ def render(res: dict[str, Any]) -> str:
             ]
         out.append("")
     return "\n".join(out).rstrip()
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) == 3 and sys.argv[1] == "pass":
-        import numpy  # noqa: F401 - imports and the first huge-page fault out of the timing
-        import torch
-
-        import hidden_state_reader  # noqa: F401
-
-        torch.empty(64 * 2**20, dtype=torch.uint8).fill_(0)
-        start = time.perf_counter()
-        count = pass_reader(Path(sys.argv[2]))
-        print(count, time.perf_counter() - start)
-    else:
-        raise SystemExit("usage: python -m benchmarks.reader pass DIR (internal)")
