@@ -1,26 +1,25 @@
 """Scale: follow mode over a directory growing to 100,000 files (50,000 samples + locks).
 
 Three processes: a writer (``write_sample`` with locks, as fast as it can), a follower
-(``HiddenStateReader(dir, follow=True)`` with its defaults: inotify via watchdog plus a
-30 s safety rescan; ``on_consumed="keep"``, so the directory and the reader's set of
-known names grow to the end), and, once the directory is full, a fresh process that
-times the initial scan and measures the memory each tracked sample costs
-(``tracemalloc``).
+(``HiddenStateReader(dir, follow=True)`` with its defaults, as shipped: watchdog asked
+for creations and renames only, an immediate rescan when watchdog reports an inotify
+queue overflow, and a 30 s safety rescan; ``on_consumed="keep"``, so the directory and
+the reader's set of known names grow to the end), and, once the directory is full, a
+fresh process that times the initial scan and measures the memory each tracked sample
+costs (``tracemalloc``).
 
 For every bucket of 10,000 files the follower records its wall time, the CPU time of
 its consumer thread (discovery bookkeeping, rescans, lock, load: the per-sample work of
-the reader itself) and of the whole process (plus watchdog's inotify thread), its RSS,
-its rescans and the inotify queue overflows watchdog reported.
-
-In full mode the follower also runs with two prototypes of product changes (patched
-into the follower process only, see ``_prototype``): watchdog asked for creations and
-renames only (``event_filter``), and that plus an immediate rescan when inotify reports
-an overflow.
+the reader itself), of watchdog's threads (inotify reader, emitter, dispatcher) and of
+the whole process, its RSS, its rescans and the inotify queue overflows watchdog
+reported. The writer and the follower report the time of their last write and of the
+last sample yielded on the same monotonic clock.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,15 +27,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Context, child_env, fmt, goal, log, python_module, table
+from benchmarks.common import (
+    Context,
+    child_env,
+    fmt,
+    goal,
+    log,
+    median,
+    python_module,
+    table,
+)
 
 NAME = "scale"
 TITLE = "5. Scale: following a directory that grows to 100,000 files"
 SHAPE = (4, 1, 64)  # tokens, layers, hidden: ~0.5 KiB of tensors + the header
 FLAT_GOAL = 1.5  # consumer CPU per sample, last bucket at most this many times the first's
 SHIPPED = "as shipped"
-FILTER = "event filter (proposed)"
-FILTER_RESCAN = "event filter + rescan on overflow (proposed)"
 
 
 def writer_main(argv: list[str]) -> None:
@@ -50,98 +56,17 @@ def writer_main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     for i in range(count):
         write_sample(directory / f"hs_{i}.safetensors", tokens, hidden)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "count": count}), flush=True)
-
-
-def _prototype(rescan_on_overflow: bool) -> None:
-    """Patch the follower process with the proposed discovery changes.
-
-    1. ``_Observer.schedule`` passes ``event_filter=[FileCreatedEvent, FileMovedEvent]``
-       to watchdog, so inotify reports creations and renames only. The shipped code
-       schedules without a filter, and inotify then reports every open, modify and close
-       in the directory, the reader's own opens of lock and data files included.
-    2. (optional) When watchdog reports an inotify queue overflow, every live
-       ``FollowSource`` rescans at once instead of at its next periodic rescan. watchdog
-       tells only recursive watches about overflows; the prototype listens to its log.
-    """
-    import logging
-    import os
-    import threading
-    import weakref
-
-    from watchdog.events import (
-        FileCreatedEvent,
-        FileMovedEvent,
-        FileSystemEvent,
-        FileSystemEventHandler,
+    seconds = time.perf_counter() - t0
+    # time.monotonic is CLOCK_MONOTONIC, shared by all processes on Linux.
+    end = time.monotonic()
+    print(
+        json.dumps({"seconds": seconds, "count": count, "start": end - seconds, "end": end}),
+        flush=True,
     )
-    from watchdog.observers import Observer
-
-    from hidden_state_reader import discovery
-    from hidden_state_reader.format.names import Kind, classify
-
-    cls = discovery._Observer
-    lock = threading.Lock()
-
-    def schedule(root: str, sink: Any) -> object:
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.is_directory or event.event_type not in ("created", "moved"):
-                    return
-                path = getattr(event, "dest_path", "") or event.src_path
-                name = os.path.basename(os.fsdecode(path))
-                if classify(name) in (Kind.DATA, Kind.LOCK):
-                    sink.put(name)
-
-        with lock:
-            if cls._observer is None or cls._pid != os.getpid():
-                observer = Observer()
-                observer.daemon = True
-                observer.start()
-                cls._observer, cls._pid = observer, os.getpid()
-            return cls._observer.schedule(
-                Handler(), root, recursive=False, event_filter=[FileCreatedEvent, FileMovedEvent]
-            )
-
-    cls.schedule = staticmethod(schedule)  # type: ignore[method-assign, assignment]
-    if not rescan_on_overflow:
-        return
-    sources: weakref.WeakSet[Any] = weakref.WeakSet()
-    follow_source = discovery.FollowSource
-    original_init, original_rescan = follow_source.__init__, follow_source._rescan
-
-    def init(self: Any, *args: Any, **kwargs: Any) -> None:
-        self._overflowed = False
-        original_init(self, *args, **kwargs)
-        sources.add(self)
-
-    def rescan(self: Any) -> None:
-        # Clear the flag before scanning: an overflow reported while the scan runs may
-        # have lost names the scan already passed, so it must trigger another scan
-        # (``_rescan`` itself schedules the next one 30 s ahead).
-        self._overflowed = False
-        original_rescan(self)
-        if self._overflowed:
-            self._next_rescan = 0.0
-
-    follow_source.__init__ = init  # type: ignore[method-assign]
-    follow_source._rescan = rescan  # type: ignore[method-assign]
-
-    class RescanOnOverflow(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "overflow" in record.getMessage().lower():
-                for source in list(sources):
-                    source._overflowed = True
-                    source._next_rescan = 0.0
-                    source._events.put(None)  # wake a blocked next(); None is skipped
-
-    logging.getLogger("watchdog").addHandler(RescanOnOverflow())
 
 
 def follower_main(argv: list[str]) -> None:
-    directory, count, bucket, variant = Path(argv[0]), int(argv[1]), int(argv[2]), argv[3]
-    if variant in (FILTER, FILTER_RESCAN):
-        _prototype(rescan_on_overflow=variant == FILTER_RESCAN)
+    directory, count, bucket = Path(argv[0]), int(argv[1]), int(argv[2])
     import logging
     import threading
 
@@ -163,45 +88,65 @@ def follower_main(argv: list[str]) -> None:
     rss0 = proc.memory_info().rss
     main_tid = threading.get_native_id()
 
-    def main_thread_cpu() -> float:
+    def thread_cpu() -> tuple[float, float]:
+        """CPU seconds so far of the consumer (this) thread and of watchdog's threads."""
+        watchdog_tids = {
+            t.native_id
+            for t in threading.enumerate()
+            if type(t).__module__.startswith("watchdog") and t.native_id is not None
+        }
+        main = watchdog = 0.0
         for th in proc.threads():
             if th.id == main_tid:
-                return float(th.user_time + th.system_time)
-        return 0.0
+                main += th.user_time + th.system_time
+            elif th.id in watchdog_tids:
+                watchdog += th.user_time + th.system_time
+        return main, watchdog
 
     print("following", flush=True)
     rows = []
-    t_prev, cpu_prev, main_prev = time.perf_counter(), time.process_time(), main_thread_cpu()
+    t_prev, cpu_prev = time.perf_counter(), time.process_time()
+    main_prev, watchdog_prev = thread_cpu()
     n = 0
+    t_last = float("nan")
     for sample in reader:
         n += 1
         assert sample.num_tokens == SHAPE[0]
+        if n == count:
+            t_last = time.monotonic()
         if n % bucket == 0:
-            t, cpu, main = time.perf_counter(), time.process_time(), main_thread_cpu()
+            t, cpu = time.perf_counter(), time.process_time()
+            main, watchdog = thread_cpu()
             source = reader._source
             rows.append(
                 {
                     "samples": n,
+                    "at": time.monotonic(),
                     "files": 2 * n,
                     "wall_s": t - t_prev,
                     "cpu_s": cpu - cpu_prev,
                     "consumer_cpu_s": main - main_prev,
+                    "watchdog_cpu_s": watchdog - watchdog_prev,
                     "rss_mb": proc.memory_info().rss / 2**20,
                     "rescans": getattr(source, "rescans", None),
                     "overflows": len(overflows),
                     "known": len(getattr(source, "_known", ())),
                 }
             )
-            t_prev, cpu_prev, main_prev = t, cpu, main
+            t_prev, cpu_prev, main_prev, watchdog_prev = t, cpu, main, watchdog
+    source = reader._source
     print(
         json.dumps(
             {
                 "yielded": n,
+                "last_sample_at": t_last,
                 "buckets": rows,
                 "rss_start_mb": rss0 / 2**20,
                 "rss_end_mb": proc.memory_info().rss / 2**20,
                 "stats": reader.stats.as_dict(),
                 "inotify_overflows": len(overflows),
+                "overflow_rescans": getattr(source, "overflows", None),
+                "rescans": getattr(source, "rescans", None),
             }
         ),
         flush=True,
@@ -243,13 +188,11 @@ def scan_main(argv: list[str]) -> None:
     print(json.dumps(out), flush=True)
 
 
-def _follow_run(directory: Path, count: int, bucket: int, variant: str) -> dict[str, Any]:
+def _follow_run(directory: Path, count: int, bucket: int) -> dict[str, Any]:
     directory.mkdir(parents=True)
-    log(f"scale: writer and follower ({variant}), {count:,} samples = {2 * count:,} files")
+    log(f"scale: writer and follower ({SHIPPED}), {count:,} samples = {2 * count:,} files")
     follower = subprocess.Popen(
-        python_module(
-            "benchmarks.scale", "follower", str(directory), str(count), str(bucket), variant
-        ),
+        python_module("benchmarks.scale", "follower", str(directory), str(count), str(bucket)),
         stdout=subprocess.PIPE,
         env=child_env(),
         text=True,
@@ -259,7 +202,6 @@ def _follow_run(directory: Path, count: int, bucket: int, variant: str) -> dict[
     if first != "following":
         follower.kill()
         raise RuntimeError(f"follower did not start: {first!r}")
-    t0 = time.perf_counter()
     writer = subprocess.run(
         python_module("benchmarks.scale", "writer", str(directory), str(count)),
         capture_output=True,
@@ -269,26 +211,35 @@ def _follow_run(directory: Path, count: int, bucket: int, variant: str) -> dict[
         check=True,
     )
     written = json.loads(writer.stdout.strip().splitlines()[-1])
-    t_written = time.perf_counter()
     out, _ = follower.communicate(timeout=1800)
     follow = json.loads(out.strip().splitlines()[-1])
-    follow["elapsed_s"] = time.perf_counter() - t0
-    # How long the follower still needed once the writer had finished: the delay a
-    # training loop sees on the last samples.
-    follow["lag_after_writer_s"] = time.perf_counter() - t_written
     follow["writer"] = written
+    # From the writer's first write to the follower's last sample, and from the writer's
+    # last write to it (the delay a training loop sees on the last samples); one clock.
+    follow["elapsed_s"] = follow["last_sample_at"] - written["start"]
+    follow["lag_after_writer_s"] = max(0.0, follow["last_sample_at"] - written["end"])
+    for row in follow["buckets"]:
+        row["ended_s"] = row["at"] - written["start"]  # since the writer's first write
+        row["writer_running"] = row["at"] < written["end"]
+    if follow["buckets"]:
+        # The first bucket's wall time starts at the writer's first write, not when the
+        # follower began to wait (the writer process was still starting then).
+        first = follow["buckets"][0]
+        first["wall_s"] = min(first["wall_s"], first["ended_s"])
     for row in follow["buckets"]:
         log(
-            f"scale: {variant}: {row['files']:>7,} files: consumer "
-            f"{row['consumer_cpu_s'] / bucket * 1e6:4.0f} \u00b5s CPU/sample, all threads "
+            f"scale: {row['files']:>7,} files: consumer "
+            f"{row['consumer_cpu_s'] / bucket * 1e6:4.0f} \u00b5s CPU/sample, watchdog "
+            f"{row['watchdog_cpu_s'] / bucket * 1e6:4.0f} \u00b5s, all threads "
             f"{row['cpu_s'] / bucket * 1e6:5.0f} \u00b5s, wall {row['wall_s'] / bucket * 1e6:6.0f} "
             f"\u00b5s; {row['rescans']} rescans, {row['overflows']} overflows"
         )
-    watchdog = [(b["cpu_s"] - b["consumer_cpu_s"]) / bucket * 1e6 for b in follow["buckets"]]
-    # The first bucket: the follower is still keeping up with the writer there (later,
-    # after an overflow, it works through backlogs and sees fewer events per sample).
+    buckets = follow["buckets"]
+    watchdog = [b["watchdog_cpu_s"] / bucket * 1e6 for b in buckets]
+    consumer = [b["consumer_cpu_s"] / bucket for b in buckets]
     follow["watchdog_us_per_sample_first_bucket"] = watchdog[0] if watchdog else float("nan")
-    consumer = [b["consumer_cpu_s"] / bucket for b in follow["buckets"]]
+    follow["watchdog_us_per_sample"] = sum(b["watchdog_cpu_s"] for b in buckets) / count * 1e6
+    follow["consumer_us_per_sample"] = sum(b["consumer_cpu_s"] for b in buckets) / count * 1e6
     follow["consumer_cpu_last_over_first"] = (
         consumer[-1] / consumer[0] if len(consumer) > 1 and consumer[0] > 0 else 1.0
     )
@@ -300,12 +251,7 @@ def run(ctx: Context) -> dict[str, Any]:
     count = ctx.pick(1000, 50_000)
     bucket = ctx.pick(250, 5_000)
     work = ctx.workdir("scale")
-    variants = [SHIPPED] if ctx.quick else [SHIPPED, FILTER_RESCAN]
-    runs = {}
-    for i, variant in enumerate(variants):
-        runs[variant] = _follow_run(work / f"hs-{i}", count, bucket, variant)
-        if i:
-            shutil.rmtree(work / f"hs-{i}", ignore_errors=True)
+    runs = {SHIPPED: _follow_run(work / "hs-0", count, bucket)}
     log("scale: initial scan of the full directory (fresh process)")
     scan_proc = subprocess.run(
         python_module("benchmarks.scale", "scan", str(work / "hs-0")),
@@ -330,7 +276,8 @@ def run(ctx: Context) -> dict[str, Any]:
             "bucket_files": 2 * bucket,
             "sample_shape": list(SHAPE),
             "inotify_max_queued_events": inotify_queue,
-            "variants": variants,
+            "cpus": os.cpu_count(),
+            "variants": list(runs),
         },
         "runs": runs,
         "scan": scan,
@@ -345,64 +292,92 @@ def run(ctx: Context) -> dict[str, Any]:
     }
 
 
+def _n(count: int | None, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def findings(res: dict[str, Any]) -> list[str]:
     """Data-driven conclusions for the report's findings list."""
     runs, scan, setup = res["runs"], res["scan"], res["setup"]
     shipped = runs[SHIPPED]
     b = setup["bucket_samples"]
     buckets = shipped["buckets"]
-    first = buckets[0]["consumer_cpu_s"] / b * 1e6
-    last = buckets[-1]["consumer_cpu_s"] / b * 1e6
+    per_bucket = [r["consumer_cpu_s"] / b * 1e6 for r in buckets]
+    first, last = per_bucket[0], per_bucket[-1]
     ratio = shipped["consumer_cpu_last_over_first"]
     verdict = "met" if ratio <= FLAT_GOAL else "missed"
-    out = [
+    text = (
         f"**Scale**: following a directory that grows to {setup['files_at_end']:,} files, the "
         f"reader's own work per sample (consumer thread CPU) "
-        f"{'stayed flat' if ratio <= FLAT_GOAL else 'grew'}: {first:.0f} \u00b5s "
-        f"in the first {setup['bucket_files']:,} files, {last:.0f} \u00b5s in the last "
-        f"({ratio:.2f}\u00d7; goal \u2264 {FLAT_GOAL}\u00d7 {verdict}). It is higher while "
-        "the follower keeps up in real time (a wake-up per sample) than while it works "
-        "through a backlog, and a bucket with a periodic rescan of the whole directory costs "
-        "a few hundred ms more; neither grows with the directory. Initial scan of the full "
-        f"directory: first sample after {scan['first_yield_follow_s']:.2f} s in follow mode "
-        f"(scan plus one `stat` per name to order by age), "
-        f"{scan['first_yield_snapshot_s']:.2f} s in snapshot mode; "
+        f"{'did not grow' if ratio <= 1 else 'stayed flat' if ratio <= FLAT_GOAL else 'grew'}: "
+        f"{first:,.0f} \u00b5s "
+        f"in the first {setup['bucket_files']:,} files, {last:,.0f} \u00b5s in the last "
+        f"({ratio:.2f}\u00d7; goal \u2264 {FLAT_GOAL}\u00d7 {verdict}); per bucket "
+        f"{min(per_bucket):.0f}\u2013{max(per_bucket):,.0f} \u00b5s, "
+        f"{shipped['consumer_us_per_sample']:,.0f} \u00b5s over the whole run."
+    )
+    rescanned, quiet = [], []
+    prev = 0
+    for r, us in zip(buckets, per_bucket, strict=True):
+        (rescanned if (r["rescans"] or 0) > prev else quiet).append(us)
+        prev = r["rescans"] or 0
+    if rescanned and quiet:
+        text += (
+            f" Buckets in which the follower rescanned the directory: median "
+            f"{median(rescanned):,.0f} \u00b5s per sample ({_n(len(rescanned), 'bucket')}); "
+            f"the others: {median(quiet):,.0f} \u00b5s ({_n(len(quiet), 'bucket')})."
+        )
+    text += (
+        f" Initial scan of the full directory: first sample after "
+        f"{scan['first_yield_follow_s']:.2f} s in follow mode (scan plus one `stat` per name "
+        f"to order by age), {scan['first_yield_snapshot_s']:.2f} s in snapshot mode; "
         f"{scan['bytes_per_tracked_sample']:.0f} bytes of memory per tracked sample "
-        "(`tracemalloc`).",
-    ]
+        "(`tracemalloc`)."
+    )
+    out = [text]
+    writer = shipped["writer"]
     overflows = shipped.get("inotify_overflows") or 0
     text = (
-        "Watchdog's inotify thread costs more CPU than the reader itself: "
-        f"{shipped['watchdog_us_per_sample_first_bucket']:.0f} \u00b5s per sample as "
-        "shipped in the first bucket, where the follower still keeps up, against "
-        f"{buckets[0]['consumer_cpu_s'] / b * 1e6:.0f} \u00b5s for the reader, because "
-        "the watch is scheduled without `event_filter` and inotify then reports every open, "
-        "modify and close in the directory, the reader's own opens included, about 4\u00d7 "
-        "the creations and renames the reader uses."
+        "Watchdog's threads (the watch asks for creations and renames only): "
+        f"{shipped['watchdog_us_per_sample_first_bucket']:,.0f} \u00b5s of CPU per sample in "
+        f"the first bucket, {shipped['watchdog_us_per_sample']:,.0f} \u00b5s over the whole "
+        f"run, against {shipped['consumer_us_per_sample']:,.0f} \u00b5s for the reader's "
+        f"consumer thread. The writer wrote {writer['count'] / writer['seconds']:,.0f} "
+        f"samples/s; the follower delivered all {shipped['yielded']:,} at "
+        f"{shipped['yielded'] / shipped['elapsed_s']:,.0f} samples/s (from the first write "
+        f"to the last sample), its last sample {shipped['lag_after_writer_s']:.2f} s after "
+        f"the writer finished; the two processes share the machine's {setup.get('cpus')} "
+        "CPUs."
     )
+    during = [r for r in buckets if r["writer_running"]]
+    after = [r for r in buckets if not r["writer_running"]]
+    if after:
+        r = after[0]
+        text += (
+            f" {_n(len(during), 'bucket')} of {len(buckets)} ended while the writer was still "
+            f"writing; the one in which it finished ({r['files'] - setup['bucket_files']:,}"
+            f"\u2013{r['files']:,} files) took {r['wall_s']:.2f} s: "
+            f"{r['wall_s'] / b * 1e6:,.0f} \u00b5s of wall time per sample, against "
+            f"{r['cpu_s'] / b * 1e6:,.0f} \u00b5s of follower CPU (watchdog's threads "
+            f"{r['watchdog_cpu_s'] / b * 1e6:,.0f} \u00b5s, the consumer thread "
+            f"{r['consumer_cpu_s'] / b * 1e6:,.0f} \u00b5s)."
+        )
+    rescans = shipped.get("rescans")
+    noted = shipped.get("overflow_rescans")
     if overflows:
         text += (
-            f" With the writer at {shipped['writer']['count'] / shipped['writer']['seconds']:,.0f}"
-            f" samples/s the inotify queue ({setup['inotify_max_queued_events']} events) "
-            f"overflowed {overflows} times. watchdog only logs that for a non-recursive "
-            "watch, so the lost names wait for the next safety rescan (every 30 s): the "
-            f"follower delivered its last sample {shipped['lag_after_writer_s']:.1f} s after "
-            "the writer had finished."
+            f" The inotify queue ({setup['inotify_max_queued_events']} events) overflowed "
+            f"{_n(overflows, 'time')} (watchdog's reports); {noted} "
+            "reached the follower, each making its next step a rescan of the directory, and "
+            f"it scanned the directory {_n(rescans, 'time')} in all (the initial scan included)."
+        )
+    else:
+        text += (
+            f" The inotify queue ({setup['inotify_max_queued_events']} events) never "
+            f"overflowed; the follower scanned the directory {_n(rescans, 'time')} in all "
+            "(the initial scan included)."
         )
     out.append(text)
-    proto = runs.get(FILTER_RESCAN) or runs.get(FILTER)
-    if proto:
-        name = FILTER_RESCAN if FILTER_RESCAN in runs else FILTER
-        out.append(
-            f"Prototype of the fix ({name}; in `benchmarks/scale.py`, patched into the "
-            "follower process only): watchdog thread "
-            f"{proto['watchdog_us_per_sample_first_bucket']:.0f} \u00b5s per sample in the "
-            f"first bucket, {proto.get('inotify_overflows') or 0} overflows, last sample "
-            f"{proto['lag_after_writer_s']:.1f} s after the writer finished (writer at "
-            f"{proto['writer']['count'] / proto['writer']['seconds']:,.0f} samples/s in that "
-            "run: the two processes share 2 cores, so a follower that keeps up slows the "
-            "writer)."
-        )
     return out
 
 
@@ -414,10 +389,12 @@ def render(res: dict[str, Any]) -> str:
         f"{s['samples']:,} samples of {s['sample_shape'][0]} tokens \u00d7 "
         f"{s['sample_shape'][1]} layer \u00d7 {s['sample_shape'][2]} hidden, each with its "
         f"lock file ({s['files_at_end']:,} files at the end), written by one writer process "
-        "as fast as it can while one follower process reads them (the two share the "
-        f"CPUs). inotify queue: {s['inotify_max_queued_events']} events. Per bucket of "
-        f'{s["bucket_files"]:,} files ({b:,} samples); "consumer" is the thread iterating '
-        'the reader, "all threads" adds watchdog\'s inotify thread:',
+        "as fast as it can while one follower process reads them with the reader's "
+        f"defaults (the two share the {s.get('cpus')} CPUs). inotify queue: "
+        f"{s['inotify_max_queued_events']} events. Per bucket of {s['bucket_files']:,} files "
+        f'({b:,} samples); "consumer" is the thread iterating the reader, "watchdog" '
+        'watchdog\'s threads (inotify reader, emitter, dispatcher), "all threads" the whole '
+        "follower process:",
         "",
     ]
     rows = []
@@ -428,8 +405,10 @@ def render(res: dict[str, Any]) -> str:
                     variant,
                     r["files"],
                     r["consumer_cpu_s"] / b * 1e6,
+                    r["watchdog_cpu_s"] / b * 1e6,
                     r["cpu_s"] / b * 1e6,
                     r["wall_s"] / b * 1e6,
+                    r["ended_s"],
                     r["rss_mb"],
                     r["known"],
                     r["rescans"],
@@ -442,11 +421,13 @@ def render(res: dict[str, Any]) -> str:
                 "follower",
                 "files so far",
                 "consumer CPU \u00b5s/sample",
+                "watchdog CPU \u00b5s/sample",
                 "all threads CPU \u00b5s/sample",
                 "wall \u00b5s/sample",
+                "bucket ended, s",
                 "RSS MB",
                 "names tracked",
-                "rescans",
+                "scans so far",
                 "overflows so far",
             ],
             rows,
@@ -458,10 +439,13 @@ def render(res: dict[str, Any]) -> str:
             [
                 "follower",
                 "writer samples/s",
+                "writer done, s",
                 "follower samples/s overall",
+                "consumer CPU \u00b5s/sample",
                 "consumer CPU last \u00f7 first",
-                "watchdog thread \u00b5s/sample, first bucket",
+                "watchdog CPU \u00b5s/sample (first bucket)",
                 "inotify overflows",
+                "scans",
                 "last sample after writer done, s",
                 "RSS growth bytes/sample",
             ],
@@ -469,10 +453,14 @@ def render(res: dict[str, Any]) -> str:
                 [
                     variant,
                     run["writer"]["count"] / run["writer"]["seconds"],
+                    run["writer"]["seconds"],
                     run["yielded"] / run["elapsed_s"],
+                    run["consumer_us_per_sample"],
                     run["consumer_cpu_last_over_first"],
-                    run["watchdog_us_per_sample_first_bucket"],
+                    f"{fmt(run['watchdog_us_per_sample'])} "
+                    f"({fmt(run['watchdog_us_per_sample_first_bucket'])})",
                     run.get("inotify_overflows"),
+                    run.get("rescans"),
                     run["lag_after_writer_s"],
                     run["rss_per_sample_bytes"],
                 ]
@@ -481,6 +469,12 @@ def render(res: dict[str, Any]) -> str:
         )
     )
     out += [
+        "",
+        '"bucket ended" and "writer done": seconds since the writer\'s first write (one '
+        "clock for both processes; the first bucket's wall time starts there too); "
+        '"follower samples/s overall": all samples over the time '
+        'from the writer\'s first write to the last sample yielded; "scans": the initial '
+        "scan, the 30 s safety rescans and the rescans after an overflow.",
         "",
         f"Initial scan of the full directory ({scan['files']:,} files, {scan['samples']:,} "
         f"samples, fresh process): `list_samples` {fmt(scan['list_samples_s'])} s; first "
