@@ -16,7 +16,6 @@ system-wide clock.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -32,6 +31,7 @@ from benchmarks.common import (
     fmt,
     goal,
     log,
+    naive_poll_load,
     percentile,
     python_module,
     table,
@@ -130,8 +130,6 @@ def follow_reader(
 
 
 def polling_reader(directory: Path, count: int) -> Iterator[tuple[str, float]]:
-    from safetensors.torch import load_file
-
     from hidden_state_reader.format import natural_key
 
     seen: set[str] = set()
@@ -146,15 +144,7 @@ def polling_reader(directory: Path, count: int) -> Iterator[tuple[str, float]]:
             continue
         idle_since = time.monotonic()
         for name in fresh:
-            path = str(directory / name)
-            with open(path + ".lock") as lock:
-                while True:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        time.sleep(POLL)
-                data = load_file(path)
+            data = naive_poll_load(str(directory / name), POLL)
             assert data["hidden_states"].shape[0] > 0
             seen.add(name)
             yield name, time.monotonic()

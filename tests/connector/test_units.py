@@ -141,7 +141,11 @@ def test_resolve_inside_accepts_nested_and_refuses_escapes(tmp_path: Path) -> No
     os.symlink(tmp_path / "outside", root / "link")
     assert resolve_inside(str(root), "a/b.safetensors") == str(root / "a" / "b.safetensors")
     assert resolve_inside(str(root), str(root / "c.safetensors")) == str(root / "c.safetensors")
+    deep_ok = "d/" * 16 + "e.safetensors"
+    assert resolve_inside(str(root), deep_ok) == str(root / deep_ok)
     for bad in [
+        "d/" * 17 + "e.safetensors",  # the connector would create every level
+        "m/" * 2100 + "m.safetensors",  # over PATH_MAX
         "../x.safetensors",
         "/etc/x.safetensors",
         "link/x.safetensors",

@@ -25,6 +25,10 @@ QUARANTINE_DIR = ".quarantine"
 
 # Linux NAME_MAX; a component longer than this cannot be created at all.
 MAX_COMPONENT_BYTES = 255
+# Custom sample paths: a client may not make the connector build a deep tree (each level
+# is a directory it creates) or a path the kernel will refuse (PATH_MAX).
+MAX_SUBDIR_DEPTH = 16
+MAX_PATH_BYTES = 4095
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 FOREIGN_TEMP = re.compile(r"^\.tmp[A-Za-z0-9]{6}$")
 
@@ -142,8 +146,9 @@ def resolve_inside(root: str, requested: str) -> str:
     """Resolve a client-supplied sample path and prove it stays inside ``root``.
 
     Relative paths are taken relative to ``root``. The final path must end in
-    ``.safetensors``, contain no NUL byte, no ``..`` component, no component over
-    ``NAME_MAX`` bytes, and its parent directory (after following symlinks) must lie
+    ``.safetensors``, contain no NUL byte, no ``..`` or hidden component, no component
+    over ``NAME_MAX`` bytes, at most ``MAX_SUBDIR_DEPTH`` directory levels below the root
+    and ``MAX_PATH_BYTES`` in all, and its parent directory (after following symlinks) must lie
     inside ``root`` (after following symlinks). The file itself may not be a symlink.
 
     Args:
@@ -178,7 +183,14 @@ def resolve_inside(root: str, requested: str) -> str:
     parent = os.path.realpath(os.path.dirname(candidate))
     if os.path.commonpath([real_root, parent]) != real_root:
         raise PathOutsideRootError(requested, root, "resolves outside the storage root")
+    rel = os.path.relpath(parent, real_root)
+    if rel != "." and rel.count(os.sep) + 1 > MAX_SUBDIR_DEPTH:
+        raise PathOutsideRootError(
+            requested, root, f"more than {MAX_SUBDIR_DEPTH} directory levels below the root"
+        )
     final = os.path.join(parent, name)
+    if len(final.encode()) > MAX_PATH_BYTES:
+        raise PathOutsideRootError(requested, root, "the path is too long")
     if os.path.islink(final):
         raise PathOutsideRootError(requested, root, "the target is a symlink")
     return final
