@@ -35,6 +35,7 @@ from benchmarks.common import (
     log,
     median,
     python_module,
+    run_json,
     table,
 )
 
@@ -202,15 +203,9 @@ def _follow_run(directory: Path, count: int, bucket: int) -> dict[str, Any]:
     if first != "following":
         follower.kill()
         raise RuntimeError(f"follower did not start: {first!r}")
-    writer = subprocess.run(
-        python_module("benchmarks.scale", "writer", str(directory), str(count)),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=1800,
-        check=True,
+    written = run_json(
+        python_module("benchmarks.scale", "writer", str(directory), str(count)), timeout=1800
     )
-    written = json.loads(writer.stdout.strip().splitlines()[-1])
     out, _ = follower.communicate(timeout=1800)
     follow = json.loads(out.strip().splitlines()[-1])
     follow["writer"] = written
@@ -253,15 +248,7 @@ def run(ctx: Context) -> dict[str, Any]:
     work = ctx.workdir("scale")
     runs = {SHIPPED: _follow_run(work / "hs-0", count, bucket)}
     log("scale: initial scan of the full directory (fresh process)")
-    scan_proc = subprocess.run(
-        python_module("benchmarks.scale", "scan", str(work / "hs-0")),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=900,
-        check=True,
-    )
-    scan = json.loads(scan_proc.stdout.strip().splitlines()[-1])
+    scan = run_json(python_module("benchmarks.scale", "scan", str(work / "hs-0")), timeout=900)
     try:
         with open("/proc/sys/fs/inotify/max_queued_events") as f:
             inotify_queue: int | None = int(f.read())

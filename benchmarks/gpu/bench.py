@@ -44,7 +44,7 @@ def make_8b_model(root: Path) -> Path:
 
 
 def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, Any]:
-    from hidden_state_connector.server import speculative_config
+    from hidden_state_connector.server import kv_transfer_config, speculative_config
 
     kw: dict[str, Any] = {
         "model": args.model,
@@ -66,12 +66,10 @@ def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, An
         return kw
     kw["speculative_config"] = speculative_config(args.layers)
     if kind == "ours":
-        extra = {"shared_storage_path": out, "stats_interval": 0, **json.loads(args.connector)}
+        extra = {"stats_interval": 0, **json.loads(args.connector)}
         kw["kv_transfer_config"] = {
-            "kv_connector": "HiddenStateConnector",
+            **kv_transfer_config(out, extra),
             "kv_connector_module_path": "hidden_state_connector.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": extra,
         }
     elif kind == "example":
         kw["kv_transfer_config"] = {
@@ -218,6 +216,7 @@ def validate(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_connector.server import kv_transfer_config, speculative_config
     from hidden_state_reader import HiddenStateReader
 
     dtype = args.dtype
@@ -235,22 +234,18 @@ def validate(args: argparse.Namespace) -> int:
         enable_prefix_caching=True,
         max_num_batched_tokens=256,
         seed=0,
-        speculative_config={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
-        },
+        speculative_config=speculative_config(layers),
         kv_transfer_config={
-            "kv_connector": "HiddenStateConnector",
+            **kv_transfer_config(
+                out,
+                {
+                    "chunk_bytes": 65536,
+                    "host_buffer_bytes": 1 << 20,
+                    "checksum": True,
+                    "stats_interval": 0,
+                },
+            ),
             "kv_connector_module_path": "hidden_state_connector.connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {
-                "shared_storage_path": out,
-                "chunk_bytes": 65536,
-                "host_buffer_bytes": 1 << 20,
-                "checksum": True,
-                "stats_interval": 0,
-            },
         },
     )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()

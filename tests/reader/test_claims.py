@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import signal
 import subprocess
 import sys
@@ -68,3 +69,36 @@ def test_consumer_groups_each_see_every_sample(hs_dir: Path) -> None:
     b = list(HiddenStateReader(hs_dir, claim=True, claim_group="job-b"))
     again = list(HiddenStateReader(hs_dir, claim=True, claim_group="job-a"))
     assert len(a) == 5 and len(b) == 5 and again == []
+
+
+def test_ctrl_c_while_recording_a_delivered_sample_still_records_it(
+    hs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C can land between any two bytecodes; here, inside the consumed-record step."""
+    from hidden_state_reader import HiddenStateReader
+    from hidden_state_reader import reader as reader_module
+
+    write_samples(hs_dir, 2)
+    real_dispose = reader_module.dispose
+    calls = []
+
+    def interrupted_once(*args: object) -> bool:
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # the fault: a signal mid-commit
+        return real_dispose(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reader_module, "dispose", interrupted_once)
+    reader = HiddenStateReader(hs_dir, claim=True, claim_group="g")
+    samples = iter(reader)
+    first = next(samples)
+    with pytest.raises(KeyboardInterrupt):
+        next(samples)  # resumes the generator: it records `first`, and Ctrl-C lands
+    reader.close()
+    monkeypatch.setattr(reader_module, "dispose", real_dispose)
+    claim = hs_dir / ".claims" / "g" / "hs_0.safetensors.claim"
+    assert json.loads(claim.read_text())["state"] == "done"
+    # A second reader of the group gets only the other sample: the first stays consumed.
+    rest = [s.path for s in HiddenStateReader(hs_dir, claim=True, claim_group="g")]
+    assert [Path(p).name for p in rest] == ["hs_1.safetensors"]
+    assert Path(first.path).name == "hs_0.safetensors"
