@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 WATCH_MODES = ("auto", "inotify", "poll")
 _GONE_MEMORY = 65536  # consumed names remembered to ignore late events (~6 MB at most)
+# Longest single sleep while waiting for news. A signal (Ctrl-C) that arrives just before
+# the thread goes to sleep does not interrupt that sleep; Python handles it when the sleep
+# ends, so this bounds how late a Ctrl-C can be acted on. Idle wake-ups cost nothing.
+_MAX_SLEEP = 0.5
 
 
 def list_samples(root: str) -> list[str]:
@@ -312,7 +316,7 @@ class FollowSource:
                     return None
                 wake = min(wake, end)
             try:
-                name = self._events.get(timeout=max(0.0, wake - now))
+                name = self._events.get(timeout=min(_MAX_SLEEP, max(0.0, wake - now)))
             except queue.Empty:
                 continue
             self._note(name)
