@@ -21,17 +21,33 @@ READER = [sys.executable, str(TOOLS / "claim_reader.py")]
 
 def start_reader(root: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [*READER, str(root), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*READER, str(root), *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
 @pytest.mark.parametrize("delete", [False, True], ids=["keep", "delete"])
 def test_four_processes_consume_2000_samples_exactly_once(hs_dir: Path, delete: bool) -> None:
     extra = ["--delete"] if delete else []
-    readers = [start_reader(hs_dir, *extra) for _ in range(4)]
+    # Every process is loaded (imports take seconds on a loaded machine) before the first
+    # sample exists: a reader still starting when the others have drained everything would
+    # rightly get nothing, and readers waiting on a slow writer would reach their idle timeout.
     writer = subprocess.Popen(
-        [*WRITER, "stream", str(hs_dir), "2000"], stdout=subprocess.PIPE, text=True
+        [*WRITER, "stream", str(hs_dir), "2000", "go"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
+    readers = [start_reader(hs_dir, "--ready", *extra) for _ in range(4)]
+    for proc, line in [(writer, "loaded\n")] + [(r, "ready\n") for r in readers]:
+        assert proc.stdout is not None and proc.stdout.readline() == line
+    for proc in [*readers, writer]:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     assert writer.wait(timeout=300) == 0
     outputs = [r.communicate(timeout=300) for r in readers]
     assert [r.returncode for r in readers] == [0, 0, 0, 0]

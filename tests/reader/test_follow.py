@@ -78,7 +78,7 @@ def test_close_stops_a_follow_reader_waiting_for_news(hs_dir: Path) -> None:
 
 def test_follow_with_delete_leaves_an_empty_directory(hs_dir: Path) -> None:
     reader = HiddenStateReader(
-        hs_dir, follow=True, idle_timeout=5, on_consumed="delete", max_samples=50
+        hs_dir, follow=True, idle_timeout=60, on_consumed="delete", max_samples=50
     )
     writer = subprocess.Popen(
         [*WRITER, "stream", str(hs_dir), "50"], stdout=subprocess.PIPE, text=True

@@ -6,6 +6,7 @@ Modes:
   vllm-partial PATH    like vLLM's connector: create the lock in place, lock it, write
                        half a file in place, print "partial", then wait to be killed
   stream DIR COUNT     write COUNT small samples hs_0.. into DIR as fast as possible
+  stream DIR COUNT go  the same, but first print "loaded" and wait for a line on stdin
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ def vllm_partial(path: str) -> None:
     time.sleep(3600)  # until the test kills this process
 
 
-def stream(directory: str, count: int) -> None:
+def stream(directory: str, count: int, wait_for_go: bool = False) -> None:
+    if wait_for_go:
+        print("loaded", flush=True)
+        sys.stdin.readline()
     write_samples(directory, count, tokens=4, layers=1, hidden=8, dtype=torch.float32)
     print("done", flush=True)
 
@@ -69,6 +73,6 @@ if __name__ == "__main__":
     elif mode == "vllm-partial":
         vllm_partial(sys.argv[2])
     elif mode == "stream":
-        stream(sys.argv[2], int(sys.argv[3]))
+        stream(sys.argv[2], int(sys.argv[3]), wait_for_go=sys.argv[4:] == ["go"])
     else:
         raise SystemExit(f"unknown mode {mode}")
