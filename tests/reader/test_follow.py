@@ -146,3 +146,27 @@ def test_watcher_threads_leave_ctrl_c_to_the_main_thread(hs_dir: Path) -> None:
         assert main is not None and not _blocked_signals(main) & (1 << (signal.SIGINT - 1))
     finally:
         source.close()
+
+
+def test_time_spent_waiting_for_a_writer_is_not_idle_time(hs_dir: Path) -> None:
+    """A writer that works longer than the idle timeout and then dies must not end the
+    reader before the complete samples queued behind it are yielded."""
+    proc = subprocess.Popen(
+        [*WRITER, "hold", str(hs_dir / "a.safetensors")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    write_samples(hs_dir, 1, prefix="b_")  # sorted after a: queued behind its lock wait
+    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.5, lock_timeout=60)
+    got: list[str] = []
+    t = threading.Thread(target=lambda: got.extend(os.path.basename(s.path) for s in reader))
+    t.start()
+    t.join(timeout=1.5)  # the fault: a writer busy for three idle timeouts
+    assert t.is_alive(), "a pending writer is not idleness"
+    proc.kill()  # dies before writing anything: the reader's wait ends in a skip
+    proc.wait()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert got == ["b_0.safetensors"]

@@ -51,7 +51,8 @@ class HiddenStateReader:
     Args:
         path: The storage directory (vLLM's ``shared_storage_path``).
         follow: Keep following the directory as new samples appear (like ``tail -f``).
-        idle_timeout: In follow mode, stop after this many seconds without news.
+        idle_timeout: In follow mode, stop after this many seconds without news (time
+            spent waiting for a writer to finish a sample does not count).
         max_samples: Stop after yielding this many samples.
         claim: Coordinate with other readers (processes, ranks, hosts on a shared
             filesystem) so each sample is yielded by exactly one of them.
@@ -187,11 +188,12 @@ class HiddenStateReader:
                     return
                 if name is None:
                     return
-                last_news = time.monotonic()
                 try:
                     outcome = self._take(source, name)
                 except WaitCancelledError:
                     return
+                # Time spent waiting for a writer is not idle time, however it ended.
+                last_news = time.monotonic()
                 if outcome is None:
                     continue
                 sample, claim = outcome
