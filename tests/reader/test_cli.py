@@ -125,10 +125,11 @@ ZOO_STATES = {
     "vllm_0.safetensors": "ready",
     "wrong_dtype.safetensors": "corrupt",
 }
+YOUNG_TEMP = "young.safetensors.tmp.4242.cafe"
 ZOO_TEMPS = {
     "hs_9.safetensors.tmp.4242.deadbeef": "orphan_temp",
     "held.safetensors.tmp.4242.beef": "pending",  # old, but its sample's lock is held
-    "young.safetensors.tmp.4242.cafe": "pending",
+    YOUNG_TEMP: "pending",
 }
 
 
@@ -176,10 +177,18 @@ def build_zoo(root: Path, holder: LockHolder) -> Path:
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory, holder: LockHolder) -> Iterator[Path]:
+def zoo_dir(tmp_path_factory: pytest.TempPathFactory, holder: LockHolder) -> Iterator[Path]:
     root = build_zoo(tmp_path_factory.mktemp("zoo") / "hs", holder)
     yield root
     holder.release(root / "held.safetensors")
+
+
+@pytest.fixture
+def zoo(zoo_dir: Path) -> Path:
+    """The shared zoo, its young temp file made young again (a temp file older than the
+    grace period counts as an orphan, and CLI runs take seconds each on a loaded machine)."""
+    os.utime(zoo_dir / YOUNG_TEMP)
+    return zoo_dir
 
 
 def ls_rows(stdout: str) -> dict[str, list[str]]:
