@@ -369,11 +369,9 @@ def test_files_on_disk_are_verified_and_a_finished_run_never_starts_vllm(
     second = run_extract(*args, env=env, timeout=120)
     assert second.returncode == 0, second.stderr
     assert "1 ok (0 written, 1 already on disk)" in second.stdout
-    started = time.monotonic()
-    third = run_extract(*args, env=env, timeout=120)
+    third = run_extract(*args, env=env, timeout=120)  # the poisoned vLLM proves it stays out
     assert third.returncode == 0, third.stderr
     assert third.stdout.startswith("nothing to do")
-    assert time.monotonic() - started < 15
     # Other layers in the same directory are refused.
     code, _, err = run_in_process(*args[:-1], "1,2")
     assert code == 2 and "layers=[1, 3]" in err
@@ -512,8 +510,7 @@ def test_resume_after_sigkill_records_every_index_once(
     third = run_extract(*args, module=True, env=poisoned_vllm(tmp_path))
     assert third.returncode == 0, third.stderr
     assert third.stdout.startswith("nothing to do: all 150 samples")
-    third_seconds = time.monotonic() - third_started
-    assert third_seconds < 15
+    third_seconds = time.monotonic() - third_started  # reported, not asserted (no vLLM start)
     print(
         f"killed after {killed_at:.1f}s with {len(before)} recorded; resumed run done at "
         f"{resumed_at:.1f}s; nothing-to-do run {third_seconds:.1f}s"
