@@ -17,6 +17,8 @@ from hidden_state_connector.server import ServeOptions, VllmServer
 from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.format import SharedLock, read_status
 
+from tools.relkit import HEALTH_TIMEOUT
+
 pytestmark = pytest.mark.vllm
 
 LAYERS = [1, 2, 4]
@@ -141,7 +143,7 @@ def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: Vll
     try:
         result = complete(server.url, "tiny", [7] * 20)
         path = result["kv_transfer_params"]["hidden_states_path"]
-        assert server.healthy()
+        assert server.healthy(timeout=HEALTH_TIMEOUT)
     finally:
         out.unlink()
         parked.rename(out)

@@ -27,7 +27,15 @@ from hidden_state_connector.client import complete, complete_all
 from hidden_state_reader import HiddenStateReader, load_sample
 from hidden_state_reader.format import SharedLock, read_status
 
-from tools.relkit import TOKEN_BYTES, Figures, entries, held_locks, log_count, serve_options
+from tools.relkit import (
+    HEALTH_TIMEOUT,
+    TOKEN_BYTES,
+    Figures,
+    entries,
+    held_locks,
+    log_count,
+    serve_options,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -105,7 +113,7 @@ def test_full_disk_fails_samples_not_the_server(
         complete_all(full_server.url, "tiny", [prompt(i) for i in range(14)], concurrency=4)
     )
     assert [r.error for r in results] == [None] * 14, "every request is answered"
-    assert full_server.healthy()
+    assert full_server.healthy(timeout=HEALTH_TIMEOUT)
     outcomes = {r.path: outcome(root, r.path) for r in results if r.path}
     written = [p for p, o in outcomes.items() if o == "written"]
     failed = [p for p, o in outcomes.items() if o != "written"]
@@ -127,7 +135,7 @@ def test_full_disk_fails_samples_not_the_server(
         complete(full_server.url, "tiny", prompt(100 + i, n)) for i, n in enumerate([4, 50, PROMPT])
     ]
     assert all(r["kv_transfer_params"]["hidden_states_path"] for r in later)
-    assert full_server.healthy()
+    assert full_server.healthy(timeout=HEALTH_TIMEOUT)
     during_full = [outcome(root, r["kv_transfer_params"]["hidden_states_path"]) for r in later]
 
     # 2b. Completely full (not one page left): not even the lock file can be written.
@@ -138,7 +146,7 @@ def test_full_disk_fails_samples_not_the_server(
     os.close(fd)
     assert free_bytes(root) == 0
     no_room = [complete(full_server.url, "tiny", prompt(150 + i, 30)) for i in range(2)]
-    assert full_server.healthy()
+    assert full_server.healthy(timeout=HEALTH_TIMEOUT)
     no_room_outcomes = [
         outcome(root, r["kv_transfer_params"]["hidden_states_path"]) for r in no_room
     ]
@@ -165,7 +173,7 @@ def test_full_disk_fails_samples_not_the_server(
     )
     after = [outcome(root, r.path) for r in resumed if r.path]
     assert after == ["written"] * 4, after
-    assert full_server.healthy()
+    assert full_server.healthy(timeout=HEALTH_TIMEOUT)
 
     figures.record(
         "disk-full",

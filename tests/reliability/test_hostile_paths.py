@@ -24,7 +24,7 @@ import pytest
 from hidden_state_reader import load_sample
 from hidden_state_reader.format import SharedLock
 
-from tools.relkit import Figures, files_under, log_count, serve_options
+from tools.relkit import HEALTH_TIMEOUT, Figures, files_under, log_count, serve_options
 
 pytestmark = pytest.mark.vllm
 
@@ -161,7 +161,7 @@ def test_hostile_paths_are_refused_and_nothing_escapes(hostile: Any, figures: Fi
     assert not os.path.exists(str(root) + "-twin")
     assert os.path.islink(root / "link.safetensors"), "the planted symlink was not replaced"
     warned = log_count(server, "using the default name", log_before + refused) - log_before
-    assert server.healthy()
+    assert server.healthy(timeout=HEALTH_TIMEOUT)
     status, body = post(server.url, [1, 2, 3], None)
     assert status == 200 and body["kv_transfer_params"]["hidden_states_path"]
 
@@ -235,5 +235,5 @@ def test_directory_swapped_for_a_symlink_mid_request_does_not_escape(
     escaped = files_under(sentinel)
     inside = files_under(root / "swap-moved")
     figures.record("symlink-swap", files_in_sentinel=escaped, files_in_moved_dir=inside)
-    assert server.healthy()
+    assert server.healthy(timeout=HEALTH_TIMEOUT)
     assert escaped == [], f"written outside the storage root: {escaped}"

@@ -33,6 +33,7 @@ from hidden_state_connector.client import complete
 from hidden_state_reader import HiddenStateReader
 
 from tools.relkit import (
+    HEALTH_TIMEOUT,
     Figures,
     entries,
     held_locks,
@@ -228,7 +229,7 @@ def _soak(server: Any, figures: Figures, duration: float, *, check_rss: bool) ->
         end_files=len(end_listing["data"]) + len(end_listing["lock"]),
         curve=curve,
     )
-    assert server.healthy()
+    assert server.healthy(timeout=HEALTH_TIMEOUT)
     assert clients.completed > 0 and clients.aborted > 0
     assert clients.errors == 0
     assert end_held == 0, "a lock is still held after the load ended"

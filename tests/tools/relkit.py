@@ -26,6 +26,8 @@ import torch
 from hidden_state_reader.format import LockState, classify, probe
 from hidden_state_reader.format.names import Kind
 
+# A live server answers /health at once; on a loaded machine it may take seconds.
+HEALTH_TIMEOUT = 30.0
 TESTS = Path(__file__).resolve().parents[1]
 TOOLS = TESTS / "tools"
 RESULTS = TESTS / "reliability" / ".results"

@@ -184,10 +184,10 @@ class VllmServer:
         self.stop()
         raise RuntimeError(f"vllm serve not healthy after {timeout:.0f}s:\n{self.tail()}")
 
-    def healthy(self) -> bool:
-        """Whether ``/health`` answers 200."""
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """Whether ``/health`` answers 200 within ``timeout`` seconds."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
                 return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
             return False
