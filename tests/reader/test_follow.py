@@ -113,7 +113,7 @@ def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) ->
         logging.getLogger("watchdog.observers.inotify_c").warning(
             "Inotify queue overflowed; filesystem events were lost"
         )
-        assert source.next(timeout=0.05) is None
+        assert source.next(timeout=0.5) is None
         assert (source.rescans, source.overflows) == (2, 1)
     finally:
         source.close()

@@ -249,7 +249,8 @@ def test_held_lock_is_pending_never_blocks(hs_dir: Path, holder: LockHolder) -> 
     try:
         start = time.monotonic()
         health = check_sample(hs_dir, data.name)
-        assert time.monotonic() - start < 1.0
+        # A blocking check would sleep until the holder lets go: any bound catches it.
+        assert time.monotonic() - start < 10
         assert health.state is HealthState.PENDING and not health.problem
         assert health.lock is LockState.HELD
         assert f"pid {holder.proc.pid}" in health.reason

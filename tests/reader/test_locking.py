@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -68,19 +69,31 @@ def test_reader_sleeps_in_flock_until_another_process_releases(hs_dir: Path) -> 
     # Woken by the kernel on release; recorded for information, bounded only for hangs.
     latency = float(result["woke"]) - released  # type: ignore[arg-type]
     print(f"wake latency after release: {latency * 1000:.2f} ms")
-    assert latency < 5.0
+    assert latency < 30
 
 
 def test_lock_timeout_leaves_no_thread_or_fd_behind(hs_dir: Path) -> None:
     path = str(hs_dir / "hs_0.safetensors")
     lock = WriterLock.create(path)  # held for the whole test (another open file description)
-    threads_before = threading.active_count()
-    fds_before = len(os.listdir("/proc/self/fd"))
+
+    # Only what is this test's own: other threads and fds of the process (earlier tests'
+    # objects being collected) may come and go meanwhile.
+    def deadline_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "hidden-state-lock-deadline"]
+
+    def fds_into_dir() -> list[str]:
+        targets = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the fd of listdir itself is gone
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sorted(t for t in targets if t.startswith(str(hs_dir)))
+
+    fds_before = fds_into_dir()
     reader = HiddenStateReader(hs_dir, lock_timeout=0.2)
     assert list(reader) == []
     assert reader.stats.lock_timeouts == 1
-    assert threading.active_count() == threads_before
-    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert deadline_threads() == []
+    assert fds_into_dir() == fds_before
     lock.release()
 
 

@@ -175,8 +175,6 @@ def run(readers: Readers, root: Path, samples: int, seconds: float, seed: int) -
     rng = random.Random(seed)
     per_writer = samples // WRITERS
     rate = per_writer / seconds
-    for _ in range(READERS):
-        readers.spawn()
     writers = [
         subprocess.Popen(
             [
@@ -187,10 +185,20 @@ def run(readers: Readers, root: Path, samples: int, seconds: float, seed: int) -
                 str(per_writer),
                 f"{rate:.3f}",
             ],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            text=True,
         )
         for k in range(WRITERS)
     ]
+    for w in writers:  # loaded before any reader starts its idle clock
+        assert w.stdout is not None and w.stdout.readline() == "loaded\n"
+    for _ in range(READERS):
+        readers.spawn()
+    for w in writers:
+        assert w.stdin is not None
+        w.stdin.write("go\n")
+        w.stdin.flush()
     started = time.monotonic()
     kills = 0
     while any(w.poll() is None for w in writers):

@@ -1,5 +1,7 @@
 """Write small pattern samples at a steady rate: ``stream_writer.py DIR PREFIX COUNT RATE``.
 
+It prints ``loaded`` once imports are done and starts writing at the next line on stdin,
+so a test can start readers and writers together (imports take seconds under load).
 Names are ``PREFIX-NNNNNN-t{tokens}-l1-h8-f32.safetensors`` (content checkable with
 ``relkit.matches_pattern``), written atomically with ``write_sample``, RATE per second
 (0: as fast as possible). Prints ``done COUNT`` at the end.
@@ -24,6 +26,8 @@ from tools.relkit import pattern_tensors, sample_name
 def main() -> None:
     directory, prefix, count, rate = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
     torch.set_num_threads(1)
+    print("loaded", flush=True)
+    sys.stdin.readline()
     start = time.monotonic()
     for i in range(count):
         if rate > 0:
