@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import start_together
 from samples import write_samples
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -42,12 +43,7 @@ def test_four_processes_consume_2000_samples_exactly_once(hs_dir: Path, delete: 
         text=True,
     )
     readers = [start_reader(hs_dir, "--ready", *extra) for _ in range(4)]
-    for proc, line in [(writer, "loaded\n")] + [(r, "ready\n") for r in readers]:
-        assert proc.stdout is not None and proc.stdout.readline() == line
-    for proc in [*readers, writer]:
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+    start_together([(writer, "loaded"), *((r, "ready") for r in readers)])
     assert writer.wait(timeout=300) == 0
     outputs = [r.communicate(timeout=300) for r in readers]
     assert [r.returncode for r in readers] == [0, 0, 0, 0]

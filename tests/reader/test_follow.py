@@ -148,25 +148,52 @@ def test_watcher_threads_leave_ctrl_c_to_the_main_thread(hs_dir: Path) -> None:
         source.close()
 
 
+def _hold_lock(path: Path) -> subprocess.Popen[str]:
+    """A writer process holding ``path``'s lock until it is told to write (or killed)."""
+    proc = subprocess.Popen(
+        [*WRITER, "hold", str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    if proc.stdout is None or proc.stdout.readline().strip() != "locked":
+        proc.kill()
+        raise AssertionError(f"the lock holder did not start (exit {proc.wait()})")
+    return proc
+
+
 def test_time_spent_waiting_for_a_writer_is_not_idle_time(hs_dir: Path) -> None:
     """A writer that works longer than the idle timeout and then dies must not end the
     reader before the complete samples queued behind it are yielded."""
-    proc = subprocess.Popen(
-        [*WRITER, "hold", str(hs_dir / "a.safetensors")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
-    write_samples(hs_dir, 1, prefix="b_")  # sorted after a: queued behind its lock wait
-    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.5, lock_timeout=60)
-    got: list[str] = []
-    t = threading.Thread(target=lambda: got.extend(os.path.basename(s.path) for s in reader))
-    t.start()
-    t.join(timeout=1.5)  # the fault: a writer busy for three idle timeouts
-    assert t.is_alive(), "a pending writer is not idleness"
-    proc.kill()  # dies before writing anything: the reader's wait ends in a skip
-    proc.wait()
+    proc = _hold_lock(hs_dir / "a.safetensors")
+    try:
+        write_samples(hs_dir, 1, prefix="b_")  # sorted after a: queued behind its lock wait
+        reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.5, lock_timeout=60)
+        got: list[str] = []
+        t = threading.Thread(target=lambda: got.extend(os.path.basename(s.path) for s in reader))
+        t.start()
+        t.join(timeout=1.5)  # the fault: a writer busy for three idle timeouts
+        assert t.is_alive(), "a pending writer is not idleness"
+    finally:
+        proc.kill()  # dies before writing anything: the reader's wait ends in a skip
+        proc.wait()
     t.join(timeout=30)
     assert not t.is_alive()
     assert got == ["b_0.safetensors"]
+
+
+@pytest.mark.parametrize("lock_timeout", [0.3, 0.7], ids=["short", "over-half-idle"])
+def test_a_writer_stuck_past_lock_timeout_does_not_keep_the_reader_alive(
+    hs_dir: Path, lock_timeout: float
+) -> None:
+    # Each lock wait times out within the idle timeout (1 s) and the name is looked at
+    # again later: neither the timeouts nor the name's return are news, so the reader ends.
+    proc = _hold_lock(hs_dir / "stuck.safetensors")
+    reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=1.0, lock_timeout=lock_timeout)
+    try:
+        t = threading.Thread(target=lambda: list(reader))
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "a stuck writer must not keep a follow reader running"
+        assert reader.stats.lock_timeouts >= 1
+    finally:
+        proc.kill()
+        proc.wait()
+        reader.close()

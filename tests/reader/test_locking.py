@@ -88,11 +88,12 @@ def test_lock_timeout_leaves_no_thread_or_fd_behind(hs_dir: Path) -> None:
                 targets.append(os.readlink(f"/proc/self/fd/{fd}"))
         return sorted(t for t in targets if t.startswith(str(hs_dir)))
 
+    threads_before = deadline_threads()
     fds_before = fds_into_dir()
     reader = HiddenStateReader(hs_dir, lock_timeout=0.2)
     assert list(reader) == []
     assert reader.stats.lock_timeouts == 1
-    assert deadline_threads() == []
+    assert set(deadline_threads()) <= set(threads_before)
     assert fds_into_dir() == fds_before
     lock.release()
 

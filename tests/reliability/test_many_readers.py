@@ -48,6 +48,7 @@ import pytest
 
 from hidden_state_reader.claims import ClaimStore
 
+from procs import start_together
 from tools.relkit import TOOLS, Figures
 
 READERS = 8
@@ -191,14 +192,11 @@ def run(readers: Readers, root: Path, samples: int, seconds: float, seed: int) -
         )
         for k in range(WRITERS)
     ]
-    for w in writers:  # loaded before any reader starts its idle clock
-        assert w.stdout is not None and w.stdout.readline() == "loaded\n"
-    for _ in range(READERS):
-        readers.spawn()
-    for w in writers:
-        assert w.stdin is not None
-        w.stdin.write("go\n")
-        w.stdin.flush()
+    # The writers are loaded before any reader starts its idle clock.
+    start_together(
+        [(w, "loaded") for w in writers],
+        before_go=lambda: [readers.spawn() for _ in range(READERS)],
+    )
     started = time.monotonic()
     kills = 0
     while any(w.poll() is None for w in writers):

@@ -52,7 +52,8 @@ class HiddenStateReader:
         path: The storage directory (vLLM's ``shared_storage_path``).
         follow: Keep following the directory as new samples appear (like ``tail -f``).
         idle_timeout: In follow mode, stop after this many seconds without news (time
-            spent waiting for a writer to finish a sample does not count).
+            spent waiting for a writer to finish a sample does not count; a writer
+            still holding its lock after ``lock_timeout`` is no news).
         max_samples: Stop after yielding this many samples.
         claim: Coordinate with other readers (processes, ranks, hosts on a shared
             filesystem) so each sample is yielded by exactly one of them.
@@ -173,6 +174,9 @@ class HiddenStateReader:
         self._source = source
         yielded = 0
         last_news = time.monotonic()
+        # Names whose last lock wait timed out: a writer stuck on them is no news, so
+        # seeing them again must not keep a follow reader alive forever.
+        stuck: set[str] = set()
         try:
             while not self._closed:
                 if self.max_samples is not None and yielded >= self.max_samples:
@@ -188,12 +192,20 @@ class HiddenStateReader:
                     return
                 if name is None:
                     return
+                if name not in stuck:
+                    last_news = time.monotonic()
+                lock_timeouts = self.stats.lock_timeouts
                 try:
                     outcome = self._take(source, name)
                 except WaitCancelledError:
                     return
-                # Time spent waiting for a writer is not idle time, however it ended.
-                last_news = time.monotonic()
+                if self.stats.lock_timeouts == lock_timeouts:
+                    # Time spent waiting for a writer that finished (or died) is not
+                    # idle time.
+                    stuck.discard(name)
+                    last_news = time.monotonic()
+                else:
+                    stuck.add(name)
                 if outcome is None:
                     continue
                 sample, claim = outcome
