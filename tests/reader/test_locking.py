@@ -61,15 +61,16 @@ def test_reader_sleeps_in_flock_until_another_process_releases(hs_dir: Path) -> 
     writer.stdin.write("go\n")
     writer.stdin.flush()
     released = float(writer.stdout.readline().split()[1])
-    reader.join(timeout=10)
-    assert writer.wait(timeout=10) == 0
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the release must wake the reader"
+    assert writer.wait(timeout=60) == 0
     samples = result["samples"]
     assert len(samples) == 1  # type: ignore[arg-type]
     assert samples[0].num_tokens == 6  # type: ignore[index]
-    # Woken by the kernel on release; recorded for information, bounded only for hangs.
+    # Woken by the kernel on release (it slept in flock, checked above); speed is the
+    # latency benchmark's business, printed here for information only.
     latency = float(result["woke"]) - released  # type: ignore[arg-type]
     print(f"wake latency after release: {latency * 1000:.2f} ms")
-    assert latency < 30
 
 
 def test_lock_timeout_leaves_no_thread_or_fd_behind(hs_dir: Path) -> None:
