@@ -206,8 +206,8 @@ def test_500_requests_leave_no_open_files_locks_or_temp_files(engine: Engine) ->
     assert len(set(paths)) == 500
     names = [os.path.basename(p) for p in paths]
     reader = HiddenStateReader(engine.out, names=names, on_error="raise")
-    lengths = [s.num_tokens for s in reader]
-    assert lengths == [len(p) for p in prompts]
+    lengths = {s.path: s.num_tokens for s in reader}  # yielded in completion order
+    assert lengths == {path: len(p) for path, p in zip(paths, prompts, strict=True)}
     assert reader.stats.yielded == 500
     assert _open_files_under(engine.out) == []
     assert all(probe(lock_path(p)) is LockState.FREE for p in paths)

@@ -250,3 +250,83 @@ def request_was_aborted(request: Any) -> bool:
         if hasattr(RequestStatus, name)
     }
     return request.status in bad
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request scheduled in a step, as the scheduler output describes it.
+
+    Attributes:
+        req_id: vLLM request id.
+        computed_before: Tokens whose KV (and hidden states) existed before this step.
+        scheduled: Tokens computed in this step.
+        new_block_ids: Blocks of the hidden-state group allocated since the last step
+            (or the whole table, see ``replaces_table``); None when none were added.
+        replaces_table: ``new_block_ids`` is the request's whole block table (the
+            request was resumed after preemption), not an addition to it.
+        prompt_token_ids: The prompt, for a request scheduled for the first time.
+    """
+
+    req_id: str
+    computed_before: int
+    scheduled: int
+    new_block_ids: list[int] | None
+    replaces_table: bool
+    prompt_token_ids: list[int] | None
+
+
+def _group_blocks(block_ids: Any, group: int) -> list[int] | None:
+    if block_ids is None:
+        return None
+    if 0 <= group < len(block_ids):
+        return list(block_ids[group])
+    return []
+
+
+def scheduled_requests(scheduler_output: Any, group: int) -> list[ScheduledRequest]:
+    """Every request scheduled in this step, new and continuing.
+
+    vLLM 0.26-0.33 share these fields (``NewRequestData``, ``CachedRequestData`` with
+    ``resumed_req_ids``); ``kv_connector.utils.yield_req_data`` is not used because its
+    third element changed meaning in 0.33.
+    """
+    scheduled_tokens: Mapping[str, int] = scheduler_output.num_scheduled_tokens
+    found = [
+        ScheduledRequest(
+            req_id=new.req_id,
+            computed_before=int(new.num_computed_tokens),
+            scheduled=int(scheduled_tokens.get(new.req_id, 0)),
+            new_block_ids=_group_blocks(new.block_ids, group),
+            replaces_table=True,
+            prompt_token_ids=(
+                list(new.prompt_token_ids) if new.prompt_token_ids is not None else None
+            ),
+        )
+        for new in scheduler_output.scheduled_new_reqs
+    ]
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+    for i, req_id in enumerate(cached.req_ids):
+        found.append(
+            ScheduledRequest(
+                req_id=req_id,
+                computed_before=int(cached.num_computed_tokens[i]),
+                scheduled=int(scheduled_tokens.get(req_id, 0)),
+                new_block_ids=_group_blocks(cached.new_block_ids[i], group),
+                replaces_table=req_id in resumed,
+                prompt_token_ids=None,
+            )
+        )
+    return found
+
+
+def preempted_request_ids(scheduler_output: Any) -> set[str]:
+    """Requests preempted since the last step (their blocks were freed for reuse)."""
+    return set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def engine_key(vllm_config: Any) -> str:
+    """A key both halves of the connector derive alike for one engine (its engine id)."""
+    engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+    dp_rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)
+    return f"{engine_id}/{dp_rank}"

@@ -69,7 +69,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
                     "updates the captured tensor in place (seen with vLLM 0.26 on an H200). "
                     "Capture layers >= 1."
                 )
-            self._scheduler = SchedulerSide(self.config, vllm_config, block_size, self._stats)
+            self._scheduler = SchedulerSide(
+                self.config, vllm_config, block_size, group, self._stats
+            )
         else:
             self._worker = WorkerSide(self.config, vllm_config, block_size, captured, self._stats)
 
@@ -97,7 +99,10 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Store-only: nothing to load."""
+        """Nothing to load; before the forward pass, secure blocks vLLM freed by preemption."""
+        meta = self._metadata()
+        if self._worker is not None and meta is not None:
+            self._worker.before_forward(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Store-only: nothing to load."""
@@ -114,10 +119,14 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         return meta if isinstance(meta, HiddenStateConnectorMetadata) else None
 
     def wait_for_save(self) -> None:
-        """Create the locks of newly scheduled requests before anyone can learn the names."""
+        """After the step's forward pass: create new locks, start this step's saves.
+
+        vLLM calls this after the drafter stored the step's hidden states, and before
+        the client can learn any new name.
+        """
         meta = self._metadata()
         if self._worker is not None and meta is not None:
-            self._worker.create_locks(meta)
+            self._worker.after_forward(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Start saves of finished requests; report those whose blocks may be freed."""

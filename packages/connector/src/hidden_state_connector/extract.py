@@ -4,7 +4,8 @@ A chunk is a run of whole blocks. On CUDA each chunk is gathered on a side strea
 one preallocated device staging buffer (the only extra device memory, whatever the
 request length), copied asynchronously into a pinned host slab, and an event marks the
 copy done; the model's stream is never synchronised. On CPU the gather writes straight
-into the host slab.
+into the host slab with numpy (one thread, no OpenMP team: writer threads gather too,
+beside the engine's own OpenMP work).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hidden_state_connector.buffers import Slab
@@ -45,6 +47,10 @@ def plan_chunks(num_tokens: int, block_size: int, blocks_per_chunk: int) -> list
         count = -(-(stop - start) // block_size)
         chunks.append(Chunk(first, count, start, stop))
     return chunks
+
+
+# Integer dtypes of each element size: numpy has no bfloat16, and a copy moves bytes.
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _sync_allowed() -> contextlib.AbstractContextManager[object]:
@@ -86,6 +92,8 @@ class Extractor:
         self.check_nonfinite = check_nonfinite
         self._stream: torch.cuda.Stream | None = None
         self._staging: torch.Tensor | None = None
+        self._raw_dtype = _SAME_SIZE_INT[self.dtype.itemsize]
+        self._cpu_view = None if self.on_cuda else self.view.view(self._raw_dtype).numpy()
 
     @property
     def staging_bytes(self) -> int:
@@ -125,11 +133,13 @@ class Extractor:
         On CUDA, ``slab.event`` is recorded after the copy and ``slab.nonfinite`` is
         filled asynchronously; wait for the event before reading either.
         """
-        ids = torch.tensor(block_ids[chunk.first : chunk.first + chunk.count], dtype=torch.long)
+        wanted = block_ids[chunk.first : chunk.first + chunk.count]
         host = self._host_view(slab, chunk.count)
-        if not self.on_cuda:
-            torch.index_select(self.view, 0, ids, out=host)
+        if self._cpu_view is not None:
+            out = host.view(self._raw_dtype).numpy()
+            np.take(self._cpu_view, np.asarray(wanted, dtype=np.int64), axis=0, out=out)
             return
+        ids = torch.tensor(wanted, dtype=torch.long)
         stream = self._cuda_stream()
         assert self._staging is not None
         staging = self._staging[: chunk.count]
@@ -149,6 +159,11 @@ class Extractor:
             slab.event.record(stream)
             # The staging buffer is reused by the next chunk on this same stream, so
             # stream order alone keeps it safe.
+
+    def order_before_compute(self) -> None:
+        """Make the model's later work wait for every copy issued so far (CUDA)."""
+        if self.on_cuda and self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
     def record_done(self) -> object | None:
         """An event that completes when every copy issued so far has completed."""

@@ -26,6 +26,10 @@ class SaveOrder:
         block_ids: The request's blocks in the hidden-state cache group.
         num_prompt_tokens: Prompt length (the rest of ``token_ids`` were generated).
         failure: Why the sample cannot be written (aborted, nothing computed, ...).
+        written_this_step: The step that carries this order computes the last of
+            ``token_ids`` (a prompt whose prefill ends in it): the worker starts the
+            save after that step's forward pass, without waiting for the request to
+            finish. Otherwise every token was computed in earlier steps.
     """
 
     req_id: str
@@ -34,11 +38,21 @@ class SaveOrder:
     block_ids: list[int]
     num_prompt_tokens: int
     failure: str | None = None
+    written_this_step: bool = False
 
 
 @dataclass
 class HiddenStateConnectorMetadata(KVConnectorMetadata):
-    """Per-step instructions for the worker."""
+    """Per-step instructions for the worker.
+
+    Attributes:
+        new_samples: Locks to create.
+        saves: Samples to write.
+        preempted: Requests preempted since the last step whose samples were ordered
+            before they finished: their blocks may be reused by this step, so the
+            worker finishes copying them before the forward pass.
+    """
 
     new_samples: list[NewSample] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)

@@ -2,17 +2,28 @@
 
 Runs in the scheduler process. It picks each request's file name when the request is
 first scheduled (so the worker can create the lock in the same step, long before the
-client can learn the name), and when the request finishes it hands the worker a
-``SaveOrder`` and returns ``{"hidden_states_path": ...}`` to the client, keeping the KV
-blocks until the worker has copied them out.
+client can learn the name) and orders the save as early as the hidden states are
+complete:
+
+- prompt-only capture (the default): in the step that computes the prompt's last
+  token. The worker starts the save right after that step's forward pass, so the file
+  is published without any further engine step (an in-process ``LLM`` takes none once
+  its outputs are done).
+- with generated tokens (``include_output_tokens``): when the request finishes, since
+  only then is it known which tokens are the last. The order goes straight to a worker
+  in the same process (``local_handoff``), else in the next step's metadata.
+
+``request_finished`` returns ``{"hidden_states_path": ...}`` to the client and keeps the
+KV blocks until the worker has copied them out.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
-from hidden_state_connector import compat
+from hidden_state_connector import compat, local_handoff
 from hidden_state_connector.config import ConnectorConfig
 from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, NewSample, SaveOrder
@@ -39,6 +50,18 @@ def instance_tag(config: ConnectorConfig, vllm_config: Any) -> str:
     return tag
 
 
+@dataclass
+class _Tracked:
+    """What the scheduler half remembers of a request between its first step and its end."""
+
+    path: str
+    prompt: list[int] | None
+    include_output: bool
+    block_ids: list[int] = field(default_factory=list)
+    ordered: bool = False  # a save order was sent before the request finished
+    failure: str | None = None  # why that order cannot be written
+
+
 class SchedulerSide:
     """State the scheduler-side connector keeps between steps.
 
@@ -46,18 +69,26 @@ class SchedulerSide:
         config: Validated connector settings.
         vllm_config: The engine's configuration.
         block_size: Block size of the hidden-state cache group.
+        group: Index of the hidden-state cache group.
         stats: Shared counters.
     """
 
     def __init__(
-        self, config: ConnectorConfig, vllm_config: Any, block_size: int, stats: WriteStats
+        self,
+        config: ConnectorConfig,
+        vllm_config: Any,
+        block_size: int,
+        group: int,
+        stats: WriteStats,
     ) -> None:
         self.config = config
         self.root = os.path.abspath(config.shared_storage_path)
         self.block_size = block_size
+        self.group = group
         self.stats = stats
         self.tag = instance_tag(config, vllm_config)
-        self._paths: dict[str, str] = {}
+        self.engine_key = compat.engine_key(vllm_config)
+        self._requests: dict[str, _Tracked] = {}
         self._paths_in_use: set[str] = set()
         self._outgoing = HiddenStateConnectorMetadata()
 
@@ -92,32 +123,93 @@ class SchedulerSide:
         return path
 
     def build_metadata(self, scheduler_output: Any) -> HiddenStateConnectorMetadata:
-        """Name newly scheduled requests and hand over everything queued for the worker."""
+        """Name new requests, order the saves this step completes, hand over the queue."""
         meta, self._outgoing = self._outgoing, HiddenStateConnectorMetadata()
-        for new_req in scheduler_output.scheduled_new_reqs:
-            req_id = new_req.req_id
-            if req_id in self._paths:
-                continue  # resumed after preemption: same file, lock already exists
-            path = self._choose_path(req_id, compat.new_request_params(new_req))
-            self._paths[req_id] = path
-            self._paths_in_use.add(path)
-            meta.new_samples.append(NewSample(req_id, path))
+        new_params = {
+            new.req_id: compat.new_request_params(new)
+            for new in scheduler_output.scheduled_new_reqs
+        }
+        for step in compat.scheduled_requests(scheduler_output, self.group):
+            tracked = self._requests.get(step.req_id)
+            if tracked is None:
+                if step.req_id not in new_params:
+                    continue  # not ours (should not happen)
+                tracked = self._track(step, new_params[step.req_id])
+                meta.new_samples.append(NewSample(step.req_id, tracked.path))
+            if step.new_block_ids is not None and not tracked.ordered:
+                if step.replaces_table:
+                    tracked.block_ids = step.new_block_ids
+                else:
+                    tracked.block_ids.extend(step.new_block_ids)
+            if tracked.ordered or tracked.include_output or not tracked.prompt:
+                continue
+            if step.computed_before + step.scheduled >= len(tracked.prompt):
+                meta.saves.append(self._prompt_order(step.req_id, tracked))
+        for req_id in compat.preempted_request_ids(scheduler_output):
+            tracked = self._requests.get(req_id)
+            if tracked is not None and tracked.ordered:
+                meta.preempted.append(req_id)
         return meta
+
+    def _track(self, step: compat.ScheduledRequest, params: dict[str, Any]) -> _Tracked:
+        path = self._choose_path(step.req_id, params)
+        self._paths_in_use.add(path)
+        include = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
+        tracked = _Tracked(path, step.prompt_token_ids, include)
+        self._requests[step.req_id] = tracked
+        return tracked
+
+    def _prompt_order(self, req_id: str, tracked: _Tracked) -> SaveOrder:
+        """The save of a prompt whose last token this step computes."""
+        assert tracked.prompt is not None
+        tracked.ordered = True
+        order = SaveOrder(
+            req_id,
+            tracked.path,
+            tracked.prompt,
+            list(tracked.block_ids),
+            len(tracked.prompt),
+            written_this_step=True,
+        )
+        if len(order.block_ids) * self.block_size < len(order.token_ids):
+            tracked.failure = order.failure = (
+                f"{len(order.block_ids)} blocks cannot hold {len(order.token_ids)} tokens"
+            )
+            order.token_ids, order.block_ids = [], []
+        return order
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Queue the save of a finished request; keep its blocks until the worker is done."""
+        """Order the save of a finished request (unless ordered already); keep its blocks."""
         req_id = request.request_id
-        path = self._paths.pop(req_id, None)
-        if path is None:
+        tracked = self._requests.pop(req_id, None)
+        if tracked is None:
             return False, None  # never scheduled: no lock, nothing computed
-        self._paths_in_use.discard(path)
-        params = request.kv_transfer_params or {}
-        include_output = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
+        self._paths_in_use.discard(tracked.path)
+        result: dict[str, Any] = {PATH_PARAM: tracked.path}
+        if tracked.ordered:
+            # Its prompt was complete and is being written; what happened after (more
+            # decoding, an abort) does not change those hidden states.
+            if tracked.failure:
+                result[ERROR_PARAM] = tracked.failure
+            return True, result
+        order = self._finish_order(request, tracked, block_ids)
+        if order.failure:
+            result[ERROR_PARAM] = order.failure
+        deliver = local_handoff.find(self.engine_key)
+        if deliver is not None:
+            deliver(order)  # same process: start now, no engine step needed
+        else:
+            self._outgoing.saves.append(order)
+        # Delay block freeing even for failures: the worker must still release the lock,
+        # and reporting the request finished keeps the engine stepping until it has.
+        return True, result
+
+    def _finish_order(self, request: Any, tracked: _Tracked, block_ids: list[int]) -> SaveOrder:
         prompt = list(request.prompt_token_ids or [])
         # The last generated token was never fed back, so it has no hidden state.
-        tokens = list(request.all_token_ids)[:-1] if include_output else prompt
+        tokens = list(request.all_token_ids)[:-1] if tracked.include_output else prompt
         failure = None
         if compat.request_was_aborted(request):
             failure = f"request ended with status {request.status}"
@@ -127,19 +219,11 @@ class SchedulerSide:
             failure = f"only {request.num_computed_tokens} of {len(tokens)} tokens were computed"
         elif len(block_ids) * self.block_size < len(tokens):
             failure = f"{len(block_ids)} blocks cannot hold {len(tokens)} tokens"
-        self._outgoing.saves.append(
-            SaveOrder(
-                req_id,
-                path,
-                [] if failure else tokens,
-                [] if failure else list(block_ids),
-                len(prompt),
-                failure,
-            )
+        return SaveOrder(
+            request.request_id,
+            tracked.path,
+            [] if failure else tokens,
+            [] if failure else list(block_ids),
+            len(prompt),
+            failure,
         )
-        result: dict[str, Any] = {PATH_PARAM: path}
-        if failure:
-            result[ERROR_PARAM] = failure
-        # Delay block freeing even for failures: the worker must still release the lock,
-        # and reporting the request finished keeps the engine stepping until it has.
-        return True, result

@@ -3,18 +3,31 @@
 Runs in each worker process. Only tensor-parallel rank 0 writes: the hidden states are
 replicated across TP ranks, and ``get_finished_count() == 1`` tells vLLM to wait for
 one report per request, so the other ranks never hold blocks.
+
+Per engine step (vLLM calls these in this order):
+
+- ``before_forward`` (``start_load_kv``): requests preempted after their save was
+  ordered get their copies finished before the forward pass may reuse their blocks.
+- ``get_finished``: create new locks, start saves ordered for hidden states computed
+  in earlier steps, report copied samples so vLLM frees their blocks.
+- ``after_forward`` (``wait_for_save``, after the drafter stored this step's hidden
+  states): create new locks, start saves of prompts this step completed.
+
+Orders can also arrive between steps from the scheduler half in the same process
+(``accept``, see ``local_handoff``).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hidden_state_connector import __version__, compat
+from hidden_state_connector import __version__, compat, local_handoff
 from hidden_state_connector.config import ConnectorConfig
 from hidden_state_connector.extract import Extractor
 from hidden_state_connector.logs import get_logger
@@ -78,8 +91,15 @@ class WorkerSide:
         self.pipeline: WritePipeline | None = None
         self._targets: dict[str, _Target] = {}
         self._target_errors: dict[str, str] = {}
-        self._finished_ids: set[str] = set()
-        self._ready_ids: set[str] = set()
+        # Samples whose blocks vLLM holds for us, until reported: ``_unreported`` from
+        # submission; ``_announced`` once vLLM has said the request finished (only then
+        # may it be reported); ``_copied`` once its device-to-host copies are done.
+        self._unreported: set[str] = set()
+        self._announced: set[str] = set()
+        self._copied: set[str] = set()
+        # The engine's thread and same-process hand-offs both enter here.
+        self._mutex = threading.RLock()
+        self._engine_key = compat.engine_key(vllm_config)
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------------
@@ -124,13 +144,37 @@ class WorkerSide:
             fsync=self.config.fsync,
             stats=self.stats,
         )
+        local_handoff.register(self._engine_key, self.accept)
         # vLLM calls shutdown(); this covers interpreters that exit without it.
         atexit.register(self.shutdown)
 
     # -- per step -------------------------------------------------------------------
 
+    def before_forward(self, meta: HiddenStateConnectorMetadata) -> None:
+        """Finish the copies of preempted requests' samples before their blocks are reused."""
+        if not self.is_writer or self.pipeline is None or not meta.preempted:
+            return
+        with self._mutex:
+            self.pipeline.flush(set(meta.preempted), self.config.shutdown_timeout)
+
+    def after_forward(self, meta: HiddenStateConnectorMetadata) -> None:
+        """Create new locks; start the saves whose last tokens this step computed."""
+        if not self.is_writer or self.pipeline is None:
+            return
+        with self._mutex:
+            self.create_locks(meta)
+            for order in meta.saves:
+                if order.written_this_step:
+                    self._start(order)
+
+    def accept(self, order: SaveOrder) -> None:
+        """Start a save handed over by the scheduler half in this process."""
+        with self._mutex:
+            if self.pipeline is not None:
+                self._start(order)  # after shutdown, this fails it with the reason
+
     def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
-        """Pin the directory and create the lock of every new request (``wait_for_save``)."""
+        """Pin the directory and create the lock of every new request."""
         if not self.is_writer:
             return
         for new in meta.new_samples:
@@ -176,22 +220,25 @@ class WorkerSide:
     def get_finished(
         self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        """Start saves, move chunks along, report requests whose blocks may be freed."""
+        """Start saves of earlier steps' states; report requests whose blocks may be freed."""
         if not self.is_writer or self.pipeline is None:
             return None, None
-        if meta is not None:
-            for order in meta.saves:
-                self._start(order)
-        self.pipeline.pump()
-        # Keep only ids of our own jobs: the save order of a finished request arrives in
-        # the same step as its id, and other ids (never-scheduled requests) must not pile up.
-        self._finished_ids |= {r for r in finished_req_ids if self.pipeline.tracks(r)}
-        self._ready_ids.update(self.pipeline.finished())
-        # vLLM only accepts ids it has announced as finished (this call or before).
-        done = self._ready_ids & self._finished_ids
-        self._ready_ids -= done
-        self._finished_ids -= done
-        self.stats.maybe_log(len(self._ready_ids) + self.pipeline.in_flight)
+        with self._mutex:
+            if meta is not None:
+                self.create_locks(meta)
+                for order in meta.saves:
+                    if not order.written_this_step:
+                        self._start(order)
+            self.pipeline.pump()
+            # vLLM only accepts ids it has announced as finished (this call or before);
+            # ids of requests we hold nothing for (never scheduled) must not pile up.
+            self._announced |= finished_req_ids & self._unreported
+            self._copied.update(self.pipeline.finished())
+            done = self._copied & self._announced
+            self._copied -= done
+            self._announced -= done
+            self._unreported -= done
+            self.stats.maybe_log(len(self._unreported))
         return (done or None), None
 
     def _start(self, order: SaveOrder) -> None:
@@ -222,6 +269,7 @@ class WorkerSide:
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
         )
+        self._unreported.add(order.req_id)
         if failure is not None:
             self.pipeline.submit_failed(job, failure)
         else:
@@ -231,9 +279,11 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Drain queued writes (bounded), then release every lock (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+        local_handoff.unregister(self._engine_key, self.accept)
         abandoned = 0
         if self.pipeline is not None:
             abandoned = self.pipeline.close(self.config.shutdown_timeout)

@@ -5,9 +5,14 @@ Flow of one sample:
 1. ``submit``: a ``SaveJob`` (the request's blocks, token ids, lock) joins a FIFO.
 2. A writer thread takes the job (``admitted``), creates the temp file, writes the
    header and token ids, then waits for chunks.
-3. ``pump`` (called from the engine's step) copies chunks of admitted jobs into free
-   host slabs, in FIFO order, as long as slabs are free. Only admitted jobs get slabs,
-   so every lent slab has a thread that will drain it: no deadlock, bounded memory.
+3. Chunks of admitted jobs are copied into free host slabs, in FIFO order, as long as
+   slabs are free: on submission (engine thread), and whenever a writer thread admits
+   a job or returns a slab. So a sample is published without any further engine step
+   (an idle or in-process engine takes none). Only admitted jobs get slabs, so every
+   lent slab has a thread that will drain it: no deadlock, bounded memory. Copies made
+   from a writer thread are safe because the job's KV blocks stay held until
+   ``finished`` reports it (on CUDA they run on the connector's stream, which waited
+   for the model's stream when the job was submitted).
 4. The writer thread writes each chunk and returns its slab; at the end it publishes
    the file atomically and releases the lock.
 5. ``finished`` reports a job once all its device-to-host copies are complete: its KV
@@ -60,7 +65,6 @@ class SaveJob:
     produced_all: bool = False
     failure: str | None = None
     done_event: Any = None
-    reported: bool = False
     published: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
     ready: queue.SimpleQueue[tuple[Chunk, Slab] | None] = field(default_factory=queue.SimpleQueue)
@@ -123,7 +127,9 @@ class WritePipeline:
         self._jobs: deque[SaveJob] = deque()  # submitted, not yet fully produced
         self._unreported: dict[str, SaveJob] = {}
         self._queue: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        # Guards the job list, admissions and chunk production, which the engine's
+        # thread and the writer threads both drive.
+        self._cond = threading.Condition(threading.RLock())
         self._queued_bytes = 0
         self._closed = False
         self._threads = [
@@ -139,25 +145,32 @@ class WritePipeline:
     # -- engine-thread side ----------------------------------------------------------
 
     def submit(self, job: SaveJob) -> None:
-        """Queue a job (or fail it at once when ``when_full="drop"`` and the queue is full)."""
-        self._unreported[job.req_id] = job
-        with self._lock:
+        """Queue a job (or fail it at once when ``when_full="drop"`` and the queue is full).
+
+        Call from the engine's thread, after the step that computed the job's last token:
+        on CUDA the connector's stream is ordered after the model's stream here.
+        """
+        with self._cond:
+            self._unreported[job.req_id] = job
             full = (
                 self.when_full == "drop" and self._queued_bytes + job.nbytes > self.max_queued_bytes
             )
-            if not full and not self._closed:
+            closed = self._closed
+            if not full and not closed:
                 self._queued_bytes += job.nbytes
-        if self._closed or full:
-            reason = "connector is shutting down" if self._closed else "writer queue full (dropped)"
+                self._jobs.append(job)
+        if closed or full:
+            reason = "connector is shutting down" if closed else "writer queue full (dropped)"
             self._fail_unstarted(job, reason, dropped=full)
             return
-        self._jobs.append(job)
         self._queue.put(job)
         self.stats.queued(len(self._unreported))
+        self.pump()
 
     def submit_failed(self, job: SaveJob, reason: str) -> None:
         """Register a job that fails before any work (it is still reported finished)."""
-        self._unreported[job.req_id] = job
+        with self._cond:
+            self._unreported[job.req_id] = job
         self._fail_unstarted(job, reason)
 
     def _fail_unstarted(self, job: SaveJob, reason: str, *, dropped: bool = False) -> None:
@@ -171,15 +184,20 @@ class WritePipeline:
         job.finished.set()
 
     def pump(self) -> None:
-        """Copy as many pending chunks into free slabs as possible (never blocks)."""
-        if not self._jobs:
-            return
-        self.extractor.begin_step()
+        """From the engine's thread: order copies after the model's work, then produce."""
+        with self._cond:
+            if self._jobs:
+                self.extractor.begin_step()
+                self._produce_ready()
+
+    def _produce_ready(self) -> None:
+        """Copy as many pending chunks into free slabs as possible (never blocks).
+
+        Call with ``self._cond`` held.
+        """
         while self._jobs:
             job = self._jobs[0]
-            with self._lock:
-                admitted = job.admitted
-            if not admitted:
+            if not job.admitted:
                 return  # writers take jobs in FIFO order: later ones are not admitted
             if not self._produce(job):
                 return  # out of slabs
@@ -205,26 +223,52 @@ class WritePipeline:
         job.ready.put(_END)
         return True
 
+    def flush(self, req_ids: set[str], timeout: float) -> None:
+        """Finish issuing the copies of these jobs before the model may reuse their blocks.
+
+        For requests preempted after their save was ordered: vLLM frees a preempted
+        request's blocks, and the next forward pass may overwrite them. Blocks the
+        engine's thread until every chunk of those jobs (and of the jobs ahead of them)
+        is copied, or ``timeout`` passes (then they fail: nothing stale is published);
+        on CUDA the model's stream then waits for the copies.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            targets = [j for j in self._jobs if j.req_id in req_ids]
+            if not targets:
+                return
+            self.extractor.begin_step()
+            while not all(j.produced_all for j in targets):
+                self._produce_ready()
+                left = deadline - time.monotonic()
+                if all(j.produced_all for j in targets) or left <= 0:
+                    break
+                self._cond.wait(min(left, 1.0))  # woken by a returned slab or an admission
+            for job in targets:
+                if not job.produced_all:
+                    job.fail("request preempted while its hidden states were being copied")
+                    self._produce(job)  # fails fast: only ends the job's chunk stream
+                    self._jobs.remove(job)
+            self.extractor.order_before_compute()
+
     def finished(self) -> list[str]:
         """Request ids whose device-to-host copies are all complete (each reported once)."""
         done = []
-        for req_id, job in list(self._unreported.items()):
-            if not job.produced_all:
-                continue
-            if job.done_event is not None and not job.done_event.query():
-                continue
-            del self._unreported[req_id]
-            done.append(req_id)
+        with self._cond:
+            for req_id, job in list(self._unreported.items()):
+                if not job.produced_all:
+                    continue
+                if job.done_event is not None and not job.done_event.query():
+                    continue
+                del self._unreported[req_id]
+                done.append(req_id)
         return done
-
-    def tracks(self, req_id: str) -> bool:
-        """Whether ``req_id`` has a job whose completion is not reported yet."""
-        return req_id in self._unreported
 
     @property
     def in_flight(self) -> int:
         """Samples whose blocks are still held (not yet reported finished)."""
-        return len(self._unreported)
+        with self._cond:
+            return len(self._unreported)
 
     # -- writer threads ------------------------------------------------------------
 
@@ -233,15 +277,23 @@ class WritePipeline:
             job = self._queue.get()
             if job is None:
                 return
-            with self._lock:
+            with self._cond:
                 job.admitted = True
+                self._produce_ready()  # an admitted job can start at once, no step needed
             try:
                 self._write(job)
             finally:
                 job.close_dir()
-                with self._lock:
+                with self._cond:
                     self._queued_bytes -= job.nbytes
                 job.finished.set()
+
+    def _return_slab(self, slab: Slab) -> None:
+        """Give a slab back and let the next chunks use it (from a writer thread)."""
+        self.pool.release(slab)
+        with self._cond:
+            self._produce_ready()
+            self._cond.notify_all()
 
     def _write(self, job: SaveJob) -> None:
         started = time.monotonic()
@@ -280,7 +332,7 @@ class WritePipeline:
             except Exception as exc:
                 job.fail(f"write failed: {exc}")
             finally:
-                self.pool.release(slab)
+                self._return_slab(slab)
         if job.failure is None and writer is not None:
             try:
                 writer.publish()
@@ -305,23 +357,22 @@ class WritePipeline:
         Returns:
             Number of samples that had to be abandoned.
         """
-        self._closed = True
+        with self._cond:
+            self._closed = True
+            jobs = list(self._jobs) + [j for j in self._unreported.values() if j not in self._jobs]
+        self.pump()
         deadline = time.monotonic() + timeout
-        jobs = list(self._jobs) + [j for j in self._unreported.values() if j not in self._jobs]
-        while time.monotonic() < deadline:
-            waiting = [j for j in jobs if not j.finished.is_set()]
-            if not waiting:
-                break
-            self.pump()  # the engine no longer steps: produce remaining chunks here
-            waiting[0].finished.wait(0.05)
+        for job in jobs:  # writer threads produce and write without engine steps
+            job.finished.wait(max(0.0, deadline - time.monotonic()))
         abandoned = 0
-        for job in jobs:
-            if not job.finished.is_set():
-                abandoned += 1
-                job.fail("connector shut down before the sample was written")
-                if not job.produced_all:
-                    job.produced_all = True
-                    job.ready.put(_END)
+        with self._cond:
+            for job in jobs:
+                if not job.finished.is_set():
+                    abandoned += 1
+                    job.fail("connector shut down before the sample was written")
+                    if not job.produced_all:
+                        job.produced_all = True
+                        job.ready.put(_END)
         for _ in self._threads:
             self._queue.put(None)
         end = time.monotonic() + 5.0
