@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,11 @@ def _make_bad_files(root: Path) -> dict[str, type[Exception]]:
         {"hidden_states": torch.zeros(3, 4), "token_ids": torch.zeros(3, dtype=torch.int64)},
         str(root / "two_dims.safetensors"),
     )
+    # Leftovers of writers that died a while ago: older than the grace period, during
+    # which a lock-less file that does not parse yet may still be being written.
+    old = time.time() - 60
+    for name in ("truncated", "empty"):
+        os.utime(root / f"{name}.safetensors", (old, old))
     return {
         "truncated.safetensors": IncompleteSampleError,
         "garbage.safetensors": CorruptSampleError,

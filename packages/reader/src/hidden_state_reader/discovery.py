@@ -1,15 +1,20 @@
 """Finding samples: a snapshot of a directory, or following it as it grows.
 
-Both sources hand out sample names (``NAME.safetensors``) one at a time, each once,
-whether the name was seen through its data file or only through its lock (a lock
-without data means "a sample is coming"). ``defer`` puts a name back for a later look.
+Both sources hand out sample names (``NAME.safetensors``), each once, whether the name
+was seen through its data file or only through its lock (a lock without data means "a
+sample is coming"), and report which known names were *touched*: a file-system event
+said one of its files was created, renamed into place or closed after writing. A
+writer releases its lock by closing it, so a touch is how the kernel tells a reader that
+a sample it waits for may be complete (``flock`` stays the truth: the reader probes).
+``take`` returns both; ``wait`` sleeps until there is something to take.
 
 Following (``FollowSource``) works like ``tail -f`` on a directory:
 
 1. the watcher starts first (watchdog, one observer per process), so nothing created
    during the initial scan is missed;
 2. the initial scan lists what is already there, oldest first;
-3. file-system events are hints that a name appeared; the names are deduplicated here;
+3. file-system events are hints that a name appeared (or was touched); the names are
+   deduplicated here;
 4. a periodic rescan catches whatever the events missed (inotify queue overflow, writes
    from other NFS/Lustre hosts, which inotify never sees). With ``watch="poll"`` there
    is no watcher and the rescan interval is the poll interval.
@@ -20,7 +25,6 @@ The per-event cost is a set lookup; only rescans are O(number of files).
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import os
 import queue
@@ -30,8 +34,14 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hidden_state_reader.format.names import Kind, classify, natural_key, sample_key
-from hidden_state_reader.waiting import CancelToken, threads_ignore_signals
+from hidden_state_reader.format.names import (
+    DATA_SUFFIX,
+    Kind,
+    classify,
+    natural_key,
+    sample_key,
+)
+from hidden_state_reader.waiting import threads_ignore_signals
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +75,50 @@ def _scan(root: str) -> set[str]:
     return names
 
 
+def describe_empty(root: str) -> str:
+    """Say what a directory without samples holds (for the "no samples" warning).
+
+    Args:
+        root: The storage directory.
+
+    Returns:
+        One sentence naming the directory, what is in it, and which sub-folders hold
+        samples (readers do not descend into them: point a reader at each).
+    """
+    subdirs: list[str] = []
+    others = temps = 0
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") and classify(entry.name) is not Kind.TEMP:
+                continue  # the readers' own bookkeeping
+            if entry.is_dir(follow_symlinks=False):
+                if _holds_samples(entry.path):
+                    subdirs.append(entry.name)
+            elif classify(entry.name) is Kind.TEMP:
+                temps += 1
+            else:
+                others += 1
+    what = [f"{others} other file(s)"] if others else []
+    if temps:
+        what.append(f"{temps} temporary file(s) (writers at work, or died)")
+    text = f"no samples (*{DATA_SUFFIX}) found in {root}: " + (", ".join(what) or "it is empty")
+    if subdirs:
+        shown = ", ".join(sorted(subdirs, key=natural_key)[:5])
+        text += (
+            f"; samples are in sub-folders ({shown}{', ...' if len(subdirs) > 5 else ''}), "
+            "which readers do not search: point the reader at each sub-folder"
+        )
+    return text
+
+
+def _holds_samples(directory: str) -> bool:
+    try:
+        with os.scandir(directory) as entries:
+            return any(sample_key(e.name) is not None for e in entries)
+    except OSError:
+        return False
+
+
 def _age_key(root: str, name: str) -> tuple[float, tuple[object, ...]]:
     """Order of creation as far as the filesystem tells: lock first, else data mtime."""
     for candidate in (name + ".lock", name):
@@ -75,67 +129,7 @@ def _age_key(root: str, name: str) -> tuple[float, tuple[object, ...]]:
     return (float("inf"), natural_key(name))
 
 
-class _Deferred:
-    """Names to look at again later (a min-heap on due time)."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str]] = []
-        self._counter = 0
-
-    def push(self, name: str, delay: float) -> None:
-        self._counter += 1
-        heapq.heappush(self._heap, (time.monotonic() + delay, self._counter, name))
-
-    def pop_due(self) -> str | None:
-        if self._heap and self._heap[0][0] <= time.monotonic():
-            return heapq.heappop(self._heap)[2]
-        return None
-
-    def next_due(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-
-class SnapshotSource:
-    """The samples present when iteration starts (plus re-looks at deferred names).
-
-    Args:
-        root: Storage directory.
-        names: Iterate exactly these names (in this order) instead of scanning.
-        cancel: Ends waits for deferred names early.
-    """
-
-    def __init__(
-        self, root: str, names: Sequence[str] | None = None, cancel: CancelToken | None = None
-    ) -> None:
-        self.root = root
-        self._ready = deque(names if names is not None else list_samples(root))
-        self._deferred = _Deferred()
-        self._cancel = cancel or CancelToken()
-
-    def next(self, timeout: float | None = None) -> str | None:
-        """Next name, or None when nothing is left."""
-        if self._ready:
-            return self._ready.popleft()
-        due = self._deferred.next_due()
-        if due is None:
-            return None
-        self._cancel.sleep(max(0.0, due - time.monotonic()))
-        return self._deferred.pop_due()
-
-    def defer(self, name: str, delay: float) -> None:
-        """Offer ``name`` again after ``delay`` seconds."""
-        self._deferred.push(name, delay)
-
-    def forget(self, name: str) -> None:
-        """No-op for snapshots (names are never rediscovered)."""
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
+_EVENTS = ("created", "moved", "closed")
 RESCAN = ""  # put into a follower's queue: events were lost, rescan now
 
 
@@ -167,6 +161,7 @@ class _Observer:
     @classmethod
     def schedule(cls, root: str, sink: queue.SimpleQueue[str | None]) -> object:
         from watchdog.events import (
+            FileClosedEvent,
             FileCreatedEvent,
             FileMovedEvent,
             FileSystemEvent,
@@ -176,8 +171,9 @@ class _Observer:
 
         class Handler(FileSystemEventHandler):
             def on_any_event(self, event: FileSystemEvent) -> None:
-                # Only appearances matter; deletions and modifications are not news.
-                if event.is_directory or event.event_type not in ("created", "moved"):
+                # Appearances and closes after writing (a writer releasing its lock)
+                # matter; deletions and modifications are not news.
+                if event.is_directory or event.event_type not in _EVENTS:
                     return
                 path = getattr(event, "dest_path", "") or event.src_path
                 name = os.path.basename(os.fsdecode(path))
@@ -193,10 +189,15 @@ class _Observer:
                 cls._observer, cls._pid = observer, os.getpid()
                 logging.getLogger("watchdog.observers.inotify_c").addHandler(cls._alarm)
             cls._alarm.sinks.add(sink)
-            # Ask the kernel only for creations and renames: every open, write and close in
-            # a busy directory would otherwise flood (and overflow) the inotify queue.
+            # Ask the kernel only for creations, renames and closes of files opened for
+            # writing (IN_CLOSE_WRITE: a writer's lock release). Every open, read and
+            # write in a busy directory would otherwise flood the inotify queue; readers
+            # open files read-only, so their own closes never come back as events.
             return cls._observer.schedule(
-                Handler(), root, recursive=False, event_filter=[FileCreatedEvent, FileMovedEvent]
+                Handler(),
+                root,
+                recursive=False,
+                event_filter=[FileCreatedEvent, FileMovedEvent, FileClosedEvent],
             )
 
     @classmethod
@@ -208,8 +209,127 @@ class _Observer:
                     cls._observer.unschedule(watch)
 
 
-class FollowSource:
-    """Follows a growing directory; ``next`` blocks until a new sample name appears.
+class _EventSource:
+    """What both sources share: the event queue, the watch, touched names, closing."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._events: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._watch: object | None = None
+        self._fresh: deque[str] = deque()
+        self._touched: set[str] = set()
+        self._closed = False
+
+    @property
+    def watching(self) -> bool:
+        """Whether file-system events are being received (vs. polling)."""
+        return self._watch is not None
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called."""
+        return self._closed
+
+    def _start_watch(self, watch: str, poll_interval: float) -> bool:
+        try:
+            self._watch = _Observer.schedule(self.root, self._events)
+        except (OSError, ImportError) as exc:
+            if watch == "inotify":
+                raise
+            log.warning("cannot watch %s (%s); polling every %.1fs", self.root, exc, poll_interval)
+            return False
+        return True
+
+    def take(self) -> tuple[list[str], set[str]]:
+        """New names (in order of appearance) and known names touched since the last call."""
+        self._drain_events()
+        fresh, touched = list(self._fresh), self._touched
+        self._fresh.clear()
+        self._touched = set()
+        return fresh, touched
+
+    def _has_news(self) -> bool:
+        return bool(self._fresh or self._touched)
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                name = self._events.get_nowait()
+            except queue.Empty:
+                return
+            self._note(name)
+
+    def _note(self, name: str | None) -> None:
+        raise NotImplementedError
+
+    def forget(self, name: str) -> None:
+        """Drop a name whose files are gone (a snapshot never offers a name twice)."""
+
+    def _sleep(self, now: float, wake: float) -> None:
+        """Sleep until an event arrives or ``wake`` (at most ``_MAX_SLEEP`` at a time)."""
+        try:
+            name = self._events.get(timeout=min(_MAX_SLEEP, max(0.0, wake - now)))
+        except queue.Empty:
+            return
+        self._note(name)
+
+    def close(self) -> None:
+        """Stop watching; a ``wait`` in progress returns."""
+        if self._closed:
+            return
+        self._closed = True
+        self._events.put(None)
+        if self._watch is not None:
+            _Observer.unschedule(self._watch, self._events)
+            self._watch = None
+
+
+class SnapshotSource(_EventSource):
+    """The samples present when iteration starts; touches once ``watch`` was called.
+
+    Args:
+        root: Storage directory.
+        names: Offer exactly these names (in this order) instead of scanning.
+        watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (``watch()`` then does nothing).
+    """
+
+    def __init__(
+        self, root: str, names: Sequence[str] | None = None, *, watch: str = "auto"
+    ) -> None:
+        super().__init__(root)
+        if watch not in WATCH_MODES:
+            raise ValueError(f"watch must be one of {WATCH_MODES}, got {watch!r}")
+        self._mode = watch
+        listed = list(names) if names is not None else list_samples(root)
+        self._fresh.extend(listed)
+        self._names = set(listed)
+
+    def watch(self) -> bool:
+        """Start receiving touches (the reader waits for several writers); True if on."""
+        if self._watch is None and self._mode != "poll" and not self._closed:
+            self._start_watch(self._mode, 0.0)
+            self._mode = "poll" if self._watch is None else self._mode
+        return self._watch is not None
+
+    def _note(self, name: str | None) -> None:
+        if name is None or name == RESCAN:
+            return
+        key = sample_key(name)
+        if key in self._names:
+            self._touched.add(key)
+
+    def wait(self, until: float | None) -> None:
+        """Sleep until a touch arrives, ``until`` (monotonic time) passes, or ``close``."""
+        while not self._closed:
+            self._drain_events()
+            now = time.monotonic()
+            if self._has_news() or (until is not None and now >= until):
+                return
+            self._sleep(now, now + _MAX_SLEEP if until is None else until)
+
+
+class FollowSource(_EventSource):
+    """Follows a growing directory: new names and touches as they happen.
 
     Args:
         root: Storage directory.
@@ -229,39 +349,26 @@ class FollowSource:
     ) -> None:
         if watch not in WATCH_MODES:
             raise ValueError(f"watch must be one of {WATCH_MODES}, got {watch!r}")
-        self.root = root
-        self._events: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        super().__init__(root)
         self._known: set[str] = set()
         # Names consumed and removed recently: events about them may still be queued
         # (lock created, data renamed) and must not bring them back.
         self._gone: deque[str] = deque()
         self._gone_set: set[str] = set()
-        self._ready: deque[str] = deque()
-        self._deferred = _Deferred()
-        self._closed = False
-        self._watch: object | None = None
         if watch != "poll":
-            try:
-                self._watch = _Observer.schedule(root, self._events)
-            except (OSError, ImportError) as exc:
-                if watch == "inotify":
-                    raise
-                log.warning("cannot watch %s (%s); polling every %.1fs", root, exc, poll_interval)
+            self._start_watch(watch, poll_interval)
         self._interval = rescan_interval if self._watch is not None else poll_interval
-        self._next_rescan = 0.0  # the initial scan happens on the first next()
+        self._next_rescan = 0.0  # the initial scan happens on the first wait/take
         self.rescans = 0
         self.overflows = 0
 
-    @property
-    def watching(self) -> bool:
-        """Whether file-system events are being received (vs. polling)."""
-        return self._watch is not None
-
     def _admit(self, names: Iterable[str]) -> None:
         for name in names:
-            if name not in self._known and name not in self._gone_set:
+            if name in self._known:
+                self._touched.add(name)
+            elif name not in self._gone_set:
                 self._known.add(name)
-                self._ready.append(name)
+                self._fresh.append(name)
 
     def _rescan(self) -> None:
         try:
@@ -274,16 +381,11 @@ class FollowSource:
         fresh = [n for n in present if n not in self._known]
         fresh.sort(key=lambda n: _age_key(self.root, n))
         self._admit(fresh)
+        # A rescan also stands in for events that were lost or never come (other NFS
+        # hosts): every known name present is looked at again if it is awaited.
+        self._touched |= present & self._known
         self.rescans += 1
         self._next_rescan = time.monotonic() + self._interval
-
-    def _drain_events(self) -> None:
-        while True:
-            try:
-                name = self._events.get_nowait()
-            except queue.Empty:
-                return
-            self._note(name)
 
     def _note(self, name: str | None) -> None:
         if name == RESCAN:
@@ -294,37 +396,35 @@ class FollowSource:
             if key is not None:
                 self._admit((key,))
 
-    def next(self, timeout: float | None = None) -> str | None:
-        """Block until a new name appears; None when ``timeout`` passes or on close."""
-        end = None if timeout is None else time.monotonic() + timeout
+    def take(self) -> tuple[list[str], set[str]]:
+        """New names (in order of appearance) and known names touched since the last call."""
+        if time.monotonic() >= self._next_rescan:
+            self._rescan()
+        return super().take()
+
+    def wait(self, until: float | None) -> None:
+        """Sleep until there is news, ``until`` (monotonic time) passes, or ``close``."""
         while not self._closed:
-            name = self._deferred.pop_due()
-            if name is not None:
-                return name
             if time.monotonic() >= self._next_rescan:
                 self._rescan()
             self._drain_events()
-            if self._ready:
-                return self._ready.popleft()
             now = time.monotonic()
-            wake = self._next_rescan
-            due = self._deferred.next_due()
-            if due is not None:
-                wake = min(wake, due)
-            if end is not None:
-                if now >= end:
-                    return None
-                wake = min(wake, end)
-            try:
-                name = self._events.get(timeout=min(_MAX_SLEEP, max(0.0, wake - now)))
-            except queue.Empty:
-                continue
-            self._note(name)
-        return None
+            if self._has_news() or (until is not None and now >= until):
+                return
+            self._sleep(now, self._next_rescan if until is None else min(until, self._next_rescan))
 
-    def defer(self, name: str, delay: float) -> None:
-        """Offer ``name`` again after ``delay`` seconds."""
-        self._deferred.push(name, delay)
+    def next(self, timeout: float | None = None) -> str | None:
+        """The next new name, or None when ``timeout`` passes or on close (touches dropped)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._closed:
+            fresh, _ = self.take()
+            if fresh:
+                self._fresh.extendleft(reversed(fresh[1:]))
+                return fresh[0]
+            if end is not None and time.monotonic() >= end:
+                return None
+            self.wait(end)
+        return None
 
     def forget(self, name: str) -> None:
         """Drop a name whose files are gone, freeing its memory.
@@ -338,13 +438,3 @@ class FollowSource:
             self._gone_set.add(name)
             if len(self._gone) > _GONE_MEMORY:
                 self._gone_set.discard(self._gone.popleft())
-
-    def close(self) -> None:
-        """Stop watching; a blocked ``next`` returns None."""
-        if self._closed:
-            return
-        self._closed = True
-        self._events.put(None)
-        if self._watch is not None:
-            _Observer.unschedule(self._watch, self._events)
-            self._watch = None

@@ -55,3 +55,23 @@ class PathOutsideRootError(HiddenStateError):
 
 class WaitCancelledError(HiddenStateError):
     """A blocking wait was cancelled, for example by ``HiddenStateReader.close()``."""
+
+
+class DirectoryNotWritableError(HiddenStateError, PermissionError):
+    """A reader mode needs to write a directory this process may not write.
+
+    Raised by ``HiddenStateReader`` before the first sample, so a training loop learns at
+    once that ``claim=True``, ``on_consumed="delete"`` or ``"move"`` cannot work (instead
+    of reading everything while deleting nothing).
+
+    Attributes:
+        directory: The directory concerned.
+        mode: The option that needs it (``claim=True``, ``on_consumed='delete'``, ...).
+        missing: The permission that is missing, in words.
+    """
+
+    def __init__(self, directory: str, mode: str, missing: str, why: str) -> None:
+        self.directory = directory
+        self.mode = mode
+        self.missing = missing
+        super().__init__(f"{directory}: {mode} needs {missing} on this directory ({why})")

@@ -1,37 +1,34 @@
-"""``HiddenStateReader``: discovery -> claim -> wait for the writer -> load -> consume.
+"""``HiddenStateReader``: discover -> wait for many writers at once -> decide -> consume.
 
-Each stage is its own module; this one only composes them and decides what happens to
-a name at each outcome.
+Each stage is its own module: ``discovery`` finds names and file-system touches,
+``stream`` keeps every sample still being written pending and hands out decisions in
+completion order, ``decision`` decides about one sample (with ``states``, the one
+sample-state rule), ``disposal`` and ``claims`` settle it. This module composes them and
+applies each outcome: count it, warn or raise, yield, consume.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import torch
 
-from hidden_state_reader.claims import Claim, ClaimResult, ClaimStore
-from hidden_state_reader.discovery import FollowSource, SnapshotSource
+from hidden_state_reader.access import check_writable
+from hidden_state_reader.claims import Claim, ClaimStore
+from hidden_state_reader.decision import Decider, Outcome, OutcomeKind
+from hidden_state_reader.discovery import FollowSource, SnapshotSource, describe_empty
 from hidden_state_reader.disposal import ACTIONS, dispose, quarantine
-from hidden_state_reader.errors import (
-    CorruptSampleError,
-    FailedSampleError,
-    IncompleteSampleError,
-    LockTimeoutError,
-    SampleError,
-    StaleLockError,
-    WaitCancelledError,
-)
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
-from hidden_state_reader.format.lockfile import SharedLock, read_status
-from hidden_state_reader.format.names import lock_path
-from hidden_state_reader.load import LoadOptions, load_fd
+from hidden_state_reader.errors import LockTimeoutError, SampleError
+from hidden_state_reader.format.lockfile import SharedLock
+from hidden_state_reader.format.names import CLAIMS_DIR
+from hidden_state_reader.load import LoadOptions
 from hidden_state_reader.sample import Sample
+from hidden_state_reader.states import GRACE, SampleState
 from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.stream import CompletionStream
 from hidden_state_reader.waiting import CancelToken
 
 log = logging.getLogger(__name__)
@@ -44,16 +41,17 @@ class HiddenStateReader:
     """Iterate over hidden-state samples in a directory written by vLLM.
 
     ``for token_ids, hidden_states in HiddenStateReader(path)`` reads what is there now.
-    A sample whose writer still holds its lock is waited for (the reader sleeps in
-    ``flock(LOCK_SH)`` and the kernel wakes it on release); a partial, corrupt or failed
-    file is never yielded.
+    Samples come in completion order: a complete sample is yielded at once, while samples
+    whose writers still hold their locks are waited for all together (the kernel's
+    file-system events say when a lock is released; ``flock`` decides), so one slow
+    writer never holds up the others. A partial, corrupt or failed file is never
+    yielded.
 
     Args:
         path: The storage directory (vLLM's ``shared_storage_path``).
         follow: Keep following the directory as new samples appear (like ``tail -f``).
-        idle_timeout: In follow mode, stop after this many seconds without news (time
-            spent waiting for a writer to finish a sample does not count; a writer
-            still holding its lock after ``lock_timeout`` is no news).
+        idle_timeout: In follow mode, stop after this many seconds in which no sample
+            became ready (a sample still being written is no news).
         max_samples: Stop after yielding this many samples.
         claim: Coordinate with other readers (processes, ranks, hosts on a shared
             filesystem) so each sample is yielded by exactly one of them.
@@ -63,8 +61,10 @@ class HiddenStateReader:
         done_dir: Target of ``on_consumed="move"`` (default ``<path>/done``).
         on_error: ``"skip"`` bad samples with one warning each (counted in ``stats``), or
             ``"raise"`` a ``SampleError`` subclass naming the file.
-        lock_timeout: Seconds to wait for one sample's writer; None waits forever.
-        names: Read exactly these sample names, in this order (no directory scan).
+        lock_timeout: Seconds to wait for one sample's writer (it never delays other
+            samples); None waits forever.
+        names: Read exactly these sample names (no directory scan): complete ones in this
+            order, each still being written when it is complete.
         layers: Keep only these positions of the layer axis.
         layer_ids: Keep only these captured layer ids (needs writer metadata).
         dtype: Convert hidden states to this dtype.
@@ -76,8 +76,15 @@ class HiddenStateReader:
         watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
         rescan_interval: Safety rescan period in follow mode, seconds.
         poll_interval: Rescan period with ``watch="poll"``, seconds.
-        orphan_grace: How long a released lock without data may be young before it is
-            declared stale, seconds.
+        orphan_grace: How long a released lock without data, or a lock-less file that
+            does not parse, may be young and still count as being written, seconds (the
+            same grace as the ``hidden-state`` commands, ``states.GRACE``).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory.
+        ValueError: Invalid options.
+        DirectoryNotWritableError: ``claim=True``, ``on_consumed="delete"`` or ``"move"``
+            on a directory (or done folder) this process cannot write.
     """
 
     def __init__(
@@ -103,7 +110,7 @@ class HiddenStateReader:
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
-        orphan_grace: float = 2.0,
+        orphan_grace: float = GRACE,
     ) -> None:
         self.root = os.fspath(path)
         if not os.path.isdir(self.root):
@@ -119,6 +126,7 @@ class HiddenStateReader:
         self.max_samples = max_samples
         self.on_consumed = on_consumed
         self.done_dir = os.fspath(done_dir) if done_dir else os.path.join(self.root, "done")
+        self._check_access(claim, claim_group, on_consumed)
         if on_consumed == "move":
             os.makedirs(self.done_dir, exist_ok=True)
         self.on_error = on_error
@@ -134,8 +142,22 @@ class HiddenStateReader:
         self._owns_files = claim or on_consumed != "keep"
         self._cancel = CancelToken()
         self._source: SnapshotSource | FollowSource | None = None
+        self._stream: CompletionStream | None = None
         self._closed = False
         self.stats = ReaderStats()
+
+    def _check_access(self, claim: bool, group: str, on_consumed: str) -> None:
+        """Fail now, not sample by sample, when a mode cannot write where it must."""
+        if claim:
+            where = os.path.join(self.root, CLAIMS_DIR, group)
+            check_writable(where, "claim=True", "it records claims in " + where)
+        if on_consumed != "keep":
+            what = "removes" if on_consumed == "delete" else "moves"
+            check_writable(
+                self.root, f"on_consumed={on_consumed!r}", f"it {what} consumed samples here"
+            )
+        if on_consumed == "move":
+            check_writable(self.done_dir, "on_consumed='move'", "it moves consumed samples into it")
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -156,11 +178,14 @@ class HiddenStateReader:
         if self._source is not None:
             self._source.close()
 
+    @property
+    def pending(self) -> list[str]:
+        """Names of samples whose writer held the lock at the last look (still coming)."""
+        return [] if self._stream is None else self._stream.waiting.held_names()
+
     # -- iteration ---------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Sample]:
-        if self._closed:
-            return
+    def _open_stream(self) -> CompletionStream:
         source: SnapshotSource | FollowSource
         if self.follow:
             source = FollowSource(
@@ -170,195 +195,100 @@ class HiddenStateReader:
                 poll_interval=self._poll_interval,
             )
         else:
-            source = SnapshotSource(self.root, self._names, self._cancel)
+            source = SnapshotSource(self.root, self._names, watch=self._watch)
+            if self._names is None and not source._fresh:
+                log.warning("%s", describe_empty(self.root))
         self._source = source
+        decider = Decider(
+            self.root,
+            self._load,
+            claims=self._claims,
+            grace=self.orphan_grace,
+            claim_retry=max(self._rescan_interval, 1.0),
+            lock_type=SharedLock,  # looked up now: instrumentation may replace it
+        )
+        self._stream = CompletionStream(
+            source,
+            decider,
+            self._cancel,
+            lock_timeout=self.lock_timeout,
+            idle_timeout=self.idle_timeout,
+            poll_interval=self._poll_interval,
+        )
+        return self._stream
+
+    def __iter__(self) -> Iterator[Sample]:
+        if self._closed or self.max_samples == 0:
+            return
+        stream = self._open_stream()
+        source = stream.source
         yielded = 0
-        last_news = time.monotonic()
-        # Names whose last lock wait timed out: a writer stuck on them is no news, so
-        # seeing them again must not keep a follow reader alive forever.
-        stuck: set[str] = set()
         try:
-            while not self._closed:
-                if self.max_samples is not None and yielded >= self.max_samples:
-                    return
-                timeout = None
-                if self.follow and self.idle_timeout is not None:
-                    timeout = self.idle_timeout - (time.monotonic() - last_news)
-                    if timeout <= 0:
-                        return
-                try:
-                    name = source.next(timeout)
-                except WaitCancelledError:
-                    return
-                if name is None:
-                    return
-                if name not in stuck:
-                    last_news = time.monotonic()
-                lock_timeouts = self.stats.lock_timeouts
-                try:
-                    outcome = self._take(source, name)
-                except WaitCancelledError:
-                    return
-                if self.stats.lock_timeouts == lock_timeouts:
-                    # Time spent waiting for a writer that finished (or died) is not
-                    # idle time.
-                    stuck.discard(name)
-                    last_news = time.monotonic()
-                else:
-                    stuck.add(name)
-                if outcome is None:
+            for outcome in stream:
+                sample = self._apply(outcome, source)
+                if sample is None:
                     continue
-                sample, claim = outcome
-                self.stats.yielded += 1
-                self.stats.bytes += sample.nbytes
-                self.stats.tokens += sample.num_tokens
                 yielded += 1
                 try:
                     yield sample
                 finally:
                     # Reached when the caller asks for the next sample or stops
                     # iterating: either way the sample was delivered.
-                    self._commit(source, name, claim)
-                last_news = time.monotonic()
+                    self._commit(source, outcome.name, outcome.claim)
+                if self.max_samples is not None and yielded >= self.max_samples:
+                    return
         finally:
             source.close()
+            if stream.waiting.held_names() and not self._closed:
+                log.info(
+                    "%s: stopped with %d sample(s) still being written",
+                    self.root,
+                    len(stream.waiting.held_names()),
+                )
 
-    def _take(
-        self, source: SnapshotSource | FollowSource, name: str
-    ) -> tuple[Sample, Claim | None] | None:
-        """Claim, wait for and load one sample; None if it is not to be yielded."""
-        claim: Claim | None = None
-        if self._claims is not None:
-            result = self._claims.try_claim(name)
-            if result is ClaimResult.HELD:
-                self.stats.claimed_elsewhere += 1
-                # Look again later: if that reader dies, its claim must be taken over.
-                source.defer(name, max(self._rescan_interval, 1.0))
-                return None
-            if result is ClaimResult.DONE:
-                self.stats.done_elsewhere += 1
-                return None
-            assert isinstance(result, Claim)
-            claim = result
-            if claim.reclaimed:
+    def _apply(self, outcome: Outcome, source: SnapshotSource | FollowSource) -> Sample | None:
+        """Count an outcome, warn or raise; the sample to yield, if any."""
+        kind, name = outcome.kind, outcome.name
+        if kind is OutcomeKind.YIELD:
+            sample = outcome.sample
+            assert sample is not None
+            if outcome.claim is not None and outcome.claim.reclaimed:
                 self.stats.reclaimed += 1
                 log.info("took over %s from a reader that is gone", name)
-        try:
-            sample = self._wait_and_load(source, name, claim)
-        except SampleError as exc:
-            self._reject(name, exc, claim)
-            return None
-        except FileNotFoundError:  # removed while we looked at it
+            self.stats.yielded += 1
+            self.stats.bytes += sample.nbytes
+            self.stats.tokens += sample.num_tokens
+            return sample
+        if kind is OutcomeKind.REJECT:
+            assert outcome.error is not None and outcome.state is not None
+            self._reject(name, outcome.error, outcome.state, outcome.claim)
+        elif kind is OutcomeKind.VANISHED:
             self.stats.vanished += 1
-            if claim is not None:
-                claim.remove()
-            return None
-        except OSError as exc:  # permissions, symlink loops, I/O errors: this file only
-            error = CorruptSampleError(os.path.join(self.root, name), f"cannot read: {exc}")
-            self._reject(name, error, claim)
-            return None
-        except BaseException:
-            if claim is not None:
-                claim.abandon()
-            raise
-        if sample is None:
-            return None
-        if sample.num_tokens == 0:
-            self._reject(name, CorruptSampleError(sample.path, "zero tokens"), claim, empty=True)
-            return None
-        return sample, claim
-
-    def _wait_and_load(
-        self, source: SnapshotSource | FollowSource, name: str, claim: Claim | None
-    ) -> Sample | None:
-        data_path = os.path.join(self.root, name)
-        lock = SharedLock.acquire(data_path, timeout=self.lock_timeout, cancel=self._cancel)
-        if lock is None:
-            self.stats.lock_timeouts += 1
-            if claim is not None:
-                claim.abandon()
-            if self.on_error == "raise":
-                raise LockTimeoutError(data_path, f"still locked after {self.lock_timeout}s")
-            log.warning(
-                "%s: writer still holds the lock after %ss; %s",
-                data_path,
-                self.lock_timeout,
-                "will look again later" if self.follow else "skipped",
-            )
-            if self.follow:
-                source.defer(name, self.lock_timeout or 0.0)
-            return None
-        with lock:
-            try:
-                fd = open_regular(data_path)
-            except NotRegularFileError as exc:
-                raise CorruptSampleError(data_path, "not a regular file") from exc
-            except FileNotFoundError:
-                self._no_data(source, name, lock.existed, claim)
-                return None
-            try:
-                return load_fd(fd, data_path, self._load)
-            except IncompleteSampleError:
-                if not lock.existed and self._may_still_grow(fd):
-                    # No lock protects this file and it changed just now: a lock-less
-                    # writer may still be writing. Look again once it has settled.
-                    if claim is not None:
-                        claim.abandon()
-                    source.defer(name, self.orphan_grace)
-                    return None
-                raise
-            finally:
-                os.close(fd)
-
-    def _may_still_grow(self, fd: int) -> bool:
-        return time.time() - os.fstat(fd).st_mtime < self.orphan_grace
-
-    def _no_data(
-        self,
-        source: SnapshotSource | FollowSource,
-        name: str,
-        lock_existed: bool,
-        claim: Claim | None,
-    ) -> None:
-        """The writer is done (or there is no writer) but there is no data file."""
-        data_path = os.path.join(self.root, name)
-        lock_file = lock_path(data_path)
-        if not lock_existed or not os.path.exists(lock_file):
-            # Consumed and deleted by another reader, or removed by hand.
-            self.stats.vanished += 1
-            if claim is not None:
-                claim.remove()
             source.forget(name)
-            return None
-        status = read_status(lock_file)
-        if status.failed:
-            raise FailedSampleError(data_path, f"writer reported failure: {status.reason}")
-        try:
-            age = time.time() - os.stat(lock_file).st_mtime
-        except FileNotFoundError:
-            age = float("inf")
-        if age < self.orphan_grace:
-            # vLLM's own connector creates the lock a moment before it locks it.
-            if claim is not None:
-                claim.abandon()
-            source.defer(name, self.orphan_grace - age)
-            return None
-        raise StaleLockError(data_path, "lock released but the data file never appeared")
+        elif kind is OutcomeKind.CLAIMED:
+            self.stats.claimed_elsewhere += 1
+        elif kind is OutcomeKind.DONE_ELSEWHERE:
+            self.stats.done_elsewhere += 1
+        elif kind is OutcomeKind.TIMED_OUT:
+            self._timed_out(name)
+        return None
 
-    def _reject(
-        self, name: str, exc: SampleError, claim: Claim | None, *, empty: bool = False
-    ) -> None:
+    def _timed_out(self, name: str) -> None:
+        self.stats.lock_timeouts += 1
+        data_path = os.path.join(self.root, name)
+        if self.on_error == "raise":
+            raise LockTimeoutError(data_path, f"still locked after {self.lock_timeout}s")
+        log.warning(
+            "%s: writer still holds the lock after %ss; %s",
+            data_path,
+            self.lock_timeout,
+            "yielded if it finishes later" if self.follow else "skipped",
+        )
+
+    def _reject(self, name: str, exc: SampleError, state: SampleState, claim: Claim | None) -> None:
         """Count, report and (when the reader owns the files) set aside a bad sample."""
-        if empty:
-            self.stats.empty += 1
-        elif isinstance(exc, IncompleteSampleError):
-            self.stats.incomplete += 1
-        elif isinstance(exc, FailedSampleError):
-            self.stats.failed += 1
-        elif isinstance(exc, StaleLockError):
-            self.stats.stale_locks += 1
-        else:
-            self.stats.corrupt += 1
+        counter = _COUNTERS.get(state, "corrupt")
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         if self._owns_files:
             try:
                 if quarantine(self.root, name, str(exc)) is not None:
@@ -398,3 +328,11 @@ class HiddenStateReader:
                 claim.done()
         if gone:
             source.forget(name)
+
+
+_COUNTERS = {
+    SampleState.INCOMPLETE: "incomplete",
+    SampleState.FAILED: "failed",
+    SampleState.STALE: "stale_locks",
+    SampleState.EMPTY: "empty",
+}

@@ -1,0 +1,63 @@
+"""Checks made before the first sample: can the reader do what its options ask?
+
+``claim=True`` writes claim files under ``<root>/.claims/``; ``on_consumed="delete"``
+removes files from the root; ``"move"`` renames them into the done folder; an owning
+reader moves rejected files to ``<root>/.quarantine/``. Each needs write and search
+permission on a directory: ``check_writable`` says so at construction, with a typed
+error naming the directory, the option and the missing permission.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hidden_state_reader.errors import DirectoryNotWritableError
+
+_EFFECTIVE = os.access in os.supports_effective_ids
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _missing(directory: str) -> str | None:
+    """The permission this process lacks to create and remove entries, if any."""
+    if not os.path.isdir(directory):
+        return "a directory (it is not one)"
+    lacks = [
+        word
+        for flag, word in ((os.W_OK, "write"), (os.X_OK, "search (x)"))
+        if not os.access(directory, flag, effective_ids=_EFFECTIVE)
+    ]
+    if not lacks:
+        return None
+    return " and ".join(lacks) + " permission"
+
+
+def check_writable(directory: str, mode: str, why: str) -> None:
+    """Raise unless entries can be created and removed in ``directory``.
+
+    A directory that does not exist yet is checked through its nearest existing parent
+    (it will be created there).
+
+    Args:
+        directory: The directory the mode writes.
+        mode: The option that needs it, as the user wrote it (``claim=True``).
+        why: What the mode does there, in a few words.
+
+    Raises:
+        DirectoryNotWritableError: The permission is missing (or the filesystem is
+            read-only).
+    """
+    target = _nearest_existing(directory)
+    missing = _missing(target)
+    if missing is not None:
+        raise DirectoryNotWritableError(
+            target, mode, missing, f"{why}; running as uid {os.geteuid()}"
+        )
