@@ -23,6 +23,7 @@ from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata
 from hidden_state_connector.scheduler_side import SchedulerSide
 from hidden_state_connector.stats import WriteStats
+from hidden_state_connector.storage_check import check_storage_root
 from hidden_state_connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -47,6 +48,10 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
+        refuse_sleep_mode(vllm_config)
+        if role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0:
+            # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
+            check_storage_root(self.config.shared_storage_path)
         group = compat.hidden_state_group(kv_cache_config)
         block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
         self._group = group
@@ -77,6 +82,18 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- shared -----------------------------------------------------------------------
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """Sleep mode is declined (vLLM >= 0.33 asks; older releases never do).
+
+        Sleeping discards the KV cache, and with it the hidden states of finished
+        requests whose blocks the connector still holds while their copies are in
+        flight. vLLM 0.33 then refuses to start with ``enable_sleep_mode``
+        ("HiddenStateConnector does not support sleep mode."); on older releases
+        ``__init__`` refuses it itself.
+        """
+        return False
+
     def get_finished_count(self) -> int:
         """Only TP rank 0 reports; one report per request frees its blocks."""
         return 1
@@ -92,6 +109,14 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     # -- worker side ------------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Never called: sleep mode is declined (``supports_sleep_mode``)."""
+        raise RuntimeError("HiddenStateConnector does not support sleep mode")
+
+    def restore_kv_caches(self) -> None:
+        """Never called: sleep mode is declined (``supports_sleep_mode``)."""
+        raise RuntimeError("HiddenStateConnector does not support sleep mode")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Locate the hidden-state cache and start the write pipeline."""
@@ -138,6 +163,8 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         """Drain queued writes (bounded by ``shutdown_timeout``) and release every lock."""
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     def get_kv_connector_stats(self) -> HiddenStateConnectorStats | None:
         """Counters since the last call, for vLLM's metrics logging."""
@@ -185,3 +212,21 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         if not 0 <= self._group < len(block_ids):
             return self.request_finished(request, [])
         return self.request_finished(request, block_ids[self._group])
+
+
+def refuse_sleep_mode(vllm_config: Any) -> None:
+    """Fail start-up when the engine has sleep mode enabled (on every vLLM release).
+
+    vLLM >= 0.33 already refuses the combination (``supports_sleep_mode`` is False);
+    0.26 - 0.32 would discard the KV cache under samples still being copied out.
+
+    Raises:
+        ValueError: ``enable_sleep_mode`` is set.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enable_sleep_mode", False):
+        raise ValueError(
+            "HiddenStateConnector does not support sleep mode: sleeping discards the KV "
+            "cache that holds hidden states still being written. Start vLLM without "
+            "enable_sleep_mode (--enable-sleep-mode)."
+        )

@@ -92,6 +92,7 @@ class Extractor:
         self.check_nonfinite = check_nonfinite
         self._stream: torch.cuda.Stream | None = None
         self._staging: torch.Tensor | None = None
+        self._step_event: torch.cuda.Event | None = None
         self._raw_dtype = _SAME_SIZE_INT[self.dtype.itemsize]
         self._cpu_view = None if self.on_cuda else self.view.view(self._raw_dtype).numpy()
 
@@ -110,10 +111,25 @@ class Extractor:
         return slab.data[:nbytes].view(self.dtype).view(shape)
 
     def begin_step(self) -> None:
-        """Order this step's gathers after everything the model has written so far."""
+        """Order this step's gathers after everything the model has written so far.
+
+        Call from the engine's thread (its current stream is the model's).
+        """
         if self.on_cuda:
             stream = self._cuda_stream()
             stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def mark_step(self) -> None:
+        """Remember how far the model's stream has got (engine's thread, after a step)."""
+        if self.on_cuda:
+            if self._step_event is None:
+                self._step_event = torch.cuda.Event()
+            self._step_event.record(torch.cuda.current_stream(self.device))
+
+    def begin_off_thread(self) -> None:
+        """``begin_step`` for other threads: order gathers after the last marked step."""
+        if self.on_cuda and self._step_event is not None:
+            self._cuda_stream().wait_event(self._step_event)
 
     def _cuda_stream(self) -> torch.cuda.Stream:
         if self._stream is None:

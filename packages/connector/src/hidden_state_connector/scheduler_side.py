@@ -10,8 +10,9 @@ complete:
   is published without any further engine step (an in-process ``LLM`` takes none once
   its outputs are done).
 - with generated tokens (``include_output_tokens``): when the request finishes, since
-  only then is it known which tokens are the last. The order goes straight to a worker
-  in the same process (``local_handoff``), else in the next step's metadata.
+  only then is it known which tokens are the last. The order goes straight to the
+  writing worker: in the same process (``local_handoff``) or over a local socket
+  (``order_channel``); else in the next step's metadata.
 
 ``request_finished`` returns ``{"hidden_states_path": ...}`` to the client and keeps the
 KV blocks until the worker has copied them out.
@@ -27,6 +28,7 @@ from hidden_state_connector import compat, local_handoff
 from hidden_state_connector.config import ConnectorConfig
 from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, NewSample, SaveOrder
+from hidden_state_connector.order_channel import OrderSender
 from hidden_state_connector.stats import WriteStats
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
@@ -88,6 +90,7 @@ class SchedulerSide:
         self.stats = stats
         self.tag = instance_tag(config, vllm_config)
         self.engine_key = compat.engine_key(vllm_config)
+        self._sender = OrderSender(self.engine_key)
         self._requests: dict[str, _Tracked] = {}
         self._paths_in_use: set[str] = set()
         self._outgoing = HiddenStateConnectorMetadata()
@@ -197,14 +200,22 @@ class SchedulerSide:
         order = self._finish_order(request, tracked, block_ids)
         if order.failure:
             result[ERROR_PARAM] = order.failure
-        deliver = local_handoff.find(self.engine_key)
-        if deliver is not None:
-            deliver(order)  # same process: start now, no engine step needed
-        else:
-            self._outgoing.saves.append(order)
+        self._deliver(order)
         # Delay block freeing even for failures: the worker must still release the lock,
         # and reporting the request finished keeps the engine stepping until it has.
         return True, result
+
+    def _deliver(self, order: SaveOrder) -> None:
+        """Get a finish-time order to the writing worker without waiting for a step."""
+        deliver = local_handoff.find(self.engine_key)
+        if deliver is not None:
+            deliver(order)  # same process: started now
+        elif not self._sender.send(order):
+            self._outgoing.saves.append(order)  # next step's metadata
+
+    def shutdown(self) -> None:
+        """Close the order channel."""
+        self._sender.close()
 
     def _finish_order(self, request: Any, tracked: _Tracked, block_ids: list[int]) -> SaveOrder:
         prompt = list(request.prompt_token_ids or [])

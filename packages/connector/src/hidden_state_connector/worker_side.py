@@ -32,6 +32,7 @@ from hidden_state_connector.config import ConnectorConfig
 from hidden_state_connector.extract import Extractor
 from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.order_channel import OrderListener
 from hidden_state_connector.stats import WriteStats
 from hidden_state_connector.writer import SaveJob, WritePipeline
 from hidden_state_reader.errors import PathOutsideRootError
@@ -100,6 +101,7 @@ class WorkerSide:
         # The engine's thread and same-process hand-offs both enter here.
         self._mutex = threading.RLock()
         self._engine_key = compat.engine_key(vllm_config)
+        self._listener: OrderListener | None = None
         self._closed = False
 
     # -- set-up ---------------------------------------------------------------------
@@ -145,6 +147,10 @@ class WorkerSide:
             stats=self.stats,
         )
         local_handoff.register(self._engine_key, self.accept)
+        try:
+            self._listener = OrderListener(self._engine_key, self.accept)
+        except OSError as exc:  # finish-time orders then travel in the step metadata
+            log.warning("HiddenStateConnector: no order channel (%s)", exc)
         # vLLM calls shutdown(); this covers interpreters that exit without it.
         atexit.register(self.shutdown)
 
@@ -162,16 +168,17 @@ class WorkerSide:
         if not self.is_writer or self.pipeline is None:
             return
         with self._mutex:
+            self.pipeline.extractor.mark_step()
             self.create_locks(meta)
             for order in meta.saves:
                 if order.written_this_step:
                     self._start(order)
 
     def accept(self, order: SaveOrder) -> None:
-        """Start a save handed over by the scheduler half in this process."""
+        """Start a save handed over between steps (``local_handoff``, ``order_channel``)."""
         with self._mutex:
             if self.pipeline is not None:
-                self._start(order)  # after shutdown, this fails it with the reason
+                self._start(order, engine_thread=False)  # after shutdown: failed, with why
 
     def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
         """Pin the directory and create the lock of every new request."""
@@ -232,7 +239,12 @@ class WorkerSide:
             self.pipeline.pump()
             # vLLM only accepts ids it has announced as finished (this call or before);
             # ids of requests we hold nothing for (never scheduled) must not pile up.
-            self._announced |= finished_req_ids & self._unreported
+            # (An order sent over the channel may land after the announcement.)
+            self._announced |= {
+                r
+                for r in finished_req_ids
+                if r in self._unreported or r in self._targets or r in self._target_errors
+            }
             self._copied.update(self.pipeline.finished())
             done = self._copied & self._announced
             self._copied -= done
@@ -241,7 +253,7 @@ class WorkerSide:
             self.stats.maybe_log(len(self._unreported))
         return (done or None), None
 
-    def _start(self, order: SaveOrder) -> None:
+    def _start(self, order: SaveOrder, *, engine_thread: bool = True) -> None:
         assert self.pipeline is not None
         target = self._targets.pop(order.req_id, None)
         failure = order.failure or self._target_errors.pop(order.req_id, None)
@@ -273,7 +285,7 @@ class WorkerSide:
         if failure is not None:
             self.pipeline.submit_failed(job, failure)
         else:
-            self.pipeline.submit(job)
+            self.pipeline.submit(job, engine_thread=engine_thread)
 
     # -- shutdown -------------------------------------------------------------------
 
@@ -284,6 +296,8 @@ class WorkerSide:
                 return
             self._closed = True
         local_handoff.unregister(self._engine_key, self.accept)
+        if self._listener is not None:
+            self._listener.close()  # hands over the orders already sent first
         abandoned = 0
         if self.pipeline is not None:
             abandoned = self.pipeline.close(self.config.shutdown_timeout)

@@ -144,11 +144,15 @@ class WritePipeline:
 
     # -- engine-thread side ----------------------------------------------------------
 
-    def submit(self, job: SaveJob) -> None:
+    def submit(self, job: SaveJob, *, engine_thread: bool = True) -> None:
         """Queue a job (or fail it at once when ``when_full="drop"`` and the queue is full).
 
-        Call from the engine's thread, after the step that computed the job's last token:
-        on CUDA the connector's stream is ordered after the model's stream here.
+        Args:
+            job: The sample.
+            engine_thread: Called from the engine's thread after the step that computed
+                the job's last token (on CUDA the connector's stream is ordered after
+                the model's stream here); False from other threads, which order after
+                the last step the engine marked (``Extractor.mark_step``).
         """
         with self._cond:
             self._unreported[job.req_id] = job
@@ -165,7 +169,12 @@ class WritePipeline:
             return
         self._queue.put(job)
         self.stats.queued(len(self._unreported))
-        self.pump()
+        with self._cond:
+            if engine_thread:
+                self.extractor.begin_step()
+            else:
+                self.extractor.begin_off_thread()
+            self._produce_ready()
 
     def submit_failed(self, job: SaveJob, reason: str) -> None:
         """Register a job that fails before any work (it is still reported finished)."""
