@@ -10,8 +10,8 @@ a sample it waits for may be complete (``flock`` stays the truth: the reader pro
 
 Following (``FollowSource``) works like ``tail -f`` on a directory:
 
-1. the watcher starts first (watchdog, one observer per process), so nothing created
-   during the initial scan is missed;
+1. the watcher starts first (inotify, one instance and one thread per process), so
+   nothing created during the initial scan is missed;
 2. the initial scan lists what is already there, oldest first;
 3. file-system events are hints that a name appeared (or was touched); the names are
    deduplicated here;
@@ -24,15 +24,15 @@ The per-event cost is a set lookup; only rescans are O(number of files).
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
@@ -133,80 +133,111 @@ _EVENTS = ("created", "moved", "closed")
 RESCAN = ""  # put into a follower's queue: events were lost, rescan now
 
 
-class _OverflowAlarm(logging.Handler):
-    """Turns watchdog's "Inotify queue overflowed" log record into immediate rescans.
+_IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x8, 0x80, 0x100
+_IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR, _IN_ONLYDIR = 0x4000, 0x8000, 0x40000000, 0x1000000
+_IN_CLOEXEC = 0o2000000
+# Appearances (created, renamed into place) and closes of files opened for writing (a
+# writer releasing its lock). Not opens, reads or plain writes: readers open files
+# read-only, so their own activity never comes back as events, and a busy directory does
+# not flood the queue.
+_MASK = _IN_CREATE | _IN_MOVED_TO | _IN_CLOSE_WRITE | _IN_ONLYDIR
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then name)
 
-    watchdog only logs a queue overflow for non-recursive watches; without this, names
-    whose events were dropped would wait for the next periodic rescan.
+
+_Sink = queue.SimpleQueue[str | None]
+_Handle = tuple[int, _Sink]
+
+
+class _Inotify:
+    """One inotify instance and one reader thread per process, shared by all followers.
+
+    The kernel's events go straight from ``read(2)`` to each follower's queue (no
+    move-pairing delay, no dispatcher thread in between). inotify instances are scarce
+    (128 per user on some machines), so there is one per process, with one watch per
+    directory.
     """
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.sinks: set[queue.SimpleQueue[str | None]] = set()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if "overflow" in record.getMessage():
-            for sink in list(self.sinks):
-                sink.put(RESCAN)
-
-
-class _Observer:
-    """One watchdog observer per process, shared by all followers (inotify is scarce)."""
-
     _lock = threading.Lock()
-    _observer: Any = None
+    _fd: int | None = None
     _pid: int | None = None
-    _alarm = _OverflowAlarm()
+    _sinks: dict[int, set[_Sink]] = {}
 
     @classmethod
-    def schedule(cls, root: str, sink: queue.SimpleQueue[str | None]) -> object:
-        from watchdog.events import (
-            FileClosedEvent,
-            FileCreatedEvent,
-            FileMovedEvent,
-            FileSystemEvent,
-            FileSystemEventHandler,
-        )
-        from watchdog.observers import Observer
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                # Appearances and closes after writing (a writer releasing its lock)
-                # matter; deletions and modifications are not news.
-                if event.is_directory or event.event_type not in _EVENTS:
-                    return
-                path = getattr(event, "dest_path", "") or event.src_path
-                name = os.path.basename(os.fsdecode(path))
-                if classify(name) in (Kind.DATA, Kind.LOCK):
-                    sink.put(name)
-
-        # watchdog's threads (observer, one emitter per watch) start in here.
-        with cls._lock, threads_ignore_signals():
-            if cls._observer is None or cls._pid != os.getpid():
-                observer = Observer()
-                observer.daemon = True
-                observer.start()
-                cls._observer, cls._pid = observer, os.getpid()
-                logging.getLogger("watchdog.observers.inotify_c").addHandler(cls._alarm)
-            cls._alarm.sinks.add(sink)
-            # Ask the kernel only for creations, renames and closes of files opened for
-            # writing (IN_CLOSE_WRITE: a writer's lock release). Every open, read and
-            # write in a busy directory would otherwise flood the inotify queue; readers
-            # open files read-only, so their own closes never come back as events.
-            return cls._observer.schedule(
-                Handler(),
-                root,
-                recursive=False,
-                event_filter=[FileCreatedEvent, FileMovedEvent, FileClosedEvent],
-            )
+    def _start(cls) -> int:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = int(libc.inotify_init1(_IN_CLOEXEC))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        cls._fd, cls._pid, cls._sinks = fd, os.getpid(), {}
+        thread = threading.Thread(target=cls._run, args=(fd,), name="hidden-state-inotify")
+        thread.daemon = True
+        with threads_ignore_signals():
+            thread.start()
+        return fd
 
     @classmethod
-    def unschedule(cls, watch: object, sink: queue.SimpleQueue[str | None]) -> None:
+    def schedule(cls, root: str, sink: _Sink) -> _Handle:
+        """Watch ``root``; its events go to ``sink``. Returns the handle for ``unschedule``."""
         with cls._lock:
-            cls._alarm.sinks.discard(sink)
-            if cls._observer is not None and cls._pid == os.getpid():
-                with contextlib.suppress(KeyError, OSError):
-                    cls._observer.unschedule(watch)
+            fd = cls._fd if cls._fd is not None and cls._pid == os.getpid() else cls._start()
+            libc = ctypes.CDLL(None, use_errno=True)
+            wd = int(libc.inotify_add_watch(fd, os.fsencode(root), _MASK))
+            if wd < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot watch {root}: {os.strerror(err)}")
+            cls._sinks.setdefault(wd, set()).add(sink)
+            return wd, sink
+
+    @classmethod
+    def unschedule(cls, handle: _Handle) -> None:
+        """Stop delivering to a sink; the watch goes when its last sink does."""
+        wd, sink = handle
+        with cls._lock:
+            if cls._pid != os.getpid() or cls._fd is None:
+                return
+            sinks = cls._sinks.get(wd)
+            if sinks is None:
+                return
+            sinks.discard(sink)
+            if not sinks:
+                del cls._sinks[wd]
+                ctypes.CDLL(None, use_errno=True).inotify_rm_watch(cls._fd, wd)
+
+    @classmethod
+    def _run(cls, fd: int) -> None:
+        while True:
+            try:
+                buf = os.read(fd, 65536)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                log.warning("inotify reader stopped: %s", exc)
+                return
+            cls._dispatch(buf)
+
+    @classmethod
+    def _dispatch(cls, buf: bytes) -> None:
+        offset = 0
+        with cls._lock:
+            while offset + _EVENT.size <= len(buf):
+                wd, mask, _, length = _EVENT.unpack_from(buf, offset)
+                raw = buf[offset + _EVENT.size : offset + _EVENT.size + length]
+                offset += _EVENT.size + length
+                if mask & _IN_Q_OVERFLOW:
+                    for sinks in cls._sinks.values():
+                        for sink in sinks:
+                            sink.put(RESCAN)  # events were lost: rescan now
+                    continue
+                if mask & _IN_IGNORED:
+                    cls._sinks.pop(wd, None)  # the directory is gone
+                    continue
+                if mask & _IN_ISDIR or not length:
+                    continue
+                name = os.fsdecode(raw.rstrip(b"\0"))
+                if classify(name) in (Kind.DATA, Kind.LOCK):
+                    for sink in cls._sinks.get(wd, ()):
+                        sink.put(name)
 
 
 class _EventSource:
@@ -215,7 +246,7 @@ class _EventSource:
     def __init__(self, root: str) -> None:
         self.root = root
         self._events: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self._watch: object | None = None
+        self._watch: _Handle | None = None
         self._fresh: deque[str] = deque()
         self._touched: set[str] = set()
         self._closed = False
@@ -232,8 +263,8 @@ class _EventSource:
 
     def _start_watch(self, watch: str, poll_interval: float) -> bool:
         try:
-            self._watch = _Observer.schedule(self.root, self._events)
-        except (OSError, ImportError) as exc:
+            self._watch = _Inotify.schedule(self.root, self._events)
+        except OSError as exc:
             if watch == "inotify":
                 raise
             log.warning("cannot watch %s (%s); polling every %.1fs", self.root, exc, poll_interval)
@@ -280,7 +311,7 @@ class _EventSource:
         self._closed = True
         self._events.put(None)
         if self._watch is not None:
-            _Observer.unschedule(self._watch, self._events)
+            _Inotify.unschedule(self._watch)
             self._watch = None
 
 
