@@ -314,8 +314,8 @@ def test_verify_reports_each_problem(zoo: Path) -> None:
     assert "writer reported failure: CUDA out of memory" in proc.stdout
     assert "checked 15 samples" in proc.stdout
     assert proc.stdout.endswith(
-        f"{len(expected)} problems found (`hidden-state clean {zoo}` "
-        "removes stale/failed locks and orphan temp files)\n"
+        f"{len(expected)} problems found (`hidden-state clean {zoo}` removes the 3 "
+        "stale/failed lock(s) and orphan temp file(s); data files it never removes)\n"
     )
 
 
@@ -408,10 +408,12 @@ def test_inspect_problems(zoo: Path, capsys: pytest.CaptureFixture[str]) -> None
         "truncated.safetensors": "incomplete: truncated",
         "empty.safetensors": "incomplete: empty file",
         "wrong_dtype.safetensors": "corrupt: hidden_states has dtype I64",
-        "held.safetensors": "no such file",  # only its lock exists
-        "hs_0.safetensors.lock": "not a sample file",
         "nope.safetensors": "no such file",
     }
+    # Only its lock exists: shown from the lock (the lock's own name works too).
+    for name in ("held.safetensors", "held.safetensors.lock"):
+        rc, out, _ = call(capsys, "inspect", zoo / name)
+        assert rc == 0 and "pending: writer holds the lock" in out
     for name, words in cases.items():
         assert cli_main.main(["inspect", str(zoo / name)]) == 2
         err = capsys.readouterr().err
@@ -430,12 +432,24 @@ def test_clean(tmp_path: Path, holder: LockHolder, capsys: pytest.CaptureFixture
         rc, out, _ = call(capsys, "clean", root, "--dry-run")
         assert rc == 0
         assert sorted(os.listdir(root)) == before
-        assert clean_actions(out) == {
-            "failed.safetensors.lock": "skipped",  # younger than --older-than
+        actions = clean_actions(out)
+        assert {n: a for n, a in actions.items() if a != "kept"} == {
             "stale.safetensors.lock": "would remove",
             "hs_9.safetensors.tmp.4242.deadbeef": "would remove",
         }
-        assert out.splitlines()[-1] == f"would remove 2 files (100 B) in {root}; 1 skipped"
+        # What it keeps, it lists: too young, still being written, data files.
+        kept = {n for n, a in actions.items() if a == "kept"}
+        assert {
+            "failed.safetensors.lock",  # younger than --older-than
+            "held.safetensors.lock",
+            "held.safetensors.tmp.4242.beef",
+            YOUNG_TEMP,
+            "garbage.safetensors",
+            "truncated.safetensors",
+        } <= kept
+        assert out.splitlines()[-1] == (
+            f"would remove 2 files (100 B) in {root}; {len(kept)} kept (see DETAIL)"
+        )
 
         proc = run("clean", root)
         assert proc.returncode == 0, proc.stderr
@@ -443,7 +457,7 @@ def test_clean(tmp_path: Path, holder: LockHolder, capsys: pytest.CaptureFixture
         # Old leftovers go; the young failed lock, young temp file and held lock stay.
         assert removed == {"stale.safetensors.lock", "hs_9.safetensors.tmp.4242.deadbeef"}
         assert "removed 2 files" in proc.stdout
-        assert "failed.safetensors.lock" in proc.stdout  # listed as skipped: too young
+        assert "failed.safetensors.lock" in proc.stdout  # listed as kept: too young
 
         rc, out, _ = call(capsys, "clean", root, "--older-than", "0", "--locks")
         assert rc == 0
@@ -462,7 +476,7 @@ def test_clean(tmp_path: Path, holder: LockHolder, capsys: pytest.CaptureFixture
         assert {n for n in before if n.endswith(".safetensors")} <= left
         assert {"held.safetensors.lock", "held.safetensors.tmp.4242.beef"} <= left
 
-        assert not any("held" in name for name in clean_actions(out))
+        assert {a for n, a in clean_actions(out).items() if "held" in n} == {"kept"}
         rc, out, _ = call(capsys, "verify", root)
         assert rc == 1
         assert set(problem_rows(out).values()) == {"corrupt", "incomplete"}
@@ -471,7 +485,7 @@ def test_clean(tmp_path: Path, holder: LockHolder, capsys: pytest.CaptureFixture
 
 
 def clean_actions(stdout: str) -> dict[str, str]:
-    """``clean`` output: FILE -> action (``removed``, ``would remove``, ``skipped``)."""
+    """``clean`` output: FILE -> action (``removed``, ``would remove``, ``kept``, ...)."""
     lines = stdout.splitlines()
     kind_col, file_col, detail_col = (lines[0].index(c) for c in ("KIND", "FILE", "DETAIL"))
     return {line[file_col:detail_col].strip(): line[:kind_col].strip() for line in lines[1:-1]}

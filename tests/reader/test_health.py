@@ -141,7 +141,7 @@ def test_ready_samples_ours_and_vllm(hs_dir: Path) -> None:
     assert check_sample(hs_dir, "hs_0.safetensors.lock").name == "hs_0.safetensors"
 
 
-def test_zero_tokens_and_nonfinite_are_ready_with_a_note(hs_dir: Path) -> None:
+def test_zero_tokens_is_empty_and_nonfinite_is_ready_with_a_note(hs_dir: Path) -> None:
     token_ids, hidden = make_tensors(0, tokens=4)
     hidden[1, 0, 0] = float("nan")
     write_sample(hs_dir / "nan.safetensors", token_ids, hidden)
@@ -149,7 +149,7 @@ def test_zero_tokens_and_nonfinite_are_ready_with_a_note(hs_dir: Path) -> None:
     nan = check_sample(hs_dir, "nan.safetensors")
     assert nan.state is HealthState.READY and "NaN" in nan.reason
     zero = check_sample(hs_dir, "zero.safetensors")
-    assert zero.state is HealthState.READY and "zero tokens" in zero.reason
+    assert zero.state is HealthState.EMPTY and "zero tokens" in zero.reason
 
 
 # -- bad data files -----------------------------------------------------------------
@@ -401,7 +401,7 @@ def test_scan_health_whole_directory(hs_dir: Path, holder: LockHolder) -> None:
         "corrupt": 1,
         "orphan_temp": 1,
     }
-    assert {r.state for r in results if r.problem} == PROBLEM_STATES
+    assert {r.state for r in results if r.problem} == PROBLEM_STATES - {HealthState.EMPTY}
     samples, temps = list_entries(hs_dir)
     assert len(samples) == 9 and temps == ["hs_7.safetensors.tmp.1.abc"]
     assert [r.name for r in scan_health(hs_dir, include_temps=False)] == samples

@@ -32,9 +32,10 @@ from typing import Any, cast
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hidden_state_reader.discovery import list_samples
+from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import read_header
+from hidden_state_reader.health import count_states, scan_health
 from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.sample import Sample
 from hidden_state_reader.sharding import (
@@ -44,6 +45,7 @@ from hidden_state_reader.sharding import (
     rank_slice,
     worker_chunks,
 )
+from hidden_state_reader.states import GRACE
 from hidden_state_reader.stats import ReaderStats
 
 log = logging.getLogger(__name__)
@@ -88,7 +90,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         **reader_kwargs: Passed to ``HiddenStateReader`` (``layers``, ``layer_ids``,
             ``dtype``, ``pin_memory``, ``on_error``, ``lock_timeout``, ``on_consumed``,
             ``claim_group``, ``watch``, ``idle_timeout``, ...). In static mode
-            ``names`` fixes the sample list (default: the directory's contents now) and
+            ``names`` fixes the sample list (default: the directory's usable samples
+            now: ready or still being written, see ``__len__``) and
             ``max_samples`` truncates every rank's epoch to that many positions; in
             follow mode ``max_samples`` stops each consumer after that many samples.
 
@@ -146,7 +149,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
         if follow:
             self._names: list[str] = []
         else:
-            self._names = list(names) if names is not None else list_samples(self.root)
+            self._names = list(names) if names is not None else self._usable_names()
         digest = hashlib.sha1("\n".join(self._names).encode(), usedforsecurity=False)
         self._fingerprint = digest.hexdigest()[:16]
         self._epoch = 0
@@ -157,6 +160,29 @@ class HiddenStateDataset(IterableDataset[Sample]):
         self._push()
         self._lengths: dict[str, int] = {}
         self.stats = ReaderStats()
+
+    def _usable_names(self) -> list[str]:
+        """The samples a reader will yield: ready, or still being written.
+
+        The same rule as ``hidden-state stats`` and ``verify`` (``states.judge``); reads
+        headers only.
+        """
+        grace = self._reader_kwargs.get("orphan_grace", GRACE)
+        found = list(scan_health(self.root, grace=grace, include_temps=False))
+        if not found:
+            log.warning("%s", describe_empty(self.root))
+        left_out = [h for h in found if not h.state.usable]
+        if left_out:
+            log.warning(
+                "%s: %d of %d samples left out of the dataset as unusable (%s); "
+                "`hidden-state verify %s` lists them",
+                self.root,
+                len(left_out),
+                len(found),
+                ", ".join(f"{n} {s}" for s, n in count_states(left_out).items()),
+                self.root,
+            )
+        return [h.name for h in found if h.state.usable]
 
     # -- what there is to read -------------------------------------------------------
 
@@ -177,7 +203,12 @@ class HiddenStateDataset(IterableDataset[Sample]):
         return len(self._names)
 
     def __len__(self) -> int:
-        """Positions in one epoch of this rank (static mode only)."""
+        """Positions in one epoch of this rank (static mode only).
+
+        Counts usable samples: the sample list holds those that were ready or still
+        being written at construction (corrupt, incomplete, empty, failed and stale ones
+        are left out, with a warning), sharded and truncated as the epoch is.
+        """
         if self.follow:
             raise TypeError("a followed directory has no length")
         n = rank_share(len(self._names), self.rank, self.world_size, even=self.even_shards)

@@ -7,28 +7,10 @@ modifies a file: a lock is only *probed* (``flock(LOCK_SH | LOCK_NB)``), and a h
 read is a few hundred bytes. ``hidden-state ls``, ``verify`` and ``clean`` are built on
 this module.
 
-States (``HealthState``):
-
-``ready``
-    A complete, valid sample whose writer is done (or that never had a lock).
-``pending``
-    A writer is still at work: the lock is held, or the files changed less than
-    ``grace`` seconds ago and no lock says otherwise (vLLM's connector creates its lock
-    file a moment before it locks it; a lock-less writer may still be appending).
-``failed``
-    The writer gave up and said why in the lock file; there is no data file.
-``stale``
-    A released lock file, older than ``grace``, whose data file never appeared: the
-    writer died.
-``incomplete``
-    The data file is shorter than its header promises and no writer is at work.
-``corrupt``
-    The data file is not a valid sample (bad header, dtype, shape, names, trailing
-    bytes, CRC32 mismatch), or it cannot be read at all.
-``orphan_temp``
-    A temporary file (``NAME.safetensors.tmp.<pid>.<rand>``) that no writer owns any
-    more: the lock that would protect it is not held and the file has not changed for
-    ``grace`` seconds.
+States (``HealthState`` is ``hidden_state_reader.states.SampleState``): ``ready``,
+``pending``, ``failed``, ``stale``, ``incomplete``, ``corrupt``, ``empty`` and
+``orphan_temp``; the rule that assigns them is ``states.judge``, the same one the reader
+uses to decide whether to yield, wait or skip, with the same grace period.
 
 Example::
 
@@ -41,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import enum
 import functools
 import os
 import time
@@ -50,7 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
 from hidden_state_reader.format.names import (
@@ -64,8 +45,9 @@ from hidden_state_reader.format.names import (
     sample_key,
 )
 from hidden_state_reader.load import LoadOptions, load_sample
+from hidden_state_reader.states import GRACE, Observation, SampleState, judge
 
-DEFAULT_GRACE = 30.0
+DEFAULT_GRACE = GRACE
 """Seconds a lock without data, a lock-less truncated file or a temporary file may be
 untouched and still count as work in progress (``pending``) rather than a leftover."""
 
@@ -73,35 +55,10 @@ ProgressCallback = Callable[[int, int], None]
 """``progress(done, total)``: called by ``scan_health`` after each directory entry."""
 
 
-class HealthState(str, enum.Enum):
-    """The state of one sample (or temporary file). The value is the printable name."""
+HealthState = SampleState
+"""The state of one sample (or temporary file); see ``hidden_state_reader.states``."""
 
-    READY = "ready"
-    PENDING = "pending"
-    FAILED = "failed"
-    STALE = "stale"
-    INCOMPLETE = "incomplete"
-    CORRUPT = "corrupt"
-    ORPHAN_TEMP = "orphan_temp"
-
-    @property
-    def is_problem(self) -> bool:
-        """Whether this state needs attention (everything but ``ready`` and ``pending``)."""
-        return self in PROBLEM_STATES
-
-    def __str__(self) -> str:
-        return self.value
-
-
-PROBLEM_STATES = frozenset(
-    {
-        HealthState.FAILED,
-        HealthState.STALE,
-        HealthState.INCOMPLETE,
-        HealthState.CORRUPT,
-        HealthState.ORPHAN_TEMP,
-    }
-)
+PROBLEM_STATES = frozenset(s for s in SampleState if s.is_problem)
 """States that ``hidden-state verify`` reports as problems."""
 
 
@@ -248,89 +205,51 @@ def _check_sample(
         st = os.stat(data_path)
     except FileNotFoundError:
         st = None
-    age = _age(now, lock_mtime, st.st_mtime if st is not None else None)
+    data_mtime = st.st_mtime if st is not None else None
     status = read_status(lock_file) if lock is not LockState.ABSENT else None
-
-    def verdict(state: HealthState, reason: str = "", **kw: Any) -> SampleHealth:
-        return SampleHealth(
-            name,
-            data_path,
-            state,
-            reason,
-            lock=lock,
-            lock_status=status,
-            size=st.st_size if st is not None else None,
-            age=age,
-            **kw,
-        )
-
-    if lock is LockState.HELD:
-        header = None
-        if st is not None:
-            try:
-                header = read_header(data_path)
-            except (CorruptSampleError, IncompleteSampleError, OSError):
-                header = None
-        return verdict(
-            HealthState.PENDING, f"writer holds the lock{_writer(status)}", header=header
-        )
-
-    if st is None:
-        if lock is LockState.ABSENT:
-            raise FileNotFoundError(f"{data_path}: neither the data file nor its lock exists")
-        assert status is not None
-        if status.failed:
-            return verdict(HealthState.FAILED, f"writer reported failure: {status.reason}")
-        lock_age = _age(now, lock_mtime)
-        if lock_age is not None and lock_age < grace:
-            return verdict(
-                HealthState.PENDING,
-                f"lock free for now and no data yet; lock created {lock_age:.1f}s ago",
-            )
-        return verdict(
-            HealthState.STALE,
-            "lock released but the data file never appeared"
-            + (f" (unchanged for {lock_age:.0f}s)" if lock_age is not None else ""),
-        )
-
-    try:
-        header = read_header(data_path)
-    except IncompleteSampleError as exc:
-        data_age = _age(now, st.st_mtime)
-        if lock is LockState.ABSENT and data_age is not None and data_age < grace:
-            return verdict(
-                HealthState.PENDING,
-                f"no lock and modified {data_age:.1f}s ago; a writer may still be "
-                f"appending ({exc.reason})",
-            )
-        return verdict(HealthState.INCOMPLETE, exc.reason)
-    except CorruptSampleError as exc:
-        return verdict(HealthState.CORRUPT, exc.reason)
-
+    header: SampleHeader | None = None
+    problem: SampleError | None = None
     verified = False
-    if checksums:
+    if st is not None:
         try:
-            load_sample(data_path, LoadOptions(verify_checksum=True))
-        except IncompleteSampleError as exc:
-            return verdict(HealthState.INCOMPLETE, exc.reason, header=header)
-        except CorruptSampleError as exc:
-            return verdict(HealthState.CORRUPT, exc.reason, header=header)
-        verified = Meta.CRC32 in header.metadata
-    notes = []
-    if header.num_tokens == 0:
-        notes.append("zero tokens: readers skip it")
-    if header.metadata.get(Meta.NONFINITE) == "1":
-        notes.append("hidden states contain NaN or inf")
-    return verdict(HealthState.READY, "; ".join(notes), header=header, checksum_verified=verified)
-
-
-def _writer(status: LockStatus | None) -> str:
-    if status is None or status.state is None:
-        return ""
-    pid, host = status.detail.get("pid"), status.detail.get("host")
-    if pid is None:
-        return ""
-    return f" (pid {pid}" + (f" on {host})" if host else ")")
+            header = read_header(data_path)
+        except (CorruptSampleError, IncompleteSampleError) as exc:
+            problem = exc
+        if header is not None and checksums and lock is not LockState.HELD:
+            try:
+                load_sample(data_path, LoadOptions(verify_checksum=True))
+                verified = Meta.CRC32 in header.metadata
+            except (CorruptSampleError, IncompleteSampleError) as exc:
+                problem = exc
+    obs = Observation(
+        lock,
+        status,
+        _age(now, lock_mtime),
+        st is not None,
+        _age(now, data_mtime),
+        problem,
+        header.num_tokens if header is not None else None,
+    )
+    try:
+        verdict = judge(obs, grace)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{data_path}: neither the data file nor its lock exists") from None
+    reason = verdict.reason
+    ready = verdict.state is SampleState.READY and header is not None
+    if ready and header is not None and header.metadata.get(Meta.NONFINITE) == "1":
+        reason = "hidden states contain NaN or inf"
+    return SampleHealth(
+        name,
+        data_path,
+        verdict.state,
+        reason,
+        header=header,
+        lock=lock,
+        lock_status=status,
+        size=st.st_size if st is not None else None,
+        age=_age(now, lock_mtime, data_mtime),
+        checksum_verified=verified,
+    )
 
 
 def temp_owner_lock(temp_file: str) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import struct
@@ -25,10 +26,11 @@ from hidden_state_reader.cli.common import (
     require_sample_file,
 )
 from hidden_state_reader.cli.table import format_bytes, format_count, format_pairs, format_table
+from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.lockfile import LockState, probe, read_status
-from hidden_state_reader.format.names import lock_path
+from hidden_state_reader.format.names import DATA_SUFFIX, LOCK_SUFFIX, lock_path
 from hidden_state_reader.health import (
     DEFAULT_GRACE,
     SampleHealth,
@@ -37,6 +39,8 @@ from hidden_state_reader.health import (
     scan_health,
 )
 from hidden_state_reader.load import LoadOptions, load_sample
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers: Any) -> None:
@@ -70,7 +74,9 @@ hidden-state ls /data/hs --json | jq '.[] | select(.state != "ready")'
         description="Summarise a hidden-state directory: number of ready samples, total "
         "tokens and bytes,\ncaptured layers, hidden sizes, dtypes, min/mean/median/max "
         "tokens per sample,\nbytes per token, and how many samples are in each state. "
-        "Reads headers only.",
+        "Reads headers only.\n\n"
+        "exit status: 0 ok, 1 no sample ready or being written (nothing to train on), 2 bad "
+        "usage",
         examples="""
 hidden-state stats /data/hs
 hidden-state stats /data/hs --json
@@ -88,7 +94,10 @@ hidden-state stats /data/hs --json
         summary="show one sample file: header, metadata, shapes, checksum",
         description="Show everything about one sample file: its tensors (dtype, shape, "
         "offsets), metadata\n(layer ids, model, request id, ...), the non-finite flag, the "
-        "lock state and the first token ids.\nWith --verify the tensor data is read and the "
+        "lock state, the sample state and the first token ids. A sample without a data\n"
+        "file (failed, pending, stale) is shown from its lock: state, reason, writer pid,\n"
+        "host and request id (exit status 1 for failed or stale).\nWith --verify the "
+        "tensor data is read and the "
         "writer's CRC32 checked (exit status 1 on mismatch).",
         examples="""
 hidden-state inspect /data/hs/hs_0.safetensors
@@ -237,9 +246,14 @@ def run_stats(args: argparse.Namespace) -> int:
     """``hidden-state stats``."""
     results = _scan(args, include_temps=True)
     stats = directory_stats(results)
+    # A script must notice a directory with nothing to train on, now or soon.
+    usable = sum(1 for r in results if not r.is_temp and r.state.usable)
+    rc = EXIT_OK if usable else EXIT_PROBLEMS
+    if not results:
+        log.warning("%s", describe_empty(args.directory))
     if args.json:
         print_json({"directory": os.path.abspath(args.directory), **stats})
-        return EXIT_OK
+        return rc
     states = ", ".join(f"{n} {s}" for s, n in stats["states"].items()) or "none"
     temps = ", ".join(f"{n} {s}" for s, n in stats["temp_files"].items()) or "none"
     bpt = stats["bytes_per_token"]
@@ -262,7 +276,7 @@ def run_stats(args: argparse.Namespace) -> int:
         ("temporary files", temps),
     ]
     print(format_pairs(pairs))
-    return EXIT_OK
+    return rc
 
 
 # -- inspect -------------------------------------------------------------------------
@@ -283,9 +297,45 @@ def _first_token_ids(path: str, header: SampleHeader, count: int) -> list[int]:
     return list(struct.unpack(f"<{len(raw) // size}{fmt}", raw[: (len(raw) // size) * size]))
 
 
+def _inspect_without_data(path: str, as_json: bool) -> int:
+    """A sample whose data file is not there (yet): its state, from its lock."""
+    root, name = os.path.dirname(path) or ".", os.path.basename(path)
+    try:
+        health = check_sample(root, name)
+    except FileNotFoundError:
+        raise CliError(f"{path}: no such file") from None
+    status = health.lock_status
+    info: dict[str, Any] = {
+        "path": os.path.abspath(health.path),
+        "state": health.state.value,
+        "reason": health.reason,
+        "lock": health.lock.value,
+        "lock_status": None
+        if status is None or status.state is None
+        else {"state": status.state, **status.detail},
+    }
+    if as_json:
+        print_json(info)
+    else:
+        pairs: list[tuple[str, object]] = [
+            ("file", f"{info['path']} (no data file)"),
+            ("state", f"{health.state.value}: {health.reason}"),
+            ("lock", health.lock.value),
+        ]
+        if info["lock_status"] is not None:
+            pairs += [(f"lock {k}", v) for k, v in info["lock_status"].items()]
+        print(format_pairs(pairs))
+    return EXIT_PROBLEMS if health.problem else EXIT_OK
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     """``hidden-state inspect``."""
-    path = require_sample_file(args.file)
+    given = args.file
+    if given.endswith(DATA_SUFFIX + LOCK_SUFFIX):
+        given = given[: -len(LOCK_SUFFIX)]
+    if not os.path.lexists(given) and os.path.lexists(lock_path(given)):
+        return _inspect_without_data(given, args.json)
+    path = require_sample_file(given)
     if args.tokens < 0:
         raise CliError(f"--tokens must be 0 or more, got {args.tokens}")
     lock_file = lock_path(path)
@@ -308,8 +358,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         layer_ids, layer_note = None, exc.reason
     meta = dict(header.metadata)
     recorded_nonfinite = {"0": False, "1": True}.get(meta.get(Meta.NONFINITE, ""))
+    health = check_sample(os.path.dirname(path) or ".", os.path.basename(path))
     info: dict[str, Any] = {
         "path": os.path.abspath(path),
+        "state": health.state.value,
+        "reason": health.reason,
         "size": header.file_size,
         "header_bytes": header.data_start,
         "lock": lock.value,
@@ -378,6 +431,7 @@ def _print_inspect(info: dict[str, Any], layer_note: str, *, verified: bool, sho
             "size",
             f"{format_bytes(info['size'])} ({info['size']:,} bytes, header {info['header_bytes']})",
         ),
+        ("state", info["state"] + (f": {info['reason']}" if info["reason"] else "")),
         ("lock", lock),
         ("format", info["format_version"] or "not recorded"),
         ("tokens", format_count(info["tokens"])),

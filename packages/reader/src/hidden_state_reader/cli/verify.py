@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from hidden_state_reader.cli.common import (
     require_dir,
 )
 from hidden_state_reader.cli.table import format_bytes, format_table
+from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.format.lockfile import LockState, probe
 from hidden_state_reader.health import (
     DEFAULT_GRACE,
@@ -42,11 +44,17 @@ from hidden_state_reader.health import (
     temp_owner_lock,
 )
 
+log = logging.getLogger(__name__)
+
 _ORPHAN_TEMP = "orphan temp file"
 _READY_LOCK = "lock of ready sample"
 
-DEFAULT_CLEAN_AGE = 300.0
-"""``clean`` leaves alone anything modified less than this many seconds ago."""
+_CLEANABLE = (HealthState.STALE, HealthState.FAILED, HealthState.ORPHAN_TEMP)
+
+DEFAULT_CLEAN_AGE = DEFAULT_GRACE
+"""``clean`` leaves alone anything modified less than this many seconds ago: the same
+grace period ``verify``, ``ls`` and the reader use, so what ``verify`` calls stale or
+orphaned, ``clean`` removes."""
 
 
 def register(subparsers: Any) -> None:
@@ -60,7 +68,8 @@ def register(subparsers: Any) -> None:
         "files, samples their writer\nreported as failed, stale locks (writer gone, no "
         "data), orphan temporary files.\nSamples still being written (pending) are not "
         "problems.\n\n"
-        "exit status: 0 no problems, 1 problems found, 2 bad usage (e.g. no such directory)",
+        "exit status: 0 no problems, 1 problems found or no samples at all, 2 bad usage "
+        "(e.g. no such directory)",
         examples="""
 hidden-state verify /data/hs
 hidden-state verify /data/hs --checksums          # also read all data and check CRC32s
@@ -126,7 +135,9 @@ def run_verify(args: argparse.Namespace) -> int:
     temps = [r for r in results if r.is_temp]
     problems = [r for r in results if r.problem]
     verified = sum(1 for r in samples if r.checksum_verified)
-    rc = EXIT_PROBLEMS if problems else EXIT_OK
+    rc = EXIT_PROBLEMS if problems or not samples else EXIT_OK
+    if not samples:
+        log.warning("%s", describe_empty(root))
     if args.json:
         print_json(
             {
@@ -153,10 +164,14 @@ def run_verify(args: argparse.Namespace) -> int:
         line += f"; {verified} CRC32{'s' if verified != 1 else ''} verified"
     print(line)
     if problems:
-        print(
-            f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found "
-            f"(`hidden-state clean {root}` removes stale/failed locks and orphan temp files)"
-        )
+        cleanable = sum(1 for r in problems if r.state in _CLEANABLE)
+        hint = f"`hidden-state clean {root}` removes the {cleanable} stale/failed lock(s) and "
+        hint += "orphan temp file(s)" if cleanable else "removes none of them"
+        if cleanable < len(problems):
+            hint += "; data files it never removes"
+        print(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found ({hint})")
+    elif not samples:
+        print(f"no samples found in {root}")
     else:
         print("no problems found")
     return rc
@@ -174,8 +189,10 @@ class Removal:
         what: What it is (``orphan temp file``, ``stale lock``, ...).
         why: The health verdict's reason.
         size: Its size in bytes.
-        outcome: ``removed``, ``would remove`` (dry run), ``skipped`` or ``error``.
-        detail: Why it was skipped, or the error.
+        outcome: ``removed``, ``would remove`` (dry run), ``kept`` (decided not to:
+            still being written, too young, a data file), ``skipped`` (changed at the
+            moment of removal) or ``error``.
+        detail: Why it was kept or skipped, or the error.
     """
 
     path: str
@@ -189,21 +206,36 @@ class Removal:
 def _candidates(results: list[SampleHealth], *, locks: bool, older_than: float) -> list[Removal]:
     out = []
     for r in results:
-        if r.is_temp:
-            if r.state is HealthState.ORPHAN_TEMP:
-                out.append(Removal(r.path, _ORPHAN_TEMP, r.reason, r.size or 0))
+        item = _candidate(r, locks=locks)
+        if item is None:
             continue
-        if r.state in (HealthState.STALE, HealthState.FAILED):
-            item = Removal(_lock(r), f"{r.state.value} lock", r.reason)
-        elif locks and r.state is HealthState.READY and r.lock is LockState.FREE:
-            item = Removal(_lock(r), _READY_LOCK, "sample complete, lock free")
-        else:
-            continue
-        if r.age is not None and r.age < older_than:
-            item.outcome = "skipped"
+        if not item.outcome and r.age is not None and r.age < older_than:
+            item.outcome = "kept"
             item.detail = f"modified {r.age:.0f}s ago, less than --older-than {older_than:g}s"
         out.append(item)
     return out
+
+
+def _candidate(r: SampleHealth, *, locks: bool) -> Removal | None:
+    """What ``clean`` does with one entry: remove it, keep it (saying why), or ignore it."""
+    if r.is_temp:
+        if r.state is HealthState.ORPHAN_TEMP:
+            return Removal(r.path, _ORPHAN_TEMP, r.reason, r.size or 0)
+        return Removal(r.path, "temp file", r.reason, outcome="kept", detail=r.reason)
+    if r.state in (HealthState.STALE, HealthState.FAILED):
+        return Removal(_lock(r), f"{r.state.value} lock", r.reason)
+    if r.state is HealthState.READY and r.lock is LockState.FREE:
+        if locks:
+            return Removal(_lock(r), _READY_LOCK, "sample complete, lock free")
+        return None
+    if r.state is HealthState.PENDING:
+        what = "lock" if r.lock is not LockState.ABSENT else "data file"
+        detail = f"still being written: {r.reason}"
+        return Removal(r.lock_path or r.path, f"pending {what}", r.reason, 0, "kept", detail)
+    if r.state.is_problem:
+        detail = f"{r.reason}; clean never removes data files (delete it by hand)"
+        return Removal(r.path, f"{r.state.value} data file", r.reason, 0, "kept", detail)
+    return None
 
 
 def _lock(r: SampleHealth) -> str:
@@ -306,7 +338,7 @@ def clean_directory(
     results = list(scan_health(root, progress, grace=older_than))
     plan = _candidates(results, locks=locks, older_than=older_than)
     for item in plan:
-        if item.outcome:
+        if item.outcome:  # kept
             continue
         if dry_run:
             item.outcome = "would remove"
@@ -362,6 +394,9 @@ def run_clean(args: argparse.Namespace) -> int:
     skipped = sum(1 for p in plan if p.outcome == "skipped")
     if skipped:
         line += f"; {skipped} skipped"
+    kept = sum(1 for p in plan if p.outcome == "kept")
+    if kept:
+        line += f"; {kept} kept (see DETAIL)"
     if errors:
         line += f"; {len(errors)} could not be removed"
     print(line)
