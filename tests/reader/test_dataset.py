@@ -225,13 +225,20 @@ def test_lengths_come_from_headers(data: Path, caplog: pytest.LogCaptureFixture)
     assert ds.lengths() == [by_name[n] for n in ds.epoch_names()]
     assert ds.lengths(epoch=1) == [by_name[n] for n in ds.epoch_names(1)]
     assert ds.stats.yielded == 0  # nothing was loaded
-    (data / "hs_0.safetensors").write_bytes(struct.pack("<Q", 8) + b"not json")
     fresh = HiddenStateDataset(data)
+    strict = HiddenStateDataset(data, on_error="raise")
+    # A sample that went bad after the list was taken: length 0 with a warning, or raise.
+    (data / "hs_0.safetensors").write_bytes(struct.pack("<Q", 8) + b"not json")
     with caplog.at_level(logging.WARNING):
         assert fresh.lengths()[0] == 0
     assert "hs_0.safetensors" in caplog.text
     with pytest.raises(Exception, match="not valid JSON"):
-        HiddenStateDataset(data, on_error="raise").lengths()
+        strict.lengths()
+    # Taken now, the list leaves it out (it is not usable), naming it.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert len(HiddenStateDataset(data)) == N - 1
+    assert "hs_0.safetensors" in caplog.text and "1 corrupt" in caplog.text
 
 
 WRITER = """

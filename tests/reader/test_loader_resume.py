@@ -35,9 +35,12 @@ def make(
     batch_size: int = B,
     rank: int | None = None,
     world_size: int | None = None,
+    names: list[str] | None = None,
     **loader_kw: Any,
 ) -> HiddenStateLoader:
-    ds = HiddenStateDataset(root, shuffle=True, seed=17, rank=rank, world_size=world_size)
+    ds = HiddenStateDataset(
+        root, shuffle=True, seed=17, rank=rank, world_size=world_size, names=names
+    )
     return HiddenStateLoader(ds, batch_size=batch_size, num_workers=workers, **loader_kw)
 
 
@@ -134,12 +137,14 @@ def test_drop_last_and_len(data: Path) -> None:
 
 
 def test_unreadable_sample_still_counts_its_position(data: Path) -> None:
-    epoch0 = make(data, 0).dataset.epoch_names(0)
+    first = make(data, 0).dataset
+    epoch0 = first.epoch_names(0)
+    listed = list(first._names)  # the sample list, taken before the sample went bad
     bad = epoch0[5]  # in the second batch
     (data / bad).write_bytes(struct.pack("<Q", 8) + b"not json")
-    got, state = interrupted(data, 2, stop_after=2)
+    got, state = interrupted(data, 2, stop_after=2, names=listed)
     assert state["consumed"] == 2 * B and len(got) == 2 * B - 1
-    resumed = make(data, 3)
+    resumed = make(data, 3, names=listed)
     resumed.load_state_dict(state)
     assert got + run(resumed) == [n for n in epoch0 if n != bad]
     assert (resumed.epoch, resumed.consumed) == (1, 0)

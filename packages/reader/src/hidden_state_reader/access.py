@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 from hidden_state_reader.errors import DirectoryNotWritableError
+from hidden_state_reader.format.names import CLAIMS_DIR
 
 _EFFECTIVE = os.access in os.supports_effective_ids
 
@@ -61,3 +62,19 @@ def check_writable(directory: str, mode: str, why: str) -> None:
         raise DirectoryNotWritableError(
             target, mode, missing, f"{why}; running as uid {os.geteuid()}"
         )
+
+
+def check_modes(root: str, *, claim: bool, group: str, on_consumed: str, done_dir: str) -> None:
+    """Check every directory a reader's options will write (see ``check_writable``).
+
+    Raises:
+        DirectoryNotWritableError: One of them cannot be written.
+    """
+    if claim:
+        where = os.path.join(root, CLAIMS_DIR, group)
+        check_writable(where, "claim=True", "it records claims in " + where)
+    if on_consumed != "keep":
+        what = "removes" if on_consumed == "delete" else "moves"
+        check_writable(root, f"on_consumed={on_consumed!r}", f"it {what} consumed samples here")
+    if on_consumed == "move":
+        check_writable(done_dir, "on_consumed='move'", "it moves consumed samples into it")

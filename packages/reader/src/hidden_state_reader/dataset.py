@@ -173,13 +173,15 @@ class HiddenStateDataset(IterableDataset[Sample]):
             log.warning("%s", describe_empty(self.root))
         left_out = [h for h in found if not h.state.usable]
         if left_out:
+            names = ", ".join(h.name for h in left_out[:5]) + (", ..." if len(left_out) > 5 else "")
             log.warning(
-                "%s: %d of %d samples left out of the dataset as unusable (%s); "
+                "%s: %d of %d samples left out of the dataset as unusable (%s: %s); "
                 "`hidden-state verify %s` lists them",
                 self.root,
                 len(left_out),
                 len(found),
                 ", ".join(f"{n} {s}" for s, n in count_states(left_out).items()),
+                names,
                 self.root,
             )
         return [h.name for h in found if h.state.usable]

@@ -16,14 +16,13 @@ from typing import Literal
 
 import torch
 
-from hidden_state_reader.access import check_writable
+from hidden_state_reader.access import check_modes
 from hidden_state_reader.claims import Claim, ClaimStore
 from hidden_state_reader.decision import Decider, Outcome, OutcomeKind
 from hidden_state_reader.discovery import FollowSource, SnapshotSource, describe_empty
 from hidden_state_reader.disposal import ACTIONS, dispose, quarantine
 from hidden_state_reader.errors import LockTimeoutError, SampleError
 from hidden_state_reader.format.lockfile import SharedLock
-from hidden_state_reader.format.names import CLAIMS_DIR
 from hidden_state_reader.load import LoadOptions
 from hidden_state_reader.sample import Sample
 from hidden_state_reader.states import GRACE, SampleState
@@ -126,7 +125,8 @@ class HiddenStateReader:
         self.max_samples = max_samples
         self.on_consumed = on_consumed
         self.done_dir = os.fspath(done_dir) if done_dir else os.path.join(self.root, "done")
-        self._check_access(claim, claim_group, on_consumed)
+        check_modes(self.root, claim=claim, group=claim_group, on_consumed=on_consumed,
+                    done_dir=self.done_dir)  # fmt: skip
         if on_consumed == "move":
             os.makedirs(self.done_dir, exist_ok=True)
         self.on_error = on_error
@@ -145,19 +145,6 @@ class HiddenStateReader:
         self._stream: CompletionStream | None = None
         self._closed = False
         self.stats = ReaderStats()
-
-    def _check_access(self, claim: bool, group: str, on_consumed: str) -> None:
-        """Fail now, not sample by sample, when a mode cannot write where it must."""
-        if claim:
-            where = os.path.join(self.root, CLAIMS_DIR, group)
-            check_writable(where, "claim=True", "it records claims in " + where)
-        if on_consumed != "keep":
-            what = "removes" if on_consumed == "delete" else "moves"
-            check_writable(
-                self.root, f"on_consumed={on_consumed!r}", f"it {what} consumed samples here"
-            )
-        if on_consumed == "move":
-            check_writable(self.done_dir, "on_consumed='move'", "it moves consumed samples into it")
 
     # -- lifecycle ---------------------------------------------------------------
 

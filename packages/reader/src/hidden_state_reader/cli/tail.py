@@ -22,6 +22,7 @@ from hidden_state_reader.cli.common import (
 )
 from hidden_state_reader.cli.table import format_bytes
 from hidden_state_reader.discovery import WATCH_MODES
+from hidden_state_reader.errors import DirectoryNotWritableError
 from hidden_state_reader.format.header import DTYPE_NAMES, Meta
 from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.sample import Sample
@@ -163,7 +164,7 @@ def run_tail(args: argparse.Namespace) -> int:
             poll_interval=args.poll_interval,
             verify_checksum=args.checksums,
         )
-    except ValueError as exc:
+    except (ValueError, DirectoryNotWritableError) as exc:
         raise CliError(str(exc)) from None
     how = f"claim group {args.group or 'default'}" if claim else "watch only"
     print(f"{PROG} tail: following {root} ({how}); Ctrl-C to stop", file=sys.stderr, flush=True)
