@@ -46,7 +46,9 @@ class ConnectorConfig:
     """Validated connector settings (see ``docs/connector.md`` for each key).
 
     Attributes:
-        shared_storage_path: Directory the samples are written to.
+        shared_storage_path: Directory the samples are written to; created if missing.
+            Checked at start-up (``storage_check.check_storage_root``): vLLM does not
+            start unless this process can create, flock, rename and remove a file there.
         use_synchronization_lock: Create and hold ``NAME.safetensors.lock`` while writing.
         num_writer_threads: Threads writing files.
         allow_custom_save_path: Let requests choose ``hidden_states_path`` (inside the
