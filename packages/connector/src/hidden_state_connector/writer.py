@@ -39,6 +39,7 @@ from hidden_state_connector.buffers import Slab, SlabPool
 from hidden_state_connector.extract import Chunk, Extractor
 from hidden_state_connector.logs import get_logger
 from hidden_state_connector.stats import WriteStats
+from hidden_state_connector.trace import StageTrace
 from hidden_state_reader.format import SampleFileWriter, WriterLock
 from hidden_state_reader.waiting import threads_ignore_signals
 
@@ -66,6 +67,7 @@ class SaveJob:
     failure: str | None = None
     done_event: Any = None
     published: bool = False
+    stages: dict[str, float] = field(default_factory=dict)  # StageTrace times
     finished: threading.Event = field(default_factory=threading.Event)
     ready: queue.SimpleQueue[tuple[Chunk, Slab] | None] = field(default_factory=queue.SimpleQueue)
 
@@ -124,6 +126,7 @@ class WritePipeline:
         self.check_nonfinite = check_nonfinite
         self.fsync = fsync
         self.stats = stats
+        self.trace = StageTrace()
         self._jobs: deque[SaveJob] = deque()  # submitted, not yet fully produced
         self._unreported: dict[str, SaveJob] = {}
         self._queue: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
@@ -154,6 +157,8 @@ class WritePipeline:
                 the model's stream here); False from other threads, which order after
                 the last step the engine marked (``Extractor.mark_step``).
         """
+        if self.trace.enabled:
+            job.stages["submitted"] = self.trace.now()
         with self._cond:
             self._unreported[job.req_id] = job
             full = (
@@ -228,6 +233,8 @@ class WritePipeline:
             job.next_chunk += 1
             job.ready.put((chunk, slab))
         job.done_event = self.extractor.record_done()
+        if self.trace.enabled:
+            job.stages["copies_issued"] = self.trace.now()
         job.produced_all = True
         job.ready.put(_END)
         return True
@@ -329,6 +336,8 @@ class WritePipeline:
         while True:
             item = job.ready.get()
             if item is _END:
+                if self.trace.enabled:
+                    job.stages["copies_done"] = self.trace.now()
                 break
             chunk, slab = item
             try:
@@ -347,6 +356,7 @@ class WritePipeline:
                 writer.publish()
                 job.published = True
                 self.stats.written(job.nbytes, time.monotonic() - started)
+                self._traced(job, "published")
                 return
             except Exception as exc:
                 job.fail(f"publish failed: {exc}")
@@ -357,6 +367,12 @@ class WritePipeline:
             job.lock.mark_failed(reason)
             job.lock.release()
         self.stats.failure(job.req_id, job.path, reason)
+        self._traced(job, "failed")
+
+    def _traced(self, job: SaveJob, outcome: str) -> None:
+        if self.trace.enabled:
+            job.stages["released"] = self.trace.now()
+            self.trace.record(job.req_id, job.path, outcome, job.stages)
 
     # -- shutdown ------------------------------------------------------------------
 
