@@ -7,5 +7,5 @@ Each benchmark is one module with ``NAME``, ``TITLE``, ``run(ctx) -> dict`` and
 benchmark's null-sink connectors.
 """
 
-BENCHMARKS = ("server", "write", "reader", "latency", "scale", "dataloader")
+BENCHMARKS = ("server", "write", "reader", "latency", "scale", "dataloader", "completion_order")
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

@@ -33,6 +33,7 @@ benchmarks (run in this order):
   latency     writer releases the lock -> follow-mode reader yields (vs a 100 ms polling loop)
   scale       follow mode over a directory growing to 100,000 files
   dataloader  HiddenStateLoader: workers 0/1/2, pin_memory, pad vs pack collation
+  completion_order  live vLLM, 16 concurrent mixed clients: publication -> yield per sample
 
 examples:
   python -m benchmarks                          # full run (~15 min here), writes docs/

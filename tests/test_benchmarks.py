@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("server", "write", "reader", "latency", "scale", "dataloader")
+BENCHMARKS = ("server", "write", "reader", "latency", "scale", "dataloader", "completion_order")
 SECTIONS = (
     "## Machine",
     "## Goals",
@@ -25,6 +25,7 @@ SECTIONS = (
     "## 4. Latency",
     "## 5. Scale",
     "## 6. DataLoader",
+    "## 7. Completion order",
     "## GPU (NVIDIA H200)",
 )
 
