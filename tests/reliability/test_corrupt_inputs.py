@@ -268,13 +268,14 @@ def test_bad_file_content_is_a_typed_error_and_skipped_once(
             list(HiddenStateReader(bad_dir, names=[BAD], on_error="raise"))
         assert isinstance(info.value, expected)
 
-    # verify reports it (a zero-token file is ready, with a note).
+    # verify reports it (a zero-token file is "empty": the state the reader skips).
     capsys.readouterr()
     rc = verify_in_process(bad_dir)
     verdict = json.loads(capsys.readouterr().out)
     states = {p["name"]: p["state"] for p in verdict["problems"]}
     if expected is None:
-        assert rc == 0
+        assert rc == 1
+        assert states == {BAD: "empty"}
     else:
         assert rc == 1
         want = "incomplete" if expected is IncompleteSampleError else "corrupt"

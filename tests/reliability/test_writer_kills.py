@@ -261,7 +261,9 @@ def test_orphan_safetensors_temp_files_are_reported_and_cleaned(hs_dir: Path) ->
     assert orphan.name in reported, f"only {sorted(reported)} reported; {orphan.name} is not"
     clean(hs_dir)
     assert not orphan.exists(), "hidden-state clean leaves safetensors' temp file behind"
-    assert verify(hs_dir)[0] == 0
+    rc, report = verify(hs_dir)
+    assert report["problems"] == [] and report["samples"] == 0
+    assert rc == 1  # nothing left at all: a script must notice
 
 
 def test_yielded_sample_survives_an_in_place_rewrite_of_its_file(
