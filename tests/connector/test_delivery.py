@@ -50,6 +50,11 @@ def test_answered_requests_are_published_without_further_requests_and_at_exit(
         print(f"{batch}: published {report['published']} in {report['waited_s']} s")
         assert report["missing"] == [], f"{batch}: never published without a further step"
         assert report["published"] == len(report["paths"])
+    if "blocks" in reports:  # in-process: the scheduler is in the script's process
+        print(f"KV blocks still held after the batches: {reports['blocks']['held']}")
+        # Only the last one-prompt batch (20 tokens, block size 16) may still hold its
+        # blocks (main model and hidden-state groups); every earlier request freed its.
+        assert 0 <= reports["blocks"]["held"] <= 4
     # After the process ended: every answered request of the last batch is complete.
     at_exit = reports["at-exit"]["paths"]
     names = [os.path.basename(p) for p in at_exit]

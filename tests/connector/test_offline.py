@@ -152,6 +152,20 @@ def test_custom_path_inside_root_is_used(engine: Engine) -> None:
     assert read(result["hidden_states_path"]).num_tokens == 12
 
 
+def test_unusable_custom_directory_is_refused_with_hidden_states_error(engine: Engine) -> None:
+    (engine.out / "blocker").write_text("a regular file where a directory is asked for")
+    bad, good = generate(
+        engine,
+        [prompt(12, 2)],
+        params={"hidden_states_path": "blocker/sample_b.safetensors"},
+    ) + generate(engine, [prompt(12, 3)])
+    assert "not a directory" in bad["hidden_states_error"]
+    assert "blocker" in bad["hidden_states_error"]
+    assert not os.path.exists(lock_path(bad["hidden_states_path"]))
+    assert "hidden_states_error" not in good  # the server keeps serving
+    assert read(good["hidden_states_path"]).num_tokens == 12
+
+
 @pytest.mark.parametrize(
     "hostile",
     [

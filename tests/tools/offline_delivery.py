@@ -46,6 +46,15 @@ def wait_published(out: Path, paths: list[str]) -> dict[str, object]:
     }
 
 
+def _free_blocks(llm: object) -> int | None:
+    """Free KV blocks of an in-process engine (None when the engine is in another process)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    if scheduler is None:
+        return None
+    return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
 def main() -> None:
     from vllm import LLM, SamplingParams
 
@@ -74,11 +83,19 @@ def main() -> None:
             3,
         ),
     ]
+    free_at_start = _free_blocks(llm)
     for index, (name, sampling, count) in enumerate(batches):
         outputs = llm.generate(prompts(count, 10 * index), sampling, use_tqdm=False)
         paths = [o.kv_transfer_params["hidden_states_path"] for o in outputs]
         report = {"batch": name, "paths": paths, **wait_published(out, paths)}
         print("RESULT", json.dumps(report), flush=True)
+    if free_at_start is not None:
+        # Reports of copied samples reach the scheduler in later steps: two more
+        # one-prompt batches, after which only the last prompt's blocks may be held.
+        for first in (150, 160):
+            llm.generate(prompts(1, first), batches[0][1], use_tqdm=False)
+        held = free_at_start - (_free_blocks(llm) or 0)
+        print("RESULT", json.dumps({"batch": "blocks", "held": held, "paths": []}), flush=True)
     # The script ends right after its last generate(): nothing may be lost.
     plain, with_output = batches[0][1], batches[1][1]
     outputs = llm.generate(prompts(4, 50), [plain, plain, with_output, with_output], use_tqdm=False)

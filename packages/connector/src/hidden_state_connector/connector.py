@@ -123,11 +123,19 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: finish copying blocks vLLM freed by preemption.
+
+        vLLM 0.26-0.33 call this before every forward pass, before binding the step's
+        metadata (``start_load_kv`` runs after the forward pass since 0.32).
+        """
+        if self._worker is not None and isinstance(
+            kv_connector_metadata, HiddenStateConnectorMetadata
+        ):
+            self._worker.before_forward(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Nothing to load; before the forward pass, secure blocks vLLM freed by preemption."""
-        meta = self._metadata()
-        if self._worker is not None and meta is not None:
-            self._worker.before_forward(meta)
+        """Store-only: nothing to load."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Store-only: nothing to load."""

@@ -30,6 +30,7 @@ from hidden_state_connector.logs import get_logger
 from hidden_state_connector.metadata import HiddenStateConnectorMetadata, NewSample, SaveOrder
 from hidden_state_connector.order_channel import OrderSender
 from hidden_state_connector.stats import WriteStats
+from hidden_state_connector.storage_check import usable_directory
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
 
@@ -61,7 +62,8 @@ class _Tracked:
     include_output: bool
     block_ids: list[int] = field(default_factory=list)
     ordered: bool = False  # a save order was sent before the request finished
-    failure: str | None = None  # why that order cannot be written
+    failure: str | None = None  # why the sample cannot be written
+    refused: bool = False  # refused when scheduled: no lock, no order, nothing held
 
 
 class SchedulerSide:
@@ -138,7 +140,11 @@ class SchedulerSide:
                 if step.req_id not in new_params:
                     continue  # not ours (should not happen)
                 tracked = self._track(step, new_params[step.req_id])
+                if tracked.refused:
+                    continue
                 meta.new_samples.append(NewSample(step.req_id, tracked.path))
+            if tracked.refused:
+                continue
             if step.new_block_ids is not None and not tracked.ordered:
                 if step.replaces_table:
                     tracked.block_ids = step.new_block_ids
@@ -159,6 +165,14 @@ class SchedulerSide:
         self._paths_in_use.add(path)
         include = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
         tracked = _Tracked(path, step.prompt_token_ids, include)
+        if path != self.default_path(step.req_id):
+            # A client-chosen directory: find out now, not when the writer fails.
+            reason = usable_directory(os.path.dirname(path))
+            if reason is not None:
+                tracked.refused = True
+                tracked.failure = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
+                log.warning("request %s: %s", step.req_id, tracked.failure)
+                self.stats.refused_path()
         self._requests[step.req_id] = tracked
         return tracked
 
@@ -191,6 +205,8 @@ class SchedulerSide:
             return False, None  # never scheduled: no lock, nothing computed
         self._paths_in_use.discard(tracked.path)
         result: dict[str, Any] = {PATH_PARAM: tracked.path}
+        if tracked.refused:  # the worker holds nothing for it: free the blocks now
+            return False, result | {ERROR_PARAM: tracked.failure}
         if tracked.ordered:
             # Its prompt was complete and is being written; what happened after (more
             # decoding, an abort) does not change those hidden states.

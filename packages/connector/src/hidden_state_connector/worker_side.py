@@ -6,7 +6,7 @@ one report per request, so the other ranks never hold blocks.
 
 Per engine step (vLLM calls these in this order):
 
-- ``before_forward`` (``start_load_kv``): requests preempted after their save was
+- ``before_forward`` (``handle_preemptions``): requests preempted after their save was
   ordered get their copies finished before the forward pass may reuse their blocks.
 - ``get_finished``: create new locks, start saves ordered for hidden states computed
   in earlier steps, report copied samples so vLLM frees their blocks.
