@@ -314,10 +314,11 @@ def render(res: dict[str, Any]) -> str:
             f"prompt lengths {s['prompt_tokens']} and output lengths {s['output_tokens']} tokens, "
             f"`include_output_tokens` on {s['include_output_tokens']}. A follow reader in its "
             "own process; latency = the reader's yield time \u2212 the data file's ctime (set "
-            "by the kernel when the connector renames the file into place; fine-grained on "
-            "this kernel), for every sample. The sequential phase is the stream the `latency` "
-            "benchmark measures; the concurrent one is where an earlier, longer request used "
-            "to hold up every later one.",
+            "by the kernel when the connector renames the file into place; where the kernel "
+            "stamps it from its coarse clock it can lag by up to one tick, which then counts "
+            "in the first part below), for every sample. The sequential phase is the stream "
+            "the `latency` benchmark measures; the concurrent one is where an earlier, "
+            "longer request used to hold up every later one.",
             "",
             table(["phase", "requests", "samples", "p50 ms", "p90 ms", "p99 ms", "max ms"], rows),
             "",
