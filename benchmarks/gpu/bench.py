@@ -96,9 +96,28 @@ def wait_released(paths: list[str], t0: float) -> list[float]:
     out = []
     for p in paths:
         lock = SharedLock.acquire(p, timeout=600)
-        out.append(time.perf_counter() - t0)
+        out.append(time.monotonic() - t0)
         if lock is not None:
             lock.release()
+    return out
+
+
+def stage_summary(trace: Path, paths: set[str], returned: float) -> dict[str, float]:
+    """p50 / p99 of each write stage, and of the release relative to generate()'s return."""
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    rows = [r for r in rows if r.get("path") in paths and "copies_done" in r]
+    spans = {
+        "issue": ("submitted", "copies_issued"),
+        "copy": ("copies_issued", "copies_done"),
+        "write_publish": ("copies_done", "released"),
+    }
+    out: dict[str, float] = {"samples": len(rows)}
+    for name, (a, b) in spans.items():
+        values = [1000 * (r[b] - r[a]) for r in rows]
+        out[f"{name}_p50"], out[f"{name}_p99"] = pct(values, 0.5), pct(values, 0.99)
+    after = [1000 * (r["released"] - returned) for r in rows]
+    out["released_after_return_p50"] = pct(after, 0.5)
+    out["released_after_return_p99"] = pct(after, 0.99)
     return out
 
 
@@ -128,6 +147,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     out = tempfile.mkdtemp(prefix="hs-", dir=args.storage)
+    trace = Path(tempfile.mkdtemp(prefix="trace-")) / "stages.jsonl"
+    if args.kind == "ours":  # the connector's per-sample stage times (same clock as ours)
+        os.environ["HIDDEN_STATE_CONNECTOR_TRACE"] = str(trace)
     llm = LLM(**engine_kwargs(args, args.kind, out))
     vocab = 128256 if args.dummy else 250
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -140,16 +162,19 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         base_alloc = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.monotonic() - t0
     paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
     paths = [p for p in paths if p]
     release = wait_released(paths, t0) if paths else []
     after_return = [max(0.0, r - elapsed) for r in release]
     drained = max(release) if release else elapsed
     result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
         "kind": args.kind,
+        "tp": args.tp,
+        "engine": "in-process" if in_process else "multiprocess",
         "storage": args.storage,
         "graphs": args.graphs,
         "prompts": args.num_prompts,
@@ -172,6 +197,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         pool = connector_pool_bytes()
         if pool is not None:
             result["pinned_pool_mb"] = pool / 2**20
+    if trace.exists():
+        result["stages_ms"] = stage_summary(trace, set(paths), t0 + elapsed)
     if paths and args.check:
         from hidden_state_reader import HiddenStateReader
 
@@ -195,7 +222,17 @@ def spawn_one(
 ) -> dict[str, Any] | None:
     cmd = [sys.executable, __file__, "one", "--kind", kind, "--storage", storage, *extra]
     log("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    try:
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+            timeout=args.timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        log(f"TIMED OUT after {args.timeout} s:\n" + str(exc.stderr or "")[-3000:])
+        return None
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             if args.json:  # append as we go: a time-out keeps what finished
@@ -220,6 +257,10 @@ def validate(args: argparse.Namespace) -> int:
     from hidden_state_reader import HiddenStateReader
 
     dtype = args.dtype
+    # In-process engine: the path users of notebooks and offline scripts run, and no
+    # fork after this process's own CPU torch work (building the model below): a forked
+    # engine core hung in an OpenMP barrier at start-up once (bf16, 2026-11-30).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     model_dir = build_tiny_model(Path(args.work) / f"tiny-{dtype}", dtype=dtype)
     out = tempfile.mkdtemp(prefix="hs-val-", dir=args.storage)
     layers = [4, 1, 2, 0]
@@ -274,6 +315,7 @@ def validate(args: argparse.Namespace) -> int:
     outs += llm.generate([{"prompt_token_ids": prompts[4]}], sp_out, use_tqdm=False)
     tol = 3e-3 if dtype == "float32" else 3e-2  # TF32 matmuls in HF on CUDA
     worst = 0.0
+    layer0_worst = 0.0  # vLLM's fused add-RMSNorm updates it in place on CUDA (documented)
     failures = []
     names = [os.path.basename(o.kv_transfer_params["hidden_states_path"]) for o in outs]
     samples = list(HiddenStateReader(out, names=names, on_error="raise", verify_checksum=True))
@@ -291,14 +333,22 @@ def validate(args: argparse.Namespace) -> int:
             exp = last["x"][0] if lid == 4 else ref.hidden_states[lid][0]
             got = s.hidden_states[:, pos].float().cuda()
             err = ((got - exp).norm() / exp.norm()).item()
+            if lid == 0:
+                layer0_worst = max(layer0_worst, err)
+                continue
             worst = max(worst, err)
             if not err < tol:
                 failures.append(f"{os.path.basename(s.path)} layer {lid}: rel err {err:.2e}")
     result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "kind": "validate",
+        "tp": args.tp,
         "dtype": dtype,
         "graphs": args.graphs,
         "samples": len(samples),
+        "tolerance": tol,
         "worst_rel_err": worst,
+        "layer0_rel_err": layer0_worst,
         "layer_ids": samples[0].layer_ids,
         "failures": failures[:10],
     }
@@ -404,6 +454,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--work", default="/tmp/hs-bench")
     parser.add_argument("--json", default="")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per engine run")
     args = parser.parse_args()
     args.graph_modes = [m == "graphs" for m in args.graph_modes.split(",")]
     args.storages = args.storages.split(",")

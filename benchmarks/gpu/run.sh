@@ -37,5 +37,31 @@ case "$plan" in
     $B throughput --kinds ours --num-prompts 256 --storages /tmp --graph-modes eager --json "$OUT/throughput.json" 2>&1 | grep -v WARNING | tail -4
     $B long --kinds example --json "$OUT/long.json" 2>&1 | grep -v WARNING | tail -4
     ;;
+  # Issue 12 (2026-12-01): three calls of < 10 minutes; every RESULT line goes to
+  # $OUT/results.jsonl as soon as it exists.
+  v12a)  # validation: values vs HF, chunked prefill, prefix caching, output tokens, CRC
+    for cfg in "float32 " "bfloat16 " "bfloat16 --graphs" "float32 --graphs"; do
+      set -- $cfg
+      timeout 170 $B validate --dtype "$1" ${2:-} 2>"$OUT/validate-$1${2:-}.log" | grep RESULT \
+        | sed 's/^RESULT //' | tee -a "$OUT/results.jsonl"
+    done
+    ;;
+  v12b)  # throughput + lock release, eager (interleaved, 2 repeats) and graphs (1)
+    $B throughput --num-prompts 256 --kinds none,example,ours --repeats 1 --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v12b.log" | tail -8
+    $B throughput --num-prompts 256 --kinds example,ours --repeats 1 --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v12b.log" | tail -5
+    $B throughput --num-prompts 256 --kinds example,ours --graph-modes graphs --timeout 240 \
+      --json "$OUT/t.json" 2>>"$OUT/v12b.log" | tail -5
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  v12c)  # graphs repeat + no-extraction baseline, 32k-token requests, /dev/shm once
+    $B throughput --num-prompts 256 --kinds example,ours,none --graph-modes graphs \
+      --timeout 240 --json "$OUT/t.json" 2>>"$OUT/v12c.log" | tail -6
+    $B long --kinds example,ours --timeout 240 --json "$OUT/t.json" 2>>"$OUT/v12c.log" | tail -4
+    $B throughput --num-prompts 256 --kinds ours --storages /dev/shm --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v12c.log" | tail -3
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac
