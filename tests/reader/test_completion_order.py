@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,3 +198,32 @@ def test_idle_timeout_counts_time_in_which_nothing_became_ready(hs_dir: Path) ->
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_held_lock_is_not_polled_while_events_are_received(
+    hs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a writer holds its lock, the reader looks at it once, then waits for the
+    kernel's events; it does not re-probe it on a timer (counted, not timed)."""
+    from hidden_state_reader import reader as reader_module
+    from hidden_state_reader.format import SharedLock
+
+    looks: list[str] = []
+
+    class CountingLock(SharedLock):  # the real lock, counted
+        @classmethod
+        def acquire(cls, data_path: str, **kwargs: Any) -> SharedLock | None:
+            looks.append(os.path.basename(data_path))
+            return SharedLock.acquire(data_path, **kwargs)
+
+    monkeypatch.setattr(reader_module, "SharedLock", CountingLock)
+    holder = hold_lock(hs_dir / "held.safetensors")
+    try:
+        # Ends after 1.5 s in which nothing became ready: the whole time a writer held it.
+        reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=1.5, lock_timeout=60)
+        assert list(reader) == []
+        assert reader.pending == ["held.safetensors"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert looks.count("held.safetensors") == 1, looks
