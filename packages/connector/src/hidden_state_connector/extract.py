@@ -143,6 +143,7 @@ class Extractor:
             self._staging = torch.empty(shape, dtype=self.dtype, device=self.device)
         return self._stream
 
+    @torch.inference_mode()  # writer threads too: the cache and buffers are inference tensors
     def copy(self, block_ids: Sequence[int], chunk: Chunk, slab: Slab) -> None:
         """Start copying one chunk into ``slab`` (asynchronous on CUDA).
 
