@@ -3,16 +3,19 @@
 Flow of one sample:
 
 1. ``submit``: a ``SaveJob`` (the request's blocks, token ids, lock) joins a FIFO.
-2. A writer thread takes the job (``admitted``), creates the temp file, writes the
-   header and token ids, then waits for chunks.
-3. Chunks of admitted jobs are copied into free host slabs, in FIFO order, as long as
-   slabs are free: on submission (engine thread), and whenever a writer thread admits
-   a job or returns a slab. So a sample is published without any further engine step
-   (an idle or in-process engine takes none). Only admitted jobs get slabs, so every
-   lent slab has a thread that will drain it: no deadlock, bounded memory. Copies made
-   from a writer thread are safe because the job's KV blocks stay held until
-   ``finished`` reports it (on CUDA they run on the connector's stream, which waited
-   for the model's stream when the job was submitted).
+2. Its chunks are copied into free host slabs right away, strictly in submission order
+   (all of a job's chunks before any of the next job's), as long as slabs are free: on
+   submission (the engine's thread, so a step's samples are gathered together, right
+   after the forward pass that computed them), and whenever a writer thread returns a
+   slab. No further engine step is needed (an idle or in-process engine takes none).
+   Copies made from a writer thread are safe because the job's KV blocks stay held
+   until ``finished`` reports it; on CUDA they run on the connector's stream, which
+   waited for the model's stream when the job was submitted.
+3. A writer thread takes the job (``admitted``, in the same order), creates the temp
+   file, writes the header and token ids, then writes the chunks as they arrive.
+   Strict order keeps this deadlock-free with a bounded pool: every job ahead of the one
+   being copied holds all the slabs it will ever need, so the writers always finish
+   them and return slabs.
 4. The writer thread writes each chunk and returns its slab; at the end it publishes
    the file atomically and releases the lock.
 5. ``finished`` reports a job once all its device-to-host copies are complete: its KV
@@ -198,11 +201,13 @@ class WritePipeline:
         job.finished.set()
 
     def pump(self) -> None:
-        """From the engine's thread: order copies after the model's work, then produce."""
+        """Copy what slabs allow now (every job was ordered after its data at submission).
+
+        Writer threads do this as they return slabs; the engine's thread and shutdown
+        call it too, for good measure (it never blocks).
+        """
         with self._cond:
-            if self._jobs:
-                self.extractor.begin_step()
-                self._produce_ready()
+            self._produce_ready()
 
     def _produce_ready(self) -> None:
         """Copy as many pending chunks into free slabs as possible (never blocks).
@@ -211,8 +216,6 @@ class WritePipeline:
         """
         while self._jobs:
             job = self._jobs[0]
-            if not job.admitted:
-                return  # writers take jobs in FIFO order: later ones are not admitted
             if not self._produce(job):
                 return  # out of slabs
             self._jobs.popleft()
@@ -245,8 +248,8 @@ class WritePipeline:
         For requests preempted after their save was ordered: vLLM frees a preempted
         request's blocks, and the next forward pass may overwrite them. Blocks the
         engine's thread until every chunk of those jobs (and of the jobs ahead of them)
-        is copied, or ``timeout`` passes (then they fail: nothing stale is published);
-        on CUDA the model's stream then waits for the copies.
+        is copied, as writers return slabs, or ``timeout`` passes (then they fail:
+        nothing stale is published); on CUDA the model's stream then waits for the copies.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -259,7 +262,7 @@ class WritePipeline:
                 left = deadline - time.monotonic()
                 if all(j.produced_all for j in targets) or left <= 0:
                     break
-                self._cond.wait(min(left, 1.0))  # woken by a returned slab or an admission
+                self._cond.wait(min(left, 1.0))  # woken by a returned slab
             for job in targets:
                 if not job.produced_all:
                     job.fail("request preempted while its hidden states were being copied")
@@ -295,7 +298,6 @@ class WritePipeline:
                 return
             with self._cond:
                 job.admitted = True
-                self._produce_ready()  # an admitted job can start at once, no step needed
             try:
                 self._write(job)
             finally:
