@@ -63,5 +63,13 @@ case "$plan" in
       --json "$OUT/t.json" 2>>"$OUT/v12c.log" | tail -3
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
+  v12d)  # after the in-order copy fix: ours eager + graphs, then 32k-token requests
+    $B throughput --num-prompts 256 --kinds ours --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v12d.log" | tail -3
+    $B throughput --num-prompts 256 --kinds ours,none --graph-modes graphs --timeout 240 \
+      --json "$OUT/t.json" 2>>"$OUT/v12d.log" | tail -4
+    $B long --kinds example,ours --timeout 200 --json "$OUT/t.json" 2>>"$OUT/v12d.log" | tail -4
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac
