@@ -492,11 +492,6 @@ def test_order_sender_returns_false_when_nobody_listens(engine_key: str) -> None
     assert sender.send(_order("b")) is False  # and again, without retrying the socket
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: OrderListener.close() leaves its thread blocked in accept() on "
-    "the closed socket, so the next client is still accepted and its order handed over",
-)
 def test_order_sender_returns_false_after_the_listener_closed(engine_key: str) -> None:
     inbox = _Inbox()
     listener = OrderListener(engine_key, inbox)

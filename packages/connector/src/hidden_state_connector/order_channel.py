@@ -16,6 +16,7 @@ worker write.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -52,11 +53,13 @@ class OrderListener:
 
     def __init__(self, engine_key: str, accept: Callable[[SaveOrder], None]) -> None:
         self._accept = accept
+        self._key = engine_key
         self._listener = Listener(_address(engine_key), "AF_UNIX", authkey=_authkey(engine_key))
         self._closing = threading.Event()
         self._receivers: list[threading.Thread] = []
+        self._server = threading.Thread(target=self._serve, name="hidden-state-orders", daemon=True)
         with threads_ignore_signals():
-            threading.Thread(target=self._serve, name="hidden-state-orders", daemon=True).start()
+            self._server.start()
 
     def _serve(self) -> None:
         while not self._closing.is_set():
@@ -67,6 +70,9 @@ class OrderListener:
                     log.warning("HiddenStateConnector: order channel refused a client: %s", exc)
                     self._closing.wait(0.1)  # back off: a persistent error must not spin
                 continue
+            if self._closing.is_set():  # the wake-up connection of close()
+                conn.close()
+                return
             thread = threading.Thread(
                 target=self._receive, args=(conn,), name="hidden-state-orders-in", daemon=True
             )
@@ -96,8 +102,13 @@ class OrderListener:
     def close(self, timeout: float = 5.0) -> None:
         """Stop listening, after handing over every order already sent (bounded wait)."""
         self._closing.set()
-        self._listener.close()
+        # Closing a listening socket does not wake a thread blocked in accept(): connect
+        # once, so the serving thread sees the flag and stops listening for good.
+        with contextlib.suppress(OSError, EOFError):
+            Client(_address(self._key), "AF_UNIX", authkey=_authkey(self._key)).close()
         deadline = time.monotonic() + timeout
+        self._server.join(max(0.0, deadline - time.monotonic()))
+        self._listener.close()
         for thread in self._receivers:
             thread.join(max(0.0, deadline - time.monotonic()))
 
