@@ -7,5 +7,14 @@ Each benchmark is one module with ``NAME``, ``TITLE``, ``run(ctx) -> dict`` and
 benchmark's null-sink connectors.
 """
 
-BENCHMARKS = ("server", "write", "reader", "latency", "scale", "dataloader", "completion_order")
+BENCHMARKS = (
+    "server",
+    "write",
+    "reader",
+    "latency",
+    "scale",
+    "dataloader",
+    "completion_order",
+    "release",
+)
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

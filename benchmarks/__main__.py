@@ -34,6 +34,7 @@ benchmarks (run in this order):
   scale       follow mode over a directory growing to 100,000 files
   dataloader  HiddenStateLoader: workers 0/1/2, pin_memory, pad vs pack collation
   completion_order  live vLLM, 16 concurrent mixed clients: publication -> yield per sample
+  release     offline engine: lock released after generate() returns, this checkout vs baseline
 
 examples:
   python -m benchmarks                          # full run (~15 min here), writes docs/

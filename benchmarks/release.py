@@ -29,7 +29,7 @@ from typing import Any
 from benchmarks.common import REPO, Context, child_env, fmt, goal, log, percentile, table
 
 NAME = "release"
-TITLE = "7. Lock release after generate() returns (offline engine, no further requests)"
+TITLE = "8. Lock release after generate() returns (offline engine, no further requests)"
 BASELINE = os.environ.get("RELEASE_BASELINE", "4ba577d")
 WAIT_S = 10.0  # a lock still held this long after the return counts as "not released"
 MODEL = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "dtype": "bfloat16"}

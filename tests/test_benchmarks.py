@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = ("server", "write", "reader", "latency", "scale", "dataloader", "completion_order")
+BENCHMARKS = (
+    "server",
+    "write",
+    "reader",
+    "latency",
+    "scale",
+    "dataloader",
+    "completion_order",
+    "release",
+)
 SECTIONS = (
     "## Machine",
     "## Goals",
@@ -26,6 +35,7 @@ SECTIONS = (
     "## 5. Scale",
     "## 6. DataLoader",
     "## 7. Completion order",
+    "## 8. Lock release",
     "## GPU (NVIDIA H200)",
 )
 
