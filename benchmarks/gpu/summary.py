@@ -64,11 +64,8 @@ def render(rows: list[dict[str, Any]], date: str) -> str:
             "|---|---|---|---|---|---|",
         ]
         for i, r in enumerate(short, 1):
-            rel = (
-                "\u2013"
-                if r["kind"] == "none"
-                else f"{_f(r['release_after_return_p50_ms'])} / {_f(r['release_after_return_p99_ms'])}"
-            )
+            p50, p99 = r.get("release_after_return_p50_ms"), r.get("release_after_return_p99_ms")
+            rel = "\u2013" if r["kind"] == "none" else f"{_f(p50)} / {_f(p99)}"
             mode = "graphs" if r["graphs"] else "eager"
             out.append(
                 f"| {i} | {r['kind']} | {mode} | {_f(r['tok_s'], 0)} | "
