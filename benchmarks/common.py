@@ -342,6 +342,19 @@ class OtherLoad:
         self._stop.set()
 
 
+def bench_model(ctx: Context, spec: dict[str, Any]) -> Path:
+    """The tiny random Llama of ``spec`` (layers, hidden, heads, dtype), built once per cache."""
+    from hidden_state_connector.demo.tiny_model import build_tiny_model
+
+    return build_tiny_model(
+        ctx.cache / "tiny-h{hidden_size}-l{num_layers}-{dtype}".format(**spec),
+        num_layers=spec["num_layers"],
+        hidden_size=spec["hidden_size"],
+        num_heads=spec["num_heads"],
+        dtype=spec["dtype"],
+    )
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for benchmark subprocesses: quiet vLLM, the repo on ``sys.path``."""
     env = {**os.environ, **QUIET_ENV, **extra}

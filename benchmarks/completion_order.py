@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.common import (
     Context,
+    bench_model,
     child_env,
     goal,
     log,
@@ -205,18 +206,11 @@ def _phase(url: str, out_dir: Path, count: int, clients: int, seed: int) -> dict
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
     from hidden_state_connector.server import ServeOptions, VllmServer
 
     work = ctx.workdir(NAME)
     sequential, concurrent = ctx.pick((8, 32), (48, 192))
-    model_dir = build_tiny_model(
-        ctx.cache / "tiny-h{hidden_size}-l{num_layers}-{dtype}".format(**MODEL),
-        num_layers=MODEL["num_layers"],
-        hidden_size=MODEL["hidden_size"],
-        num_heads=MODEL["num_heads"],
-        dtype=MODEL["dtype"],
-    )
+    model_dir = bench_model(ctx, MODEL)
     options = ServeOptions(
         model=str(model_dir),
         out_dir=str(work / "hs"),

@@ -26,7 +26,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, Context, child_env, fmt, goal, log, percentile, table
+from benchmarks.common import (
+    REPO,
+    Context,
+    bench_model,
+    child_env,
+    fmt,
+    goal,
+    log,
+    percentile,
+    table,
+)
 
 NAME = "release"
 TITLE = "8. Lock release after generate() returns (offline engine, no further requests)"
@@ -186,16 +196,8 @@ def _summary(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
-
     work = ctx.workdir("release")
-    model = build_tiny_model(
-        ctx.cache / "tiny-h{hidden_size}-l{num_layers}-{dtype}".format(**MODEL),
-        num_layers=MODEL["num_layers"],
-        hidden_size=MODEL["hidden_size"],
-        num_heads=MODEL["num_heads"],
-        dtype=MODEL["dtype"],
-    )
+    model = bench_model(ctx, MODEL)
     versions: dict[str, Path | None] = {"this checkout": None}
     if not ctx.quick and (src := _baseline_sources(work)) is not None:
         versions[f"baseline {BASELINE}"] = src

@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from benchmarks.common import (
     Context,
+    bench_model,
     child_env,
     fmt,
     goal,
@@ -329,20 +330,12 @@ class Engine:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
-
     work = ctx.workdir("server")
     configs = ctx.pick(["null", "ours"], ["none", "null", "discard", "ours-nocheck", "ours"])
     rounds = ctx.pick(2, 7)
     count, length = ctx.pick((8, 256), (64, 512))
     batch_tokens = 2048
-    model_dir = build_tiny_model(
-        ctx.cache / "tiny-h{hidden_size}-l{num_layers}-{dtype}".format(**MODEL),
-        num_layers=MODEL["num_layers"],
-        hidden_size=MODEL["hidden_size"],
-        num_heads=MODEL["num_heads"],
-        dtype=MODEL["dtype"],
-    )
+    model_dir = bench_model(ctx, MODEL)
     engines: dict[str, Engine] = {}
     result: dict[str, Any] = {
         "model": {**MODEL, "layers_captured": LAYERS, "path": str(model_dir)},

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from hidden_state_reader.format import DATA_SUFFIX, temp_path
+from hidden_state_reader.format.fileio import nearest_existing
 
 SETTING = "shared_storage_path"
 # The probe file's name before ``temp_path`` makes it unique and temporary.
@@ -75,16 +76,6 @@ def _first_non_directory(path: str) -> str | None:
         except OSError:
             return None
     return None
-
-
-def _nearest_existing(path: str) -> str:
-    current = path
-    while not os.path.lexists(current):
-        parent = os.path.dirname(current)
-        if parent == current:
-            break
-        current = parent
-    return current
 
 
 def probe(directory: str) -> str | None:
@@ -169,7 +160,7 @@ def _uncached_reason(directory: str) -> str | None:
     blocker = _first_non_directory(directory)
     if blocker is not None:
         return "it is not a directory" if blocker == directory else f"{blocker} is not a directory"
-    existing = _nearest_existing(directory)
+    existing = nearest_existing(directory)
     reason = probe(existing)
     if reason is None or existing == directory:
         return reason

@@ -12,19 +12,10 @@ from __future__ import annotations
 import os
 
 from hidden_state_reader.errors import DirectoryNotWritableError
+from hidden_state_reader.format.fileio import nearest_existing
 from hidden_state_reader.format.names import CLAIMS_DIR
 
 _EFFECTIVE = os.access in os.supports_effective_ids
-
-
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
 
 
 def _missing(directory: str) -> str | None:
@@ -56,7 +47,7 @@ def check_writable(directory: str, mode: str, why: str) -> None:
         DirectoryNotWritableError: The permission is missing (or the filesystem is
             read-only).
     """
-    target = _nearest_existing(directory)
+    target = nearest_existing(directory)
     missing = _missing(target)
     if missing is not None:
         raise DirectoryNotWritableError(

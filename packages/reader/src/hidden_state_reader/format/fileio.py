@@ -36,3 +36,17 @@ def open_regular(path: str) -> int:
         os.close(fd)
         raise NotRegularFileError(f"{path}: not a regular file")
     return fd
+
+
+def nearest_existing(path: str) -> str:
+    """``path`` if anything (even a dangling symlink) is there, else its nearest ancestor.
+
+    That ancestor is the directory whose permissions decide whether ``path`` can be made.
+    """
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return current
