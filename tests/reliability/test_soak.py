@@ -236,7 +236,8 @@ def _soak(server: Any, figures: Figures, duration: float, *, check_rss: bool) ->
     assert end_listing["temp"] == [], "temp files left behind"
     assert end_listing["data"] == [], "samples left unconsumed"
     assert reader.stats.corrupt == reader.stats.incomplete == 0
-    assert reader.stats.failed >= 1, "aborted requests are failed samples"
+    # An abort after the prompt's prefill no longer fails the sample: its hidden states
+    # were complete and are published; only aborts before that are failed samples.
     assert fd_last - fd_first <= FD_BOUND, (fd_first, fd_last)
     if check_rss:
         # Only the long run answers enough requests after warm-up for RSS to mean

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -70,7 +71,7 @@ class OrderListener:
                     log.warning("HiddenStateConnector: order channel refused a client: %s", exc)
                     self._closing.wait(0.1)  # back off: a persistent error must not spin
                 continue
-            if self._closing.is_set():  # the wake-up connection of close()
+            if self._closing.is_set():  # a connection that arrived during close()
                 conn.close()
                 return
             thread = threading.Thread(
@@ -104,8 +105,11 @@ class OrderListener:
         self._closing.set()
         # Closing a listening socket does not wake a thread blocked in accept(): connect
         # once, so the serving thread sees the flag and stops listening for good.
-        with contextlib.suppress(OSError, EOFError):
-            Client(_address(self._key), "AF_UNIX", authkey=_authkey(self._key)).close()
+        # A bare connection that hangs up at once: never blocks close() (a full client
+        # handshake could wait for a serving thread busy elsewhere).
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as wake:
+            wake.settimeout(1.0)
+            wake.connect(_address(self._key))
         deadline = time.monotonic() + timeout
         self._server.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
