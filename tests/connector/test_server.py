@@ -108,6 +108,9 @@ def _disconnect_mid_stream(server: VllmServer) -> tuple[str, str]:
         "stream": True,
         "ignore_eos": True,
         "temperature": 0.0,
+        # Generated tokens stored: an abort mid-decode leaves them incomplete (a prompt-only
+        # sample is complete once its prefill ends, and is published despite the abort).
+        "kv_transfer_params": {"include_output_tokens": True},
     }
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -134,7 +137,8 @@ def test_client_disconnect_aborts_and_releases_the_lock_as_failed(server: VllmSe
     assert status.failed and "ABORTED" in status.reason
     assert not os.path.exists(data_path)
     # and the server still serves
-    assert complete(server.url, "tiny", [1, 2, 3])["kv_transfer_params"]["hidden_states_path"]
+    again = complete(server.url, "tiny", list(range(1, 9)))
+    assert again["kv_transfer_params"]["hidden_states_path"]
 
 
 def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: VllmServer) -> None:
