@@ -479,25 +479,28 @@ def test_resume_after_sigkill_records_every_index_once(
         start_new_session=True,  # its own process group: the engine core dies with it
     )
     try:
-        seen = sum(1 for _ in HiddenStateReader(out, follow=True, max_samples=20, idle_timeout=120))
+        seen = sum(1 for _ in HiddenStateReader(out, follow=True, max_samples=3, idle_timeout=120))
+        # Freeze the whole group the moment the third sample is yielded: nothing moves between
+        # this count and the SIGKILL (a fast run used to finish all 150 before a kill).
+        os.killpg(proc.pid, signal.SIGSTOP)
+        before = Manifest(str(out)).samples
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert seen == 20
-    before = Manifest(str(out)).samples
+    assert seen == 3
     assert len(before) < 150, "the run finished before the kill"
     killed_at = time.monotonic() - started
 
     resumed = run_extract(*args, module=True)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr[-3000:]
-    # It did not start over: the 20 files seen before the kill were skipped (recorded) or
+    # It did not start over: the 3 files seen before the kill were skipped (recorded) or
     # verified and kept (on disk, not yet recorded), never recomputed.
     summary = re.search(
         r"(\d+) written, (\d+) already on disk\), 0 failed, (\d+) skipped", resumed.stdout
     )
     assert summary, resumed.stdout
     written, kept, skipped = map(int, summary.groups())
-    assert written + kept + skipped == 150 and kept + skipped >= 20 and skipped == len(before)
+    assert written + kept + skipped == 150 and kept + skipped >= 3 and skipped == len(before)
     lines = [json.loads(line) for line in (out / MANIFEST_NAME).read_text().splitlines()]
     ok_counts = Counter(doc["index"] for doc in lines if doc.get("status") == "ok")
     assert ok_counts == Counter(range(150)), "every index ok exactly once"
