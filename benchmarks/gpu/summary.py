@@ -41,7 +41,7 @@ def _f(value: Any, digits: int = 1) -> str:
 def render(rows: list[dict[str, Any]], date: str) -> str:
     """The markdown summary of one date's result lines."""
     out = [f"## GPU (NVIDIA H200), {date}: from `benchmarks/gpu/results/{date}.jsonl`", ""]
-    out += ["How each plan is run, and what every earlier session found: `benchmarks/gpu/NOTES.md`.", ""]
+    out += ["How each plan is run and what every session found: `benchmarks/gpu/NOTES.md`.", ""]
     out += [NOTES, ""]
     val = [r for r in rows if r.get("kind") == "validate"]
     if val:
