@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from hidden_state_reader.format.flockwait import threads_ignore_signals
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
     Kind,
@@ -41,7 +42,6 @@ from hidden_state_reader.format.names import (
     natural_key,
     sample_key,
 )
-from hidden_state_reader.waiting import threads_ignore_signals
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from hidden_state_reader.decision import Decider, Outcome, OutcomeKind
 from hidden_state_reader.discovery import FollowSource, SnapshotSource, describe_empty
 from hidden_state_reader.disposal import ACTIONS, dispose, quarantine
 from hidden_state_reader.errors import LockTimeoutError, SampleError
+from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
 from hidden_state_reader.format.lockfile import SharedLock
 from hidden_state_reader.load import LoadOptions
 from hidden_state_reader.sample import Sample
 from hidden_state_reader.states import GRACE, SampleState
 from hidden_state_reader.stats import ReaderStats
 from hidden_state_reader.stream import CompletionStream
-from hidden_state_reader.waiting import CancelToken
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +140,9 @@ class HiddenStateReader:
         self._claims = ClaimStore(self.root, claim_group) if claim else None
         # Files are the reader's to tidy up when it consumes them exclusively.
         self._owns_files = claim or on_consumed != "keep"
+        # Built on the main thread as a rule: waits on helper threads can then sleep in
+        # flock with deadlines (only the main thread can install the wake handler).
+        install_wake_handler()
         self._cancel = CancelToken()
         self._source: SnapshotSource | FollowSource | None = None
         self._stream: CompletionStream | None = None

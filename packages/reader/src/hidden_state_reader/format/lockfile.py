@@ -8,7 +8,7 @@ pid and host, or ``failed`` with a reason) that readers and ``hidden-state verif
 to tell a failed sample from a dead writer. Releasing = closing the descriptor.
 
 Reader side: ``SharedLock.acquire`` sleeps in ``flock(LOCK_SH)`` until the writer is
-done (see ``hidden_state_reader.waiting``). ``probe`` asks without blocking.
+done (see ``hidden_state_reader.format.flockwait``). ``probe`` asks without blocking.
 
 Lock files written by vLLM's own connector are empty and created in place; both sides
 of this module accept them.
@@ -27,8 +27,8 @@ from typing import Any
 
 from hidden_state_reader.errors import CorruptSampleError
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.format.flockwait import CancelToken, flock_wait
 from hidden_state_reader.format.names import lock_path, temp_path
-from hidden_state_reader.waiting import CancelToken, flock_wait
 
 STATE_WRITING = "writing"
 STATE_FAILED = "failed"
