@@ -44,7 +44,7 @@ from hidden_state_reader.format.names import (
     lock_path,
     sample_key,
 )
-from hidden_state_reader.load import LoadOptions, load_sample
+from hidden_state_reader.sample_load import LoadOptions, load_sample
 from hidden_state_reader.states import GRACE, Observation, SampleState, judge
 
 DEFAULT_GRACE = GRACE

@@ -24,8 +24,8 @@ from hidden_state_reader.disposal import ACTIONS, dispose, quarantine
 from hidden_state_reader.errors import LockTimeoutError, SampleError
 from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
 from hidden_state_reader.format.lockfile import SharedLock
-from hidden_state_reader.load import LoadOptions
 from hidden_state_reader.sample import Sample
+from hidden_state_reader.sample_load import LoadOptions
 from hidden_state_reader.states import GRACE, SampleState
 from hidden_state_reader.stats import ReaderStats
 from hidden_state_reader.stream import CompletionStream

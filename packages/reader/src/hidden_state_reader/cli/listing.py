@@ -38,7 +38,7 @@ from hidden_state_reader.health import (
     count_states,
     scan_health,
 )
-from hidden_state_reader.load import LoadOptions, load_sample
+from hidden_state_reader.sample_load import LoadOptions, load_sample
 
 log = logging.getLogger(__name__)
 
