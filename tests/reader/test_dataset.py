@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 from hidden_state_reader.collate import pad_collate
 from hidden_state_reader.dataset import HiddenStateDataset
 from hidden_state_reader.loader import HiddenStateLoader
+from hidden_state_reader.reader import HiddenStateReader
 
 from samples import make_tensors, write_samples
 
@@ -299,3 +300,17 @@ def test_follow_mode_without_claims_refuses_several_consumers(hs_dir: Path) -> N
         batches._shutdown_workers()  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match="no length"):
         len(ds)
+
+
+def test_reader_options_mirror_the_readers_keyword_arguments() -> None:
+    import dataclasses
+    import inspect
+
+    from hidden_state_reader.reader_options import ReaderOptions
+
+    params = inspect.signature(HiddenStateReader.__init__).parameters
+    expected = {
+        n: p.default for n, p in params.items() if n not in ("self", "path", "follow", "claim")
+    }
+    got = {f.name: f.default for f in dataclasses.fields(ReaderOptions)}
+    assert got == expected

@@ -139,7 +139,7 @@ def test_drop_last_and_len(data: Path) -> None:
 def test_unreadable_sample_still_counts_its_position(data: Path) -> None:
     first = make(data, 0).dataset
     epoch0 = first.epoch_names(0)
-    listed = list(first._names)  # the sample list, taken before the sample went bad
+    listed = list(first._static("names").names)  # the list, taken before the sample went bad
     bad = epoch0[5]  # in the second batch
     (data / bad).write_bytes(struct.pack("<Q", 8) + b"not json")
     got, state = interrupted(data, 2, stop_after=2, names=listed)
