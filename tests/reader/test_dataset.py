@@ -8,10 +8,13 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from resume_contract import check_resume_contract
 from torch.utils.data import DataLoader
 
 from hidden_state_reader.collate import pad_collate
@@ -186,6 +189,30 @@ def test_stateful_dataloader_resumes_through_the_dataset_state(data: Path) -> No
     again.load_state_dict(state)
     assert got + names_in(list(again)) == ds.epoch_names(0)
     assert names_in(list(again)) == ds.epoch_names(1)
+
+
+def test_stateful_dataloader_keeps_the_resume_contract(data: Path) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make() -> Any:
+        ds = HiddenStateDataset(data, shuffle=True, seed=9)
+        return stateful.StatefulDataLoader(ds, batch_size=3, collate_fn=pad_collate)
+
+    def units(loader: Any) -> Iterator[list[str]]:
+        return (names_in([batch]) for batch in loader)
+
+    check_resume_contract(make, units, stop_after=3, through_json=False)
+
+
+def test_a_dataloader_without_workers_keeps_the_resume_contract(data: Path) -> None:
+    def make() -> HiddenStateDataset:
+        return HiddenStateDataset(data, shuffle=True, seed=9)
+
+    def units(ds: HiddenStateDataset) -> Iterator[list[str]]:
+        loader = DataLoader(ds, batch_size=3, num_workers=0, collate_fn=pad_collate)
+        return (names_in([batch]) for batch in loader)
+
+    check_resume_contract(make, units, stop_after=2)
 
 
 def test_load_state_dict_rejects_a_different_setup(data: Path) -> None:
