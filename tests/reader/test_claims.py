@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import signal
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from resume_contract import check_resume_contract
 
 from procs import start_together
 from samples import write_samples
@@ -114,3 +117,26 @@ def test_ctrl_c_while_recording_a_delivered_sample_still_records_it(
     rest = [s.path for s in HiddenStateReader(hs_dir, claim=True, claim_group="g")]
     assert [Path(p).name for p in rest] == ["hs_1.safetensors"]
     assert Path(first.path).name == "hs_0.safetensors"
+
+
+def test_a_claiming_follow_dataset_keeps_the_resume_contract(hs_dir: Path) -> None:
+    """Follow mode has no order to resume in: the claims say what was consumed."""
+    from hidden_state_reader.dataset import HiddenStateDataset
+
+    write_samples(hs_dir, 9)
+
+    def make(group: str) -> HiddenStateDataset:
+        return HiddenStateDataset(hs_dir, follow=True, idle_timeout=0.5, claim_group=group)
+
+    def units(ds: HiddenStateDataset) -> Iterator[list[str]]:
+        return ([os.path.basename(s.path)] for s in ds)
+
+    _, state = check_resume_contract(
+        lambda: make("run"),
+        units,
+        stop_after=4,
+        reference=lambda: make("reference"),
+        later_epochs=0,
+        ordered=False,
+    )
+    assert state["mode"] == "follow" and state["consumed"] == 4

@@ -8,15 +8,19 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from resume_contract import check_resume_contract
 from torch.utils.data import DataLoader
 
 from hidden_state_reader.collate import pad_collate
 from hidden_state_reader.dataset import HiddenStateDataset
 from hidden_state_reader.loader import HiddenStateLoader
+from hidden_state_reader.reader import HiddenStateReader
 
 from samples import make_tensors, write_samples
 
@@ -187,6 +191,30 @@ def test_stateful_dataloader_resumes_through_the_dataset_state(data: Path) -> No
     assert names_in(list(again)) == ds.epoch_names(1)
 
 
+def test_stateful_dataloader_keeps_the_resume_contract(data: Path) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make() -> Any:
+        ds = HiddenStateDataset(data, shuffle=True, seed=9)
+        return stateful.StatefulDataLoader(ds, batch_size=3, collate_fn=pad_collate)
+
+    def units(loader: Any) -> Iterator[list[str]]:
+        return (names_in([batch]) for batch in loader)
+
+    check_resume_contract(make, units, stop_after=3, through_json=False)
+
+
+def test_a_dataloader_without_workers_keeps_the_resume_contract(data: Path) -> None:
+    def make() -> HiddenStateDataset:
+        return HiddenStateDataset(data, shuffle=True, seed=9)
+
+    def units(ds: HiddenStateDataset) -> Iterator[list[str]]:
+        loader = DataLoader(ds, batch_size=3, num_workers=0, collate_fn=pad_collate)
+        return (names_in([batch]) for batch in loader)
+
+    check_resume_contract(make, units, stop_after=2)
+
+
 def test_load_state_dict_rejects_a_different_setup(data: Path) -> None:
     state = HiddenStateDataset(data, shuffle=True, seed=1).state_dict()
     with pytest.raises(ValueError, match="seed"):
@@ -299,3 +327,17 @@ def test_follow_mode_without_claims_refuses_several_consumers(hs_dir: Path) -> N
         batches._shutdown_workers()  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match="no length"):
         len(ds)
+
+
+def test_reader_options_mirror_the_readers_keyword_arguments() -> None:
+    import dataclasses
+    import inspect
+
+    from hidden_state_reader.reader_options import ReaderOptions
+
+    params = inspect.signature(HiddenStateReader.__init__).parameters
+    expected = {
+        n: p.default for n, p in params.items() if n not in ("self", "path", "follow", "claim")
+    }
+    got = {f.name: f.default for f in dataclasses.fields(ReaderOptions)}
+    assert got == expected

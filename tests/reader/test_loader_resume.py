@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from resume_contract import check_resume_contract
 
 from hidden_state_reader.collate import pack_collate
 from hidden_state_reader.dataset import HiddenStateDataset
@@ -52,6 +54,10 @@ def run(loader: HiddenStateLoader) -> list[str]:
     return [n for batch in loader for n in names(batch)]
 
 
+def batches(loader: HiddenStateLoader) -> Iterator[list[str]]:
+    return (names(batch) for batch in loader)
+
+
 @pytest.mark.parametrize("workers", [0, 2, 3])
 def test_batches_follow_the_epoch_order_and_epochs_advance(data: Path, workers: int) -> None:
     loader = make(data, workers)
@@ -83,23 +89,45 @@ def interrupted(root: Path, workers: int, stop_after: int, **kw: Any) -> tuple[l
 def test_resume_with_another_worker_count_continues_exactly(
     data: Path, before: int, after: int
 ) -> None:
-    reference = make(data, 0)
-    epoch0, epoch1 = run(reference), run(reference)
-    got, state = interrupted(data, before, stop_after=3)
+    _, state = check_resume_contract(
+        lambda: make(data, before),
+        batches,
+        stop_after=3,
+        make_resumed=lambda: make(data, after),
+        reference=lambda: make(data, 0),
+    )
     assert state["consumed"] == 3 * B and state["epoch"] == 0
-    resumed = make(data, after)
-    resumed.load_state_dict(state)
-    rest = run(resumed)
-    assert got + rest == epoch0  # nothing lost, nothing twice, same order
-    assert run(resumed) == epoch1
 
 
 def test_resume_with_another_batch_size(data: Path) -> None:
-    epoch0 = make(data, 0).dataset.epoch_names(0)
-    got, state = interrupted(data, 2, stop_after=2)
-    resumed = make(data, 3, batch_size=5)
-    resumed.load_state_dict(state)
-    assert got + run(resumed) == epoch0
+    check_resume_contract(
+        lambda: make(data, 2),
+        batches,
+        stop_after=2,
+        make_resumed=lambda: make(data, 3, batch_size=5),
+        reference=lambda: make(data, 0),
+    )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_keeps_the_resume_contract(data: Path, rank: int) -> None:
+    check_resume_contract(
+        lambda: make(data, 2, rank=rank, world_size=2),
+        batches,
+        stop_after=1,
+        make_resumed=lambda: make(data, 0, rank=rank, world_size=2),
+    )
+
+
+def samples_of(ds: HiddenStateDataset) -> Iterator[list[str]]:
+    return ([os.path.basename(s.path)] for s in ds)
+
+
+@pytest.mark.parametrize("stop_after", [1, 7, N - 1])
+def test_a_dataset_iterated_directly_keeps_the_resume_contract(data: Path, stop_after: int) -> None:
+    check_resume_contract(
+        lambda: HiddenStateDataset(data, shuffle=True, seed=3), samples_of, stop_after=stop_after
+    )
 
 
 def test_break_and_iterate_again_continues_the_epoch(data: Path) -> None:
@@ -139,7 +167,7 @@ def test_drop_last_and_len(data: Path) -> None:
 def test_unreadable_sample_still_counts_its_position(data: Path) -> None:
     first = make(data, 0).dataset
     epoch0 = first.epoch_names(0)
-    listed = list(first._names)  # the sample list, taken before the sample went bad
+    listed = list(first._static("names").names)  # the list, taken before the sample went bad
     bad = epoch0[5]  # in the second batch
     (data / bad).write_bytes(struct.pack("<Q", 8) + b"not json")
     got, state = interrupted(data, 2, stop_after=2, names=listed)

@@ -128,7 +128,7 @@ def test_close_from_another_thread_interrupts_a_blocked_wait(hs_dir: Path) -> No
 
 
 def test_shared_lock_can_be_cancelled(hs_dir: Path) -> None:
-    from hidden_state_reader.waiting import CancelToken
+    from hidden_state_reader.format.flockwait import CancelToken
 
     lock = WriterLock.create(str(hs_dir / "x.safetensors"))
     token = CancelToken()

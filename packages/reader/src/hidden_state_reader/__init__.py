@@ -6,30 +6,66 @@ Quick start::
 
     for token_ids, hidden_states in HiddenStateReader("/data/hs"):
         ...
+
+The names below are imported on first use (PEP 562), so importing a submodule such as
+``hidden_state_reader.format`` does not pull in ``torch.utils.data`` or anything else.
 """
 
-from hidden_state_reader.collate import PackCollate, PadCollate, pack_collate, pad_collate
-from hidden_state_reader.dataset import HiddenStateDataset
-from hidden_state_reader.errors import (
-    CorruptSampleError,
-    FailedSampleError,
-    HiddenStateError,
-    IncompleteSampleError,
-    LockTimeoutError,
-    PathOutsideRootError,
-    SampleError,
-    StaleLockError,
-    WaitCancelledError,
-)
-from hidden_state_reader.format import read_header, write_sample
-from hidden_state_reader.load import LoadOptions, load_sample
-from hidden_state_reader.loader import HiddenStateLoader
-from hidden_state_reader.reader import HiddenStateReader
-from hidden_state_reader.sample import Sample
-from hidden_state_reader.sharding import distributed_context
-from hidden_state_reader.stats import ReaderStats
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hidden_state_reader.collate import PackCollate, PadCollate, pack_collate, pad_collate
+    from hidden_state_reader.dataset import HiddenStateDataset
+    from hidden_state_reader.errors import (
+        CorruptSampleError,
+        FailedSampleError,
+        HiddenStateError,
+        IncompleteSampleError,
+        LockTimeoutError,
+        PathOutsideRootError,
+        SampleError,
+        StaleLockError,
+        WaitCancelledError,
+    )
+    from hidden_state_reader.format import read_header, write_sample
+    from hidden_state_reader.loader import HiddenStateLoader
+    from hidden_state_reader.reader import HiddenStateReader
+    from hidden_state_reader.sample import Sample
+    from hidden_state_reader.sample_load import LoadOptions, load_sample
+    from hidden_state_reader.sharding import distributed_context
+    from hidden_state_reader.stats import ReaderStats
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "CorruptSampleError": "hidden_state_reader.errors",
+    "FailedSampleError": "hidden_state_reader.errors",
+    "HiddenStateDataset": "hidden_state_reader.dataset",
+    "HiddenStateError": "hidden_state_reader.errors",
+    "HiddenStateLoader": "hidden_state_reader.loader",
+    "HiddenStateReader": "hidden_state_reader.reader",
+    "IncompleteSampleError": "hidden_state_reader.errors",
+    "LoadOptions": "hidden_state_reader.sample_load",
+    "LockTimeoutError": "hidden_state_reader.errors",
+    "PackCollate": "hidden_state_reader.collate",
+    "PadCollate": "hidden_state_reader.collate",
+    "PathOutsideRootError": "hidden_state_reader.errors",
+    "ReaderStats": "hidden_state_reader.stats",
+    "Sample": "hidden_state_reader.sample",
+    "SampleError": "hidden_state_reader.errors",
+    "StaleLockError": "hidden_state_reader.errors",
+    "WaitCancelledError": "hidden_state_reader.errors",
+    "distributed_context": "hidden_state_reader.sharding",
+    "load_sample": "hidden_state_reader.sample_load",
+    "pack_collate": "hidden_state_reader.collate",
+    "pad_collate": "hidden_state_reader.collate",
+    "read_header": "hidden_state_reader.format",
+    "write_sample": "hidden_state_reader.format",
+}
 
 __all__ = [
     "CorruptSampleError",
@@ -57,3 +93,17 @@ __all__ = [
     "read_header",
     "write_sample",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

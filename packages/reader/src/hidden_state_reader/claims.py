@@ -11,7 +11,8 @@ creation was historically unsafe). So the claim appears already locked, and:
   kernel, or the NFS lock manager after the lease, released its lock): take it over.
 
 ``group`` separates independent consumers of the same directory (two training jobs
-that each want every sample once).
+that each want every sample once). A claim file's content is the same JSON status as a
+lock file's (``format.lockfile.write_status`` / ``read_status_fd``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import fcntl
-import json
 import os
 import socket
 import uuid
 from dataclasses import dataclass
 
+from hidden_state_reader.format.lockfile import read_status_fd, write_status
 from hidden_state_reader.format.names import CLAIMS_DIR, temp_path
 
 _DONE = "done"
@@ -55,7 +56,7 @@ class Claim:
         """
         if self.fd is None:
             return
-        _write_state(self.fd, _DONE)
+        write_status(self.fd, _DONE)
         fd, self.fd = self.fd, None
         os.close(fd)
 
@@ -75,21 +76,6 @@ class Claim:
             os.unlink(self.path)
         if fd is not None:
             os.close(fd)
-
-
-def _write_state(fd: int, state: str, **detail: object) -> None:
-    body = json.dumps({"state": state, **detail}, separators=(",", ":")).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, body, 0)
-
-
-def _read_state(fd: int) -> str | None:
-    raw = os.pread(fd, 4096, 0)
-    try:
-        doc = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        return None
-    return doc.get("state") if isinstance(doc, dict) else None
 
 
 class ClaimStore:
@@ -133,7 +119,7 @@ class ClaimStore:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _write_state(fd, _CLAIMED, owner=self.owner)
+            write_status(fd, _CLAIMED, owner=self.owner)
             os.link(tmp, path)
         except FileExistsError:
             os.close(fd)
@@ -164,10 +150,10 @@ class ClaimStore:
         except FileNotFoundError:
             os.close(fd)
             return None
-        if _read_state(fd) == _DONE:
+        if read_status_fd(fd).state == _DONE:
             os.close(fd)
             return ClaimResult.DONE
-        _write_state(fd, _CLAIMED, owner=self.owner, reclaimed=True)
+        write_status(fd, _CLAIMED, owner=self.owner, reclaimed=True)
         return Claim(name, path, fd, reclaimed=True)
 
     def is_done(self, name: str) -> bool:
@@ -177,6 +163,6 @@ class ClaimStore:
         except FileNotFoundError:
             return False
         try:
-            return _read_state(fd) == _DONE
+            return read_status_fd(fd).state == _DONE
         finally:
             os.close(fd)

@@ -17,52 +17,33 @@ it is iterated in this process (``num_workers=0``, e.g. under torchdata's
 ``HiddenStateLoader`` counts the batches the loop receives. ``state_dict`` /
 ``load_state_dict`` save and restore the cursor. The cursor is mirrored into a small
 shared-memory tensor, so persistent DataLoader workers see ``set_epoch`` and resumes.
+
+``HiddenStateDataset`` holds what both modes share (the options, the sharding, the
+cursor and its checkpoints) and hands what differs to its mode: ``StaticSamples`` (the
+fixed sample list, its epoch orders, lengths and the reading of one epoch) or
+``FollowedSamples`` (one claiming reader that follows the directory).
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from contextlib import closing
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hidden_state_reader.discovery import describe_empty
-from hidden_state_reader.errors import SampleError
-from hidden_state_reader.format.header import read_header
-from hidden_state_reader.health import count_states, scan_health
+from hidden_state_reader.dataset_modes import FollowedSamples, Skipped, StaticSamples
 from hidden_state_reader.reader import HiddenStateReader
+from hidden_state_reader.reader_options import ReaderOptions
 from hidden_state_reader.sample import Sample
-from hidden_state_reader.sharding import (
-    distributed_context,
-    epoch_order,
-    rank_share,
-    rank_slice,
-    worker_chunks,
-)
-from hidden_state_reader.states import GRACE
+from hidden_state_reader.sharding import distributed_context
 from hidden_state_reader.stats import ReaderStats
-
-log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _RESERVED = ("follow", "claim")
 
-
-@dataclass(frozen=True)
-class Skipped:
-    """Stands in for a position whose sample could not be read (``HiddenStateLoader`` only).
-
-    The loader counts it as consumed and drops it before collation, so the position
-    count stays exact when ``on_error="skip"`` leaves a sample out.
-    """
-
-    name: str
+__all__ = ["STATE_VERSION", "HiddenStateDataset", "Skipped"]
 
 
 class HiddenStateDataset(IterableDataset[Sample]):
@@ -87,16 +68,18 @@ class HiddenStateDataset(IterableDataset[Sample]):
         even_shards: Pad every rank's share to the same length by wrapping around, as
             ``DistributedSampler`` does, so no DDP rank runs out of batches first.
             ``False`` gives a plain partition (each sample exactly once per epoch).
-        **reader_kwargs: Passed to ``HiddenStateReader`` (``layers``, ``layer_ids``,
-            ``dtype``, ``pin_memory``, ``on_error``, ``lock_timeout``, ``on_consumed``,
-            ``claim_group``, ``watch``, ``idle_timeout``, ...). In static mode
-            ``names`` fixes the sample list (default: the directory's usable samples
-            now: ready or still being written, see ``__len__``) and
-            ``max_samples`` truncates every rank's epoch to that many positions; in
-            follow mode ``max_samples`` stops each consumer after that many samples.
+        **reader_kwargs: ``HiddenStateReader`` options, kept as a ``ReaderOptions``
+            (``layers``, ``layer_ids``, ``dtype``, ``pin_memory``, ``on_error``,
+            ``lock_timeout``, ``on_consumed``, ``claim_group``, ``watch``,
+            ``idle_timeout``, ...). In static mode ``names`` fixes the sample list
+            (default: the directory's usable samples now: ready or still being written,
+            see ``__len__``) and ``max_samples`` truncates every rank's epoch to that
+            many positions; in follow mode ``max_samples`` stops each consumer after
+            that many samples.
 
     Attributes:
         stats: Counters of the readers this process ran (each worker has its own).
+        options: The reader options (``ReaderOptions``).
 
     Raises:
         FileNotFoundError: ``path`` is not a directory.
@@ -142,51 +125,21 @@ class HiddenStateDataset(IterableDataset[Sample]):
         max_samples = None if follow else reader_kwargs.pop("max_samples", None)
         if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 0):
             raise ValueError(f"max_samples must be an integer >= 0, got {max_samples!r}")
-        self._max_samples: int | None = max_samples
-        self._reader_kwargs = reader_kwargs
+        self.options = ReaderOptions(**reader_kwargs)  # TypeError for an unknown option
         # Build one reader now so bad options fail here, not later inside a worker.
         self._make_reader([] if not follow else None)
-        if follow:
-            self._names: list[str] = []
-        else:
-            self._names = list(names) if names is not None else self._usable_names()
-        digest = hashlib.sha1("\n".join(self._names).encode(), usedforsecurity=False)
-        self._fingerprint = digest.hexdigest()[:16]
+        self._mode: StaticSamples | FollowedSamples = (
+            FollowedSamples(self) if follow else StaticSamples(self, names, max_samples)
+        )
         self._epoch = 0
         self._consumed = 0
         self._bound = False  # set by HiddenStateLoader
         # [epoch, start]: what worker processes (persistent ones too) read at iter().
         self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._push()
-        self._lengths: dict[str, int] = {}
         self.stats = ReaderStats()
 
-    def _usable_names(self) -> list[str]:
-        """The samples a reader will yield: ready, or still being written.
-
-        The same rule as ``hidden-state stats`` and ``verify`` (``states.judge``); reads
-        headers only.
-        """
-        grace = self._reader_kwargs.get("orphan_grace", GRACE)
-        found = list(scan_health(self.root, grace=grace, include_temps=False))
-        if not found:
-            log.warning("%s", describe_empty(self.root))
-        left_out = [h for h in found if not h.state.usable]
-        if left_out:
-            names = ", ".join(h.name for h in left_out[:5]) + (", ..." if len(left_out) > 5 else "")
-            log.warning(
-                "%s: %d of %d samples left out of the dataset as unusable (%s: %s); "
-                "`hidden-state verify %s` lists them",
-                self.root,
-                len(left_out),
-                len(found),
-                ", ".join(f"{n} {s}" for s, n in count_states(left_out).items()),
-                names,
-                self.root,
-            )
-        return [h.name for h in found if h.state.usable]
-
-    # -- what there is to read -------------------------------------------------------
+    # -- what there is to read (static mode) -------------------------------------------
 
     @property
     def epoch(self) -> int:
@@ -201,8 +154,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
     @property
     def num_samples(self) -> int:
         """Samples in the static list (all ranks together)."""
-        self._require_static("num_samples")
-        return len(self._names)
+        return len(self._static("num_samples").names)
 
     def __len__(self) -> int:
         """Positions in one epoch of this rank (static mode only).
@@ -211,18 +163,13 @@ class HiddenStateDataset(IterableDataset[Sample]):
         being written at construction (corrupt, incomplete, empty, failed and stale ones
         are left out, with a warning), sharded and truncated as the epoch is.
         """
-        if self.follow:
+        if isinstance(self._mode, FollowedSamples):
             raise TypeError("a followed directory has no length")
-        n = rank_share(len(self._names), self.rank, self.world_size, even=self.even_shards)
-        return n if self._max_samples is None else min(n, self._max_samples)
+        return len(self._mode)
 
     def epoch_names(self, epoch: int | None = None) -> list[str]:
         """This rank's sample names for an epoch (default: the cursor's), in read order."""
-        self._require_static("epoch_names()")
-        epoch = self._epoch if epoch is None else epoch
-        order = epoch_order(self._names, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
-        mine = rank_slice(order, self.rank, self.world_size, even=self.even_shards)
-        return mine if self._max_samples is None else mine[: self._max_samples]
+        return self._static("epoch_names()").epoch_names(self._epoch if epoch is None else epoch)
 
     def lengths(self, epoch: int | None = None) -> list[int]:
         """Token counts of ``epoch_names(epoch)``, from the file headers only.
@@ -231,19 +178,12 @@ class HiddenStateDataset(IterableDataset[Sample]):
         once (the counts are cached). A sample whose header cannot be read counts as 0
         tokens with a warning (it will be skipped), or raises with ``on_error="raise"``.
         """
-        out = []
-        for name in self.epoch_names(epoch):
-            n = self._lengths.get(name)
-            if n is None:
-                try:
-                    n = self._lengths[name] = read_header(os.path.join(self.root, name)).num_tokens
-                except (SampleError, OSError) as exc:
-                    if self._reader_kwargs.get("on_error") == "raise":
-                        raise
-                    log.warning("no length for %s: %s", name, exc)
-                    n = 0
-            out.append(n)
-        return out
+        return self._static("lengths()").lengths(self._epoch if epoch is None else epoch)
+
+    def _static(self, what: str) -> StaticSamples:
+        if isinstance(self._mode, FollowedSamples):
+            raise TypeError(f"{what} needs a static dataset; this one follows {self.root}")
+        return self._mode
 
     # -- the cursor --------------------------------------------------------------------
 
@@ -267,15 +207,16 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 "what the training loop consumed. With worker processes use "
                 "HiddenStateLoader(...).state_dict(), or keep num_workers=0"
             )
+        static = None if isinstance(self._mode, FollowedSamples) else self._mode
         return {
             "version": STATE_VERSION,
-            "mode": "follow" if self.follow else "static",
+            "mode": "follow" if static is None else "static",
             "epoch": self._epoch,
             "consumed": self._consumed,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "num_samples": None if self.follow else len(self._names),
-            "fingerprint": None if self.follow else self._fingerprint,
+            "num_samples": None if static is None else len(static.names),
+            "fingerprint": None if static is None else static.fingerprint,
             "world_size": self.world_size,
             "even_shards": self.even_shards,
             "rank": self.rank,
@@ -288,17 +229,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
             ValueError: The state belongs to a different setup: another sample set,
                 seed, shuffle, world size or sharding, or an unknown version.
         """
-        if not isinstance(state, Mapping) or "version" not in state:
-            raise ValueError(f"not a HiddenStateDataset state: {state!r}")
-        if state["version"] != STATE_VERSION:
-            raise ValueError(f"state version {state['version']!r} is not {STATE_VERSION}")
-        mine = self.state_dict()
-        for key, what in _CHECKED:
-            if key in state and state[key] != mine[key]:
-                raise ValueError(
-                    f"cannot resume: the checkpoint was taken with {what} {state[key]!r}, "
-                    f"this dataset has {mine[key]!r}" + _HINTS.get(key, "")
-                )
+        _check_resumable(state, self)
         consumed = int(state["consumed"])
         if consumed < 0 or (not self.follow and consumed > len(self)):
             raise ValueError(f"consumed={consumed} is outside this rank's epoch of {len(self)}")
@@ -343,28 +274,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
         else:
             worker_id, num_workers = info.id, info.num_workers
             epoch, start = (int(v) for v in self._shared.tolist())
-        if self.follow:
-            yield from self._follow(num_workers, counting)
-            return
-        names = self.epoch_names(epoch)
-        todo = list(enumerate(names))[start:]
-        for position, name in worker_chunks(todo, worker_id, num_workers, self.batch_size):
-            sample = None
-            with closing(self._read_one(name)) as samples:
-                for sample in samples:
-                    if counting:
-                        self._consumed = position + 1
-                    yield sample
-            if sample is None:
-                if counting:
-                    self._consumed = position + 1
-                if self._bound:
-                    yield Skipped(name)
-        if counting:
-            self._end_pass()
-
-    def _read_one(self, name: str) -> Generator[Sample, None, None]:
-        return self._samples(self._make_reader([name]))
+        yield from self._mode.iterate(epoch, start, worker_id, num_workers, counting=counting)
 
     def _samples(self, reader: HiddenStateReader) -> Generator[Sample, None, None]:
         # Closing this generator closes the reader's, which settles the last sample.
@@ -373,33 +283,15 @@ class HiddenStateDataset(IterableDataset[Sample]):
         finally:
             self.stats.merge(reader.stats)
 
-    def _follow(self, num_workers: int, counting: bool) -> Iterator[Sample]:
-        if not self.claim and num_workers > 1:
-            raise ValueError(
-                f"follow mode with claim=False and {num_workers} DataLoader workers would "
-                "deliver every sample to every worker; use claim=True or num_workers<=1"
-            )
-        with closing(self._samples(self._make_reader(None))) as samples:
-            for sample in samples:
-                if counting:
-                    self._consumed += 1
-                yield sample
-        if counting:
-            self._end_pass()
-
     def _make_reader(self, names: Sequence[str] | None) -> HiddenStateReader:
         if self.follow:
             return HiddenStateReader(
-                self.root, follow=True, claim=self.claim, **self._reader_kwargs
+                self.root, follow=True, claim=self.claim, **self.options.as_kwargs()
             )
-        return HiddenStateReader(self.root, names=names, claim=self.claim, **self._reader_kwargs)
-
-    def _require_static(self, what: str) -> None:
-        if self.follow:
-            raise TypeError(f"{what} needs a static dataset; this one follows {self.root}")
+        return HiddenStateReader(self.root, claim=self.claim, **self.options.as_kwargs(names=names))
 
     def __repr__(self) -> str:
-        mode = "follow" if self.follow else f"{len(self._names)} samples"
+        mode = "follow" if self.follow else f"{self.num_samples} samples"
         return (
             f"HiddenStateDataset({self.root!r}, {mode}, rank {self.rank}/{self.world_size}, "
             f"epoch {self._epoch}, consumed {self._consumed})"
@@ -420,6 +312,21 @@ _HINTS = {
     "fingerprint": " (a different set of samples)",
     "world_size": " (positions are per rank; resume with the same number of ranks)",
 }
+
+
+def _check_resumable(state: Mapping[str, Any], dataset: HiddenStateDataset) -> None:
+    """Raise ValueError unless ``state`` was saved by a dataset set up like this one."""
+    if not isinstance(state, Mapping) or "version" not in state:
+        raise ValueError(f"not a HiddenStateDataset state: {state!r}")
+    if state["version"] != STATE_VERSION:
+        raise ValueError(f"state version {state['version']!r} is not {STATE_VERSION}")
+    mine = dataset.state_dict()
+    for key, what in _CHECKED:
+        if key in state and state[key] != mine[key]:
+            raise ValueError(
+                f"cannot resume: the checkpoint was taken with {what} {state[key]!r}, "
+                f"this dataset has {mine[key]!r}" + _HINTS.get(key, "")
+            )
 
 
 def _positive(value: int, what: str) -> int:

@@ -39,12 +39,12 @@ from hidden_state_reader.errors import (
     StaleLockError,
 )
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.format.lockfile import LockState, SharedLock, read_status
 from hidden_state_reader.format.names import lock_path
-from hidden_state_reader.load import LoadOptions, load_fd
 from hidden_state_reader.sample import Sample
+from hidden_state_reader.sample_load import LoadOptions, load_fd
 from hidden_state_reader.states import GRACE, Observation, SampleState, Verdict, judge
-from hidden_state_reader.waiting import CancelToken
 
 
 class OutcomeKind(enum.Enum):

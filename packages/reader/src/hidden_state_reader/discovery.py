@@ -34,14 +34,15 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from hidden_state_reader.format.flockwait import threads_ignore_signals
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
     Kind,
     classify,
+    lock_path,
     natural_key,
     sample_key,
 )
-from hidden_state_reader.waiting import threads_ignore_signals
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,44 @@ def list_samples(root: str) -> list[str]:
 
 
 def _scan(root: str) -> set[str]:
-    names: set[str] = set()
+    return _entries(root)[0]
+
+
+def _entries(root: str) -> tuple[set[str], list[str]]:
+    """One pass over a directory: sample names (by data or lock file), temp-file names."""
+    samples: set[str] = set()
+    temps: list[str] = []
     with os.scandir(root) as entries:
         for entry in entries:
-            key = sample_key(entry.name)
-            if key is not None:
-                names.add(key)
-    return names
+            kind = classify(entry.name)
+            if kind is Kind.TEMP:
+                temps.append(entry.name)
+            elif kind is not Kind.OTHER:
+                key = sample_key(entry.name)
+                assert key is not None
+                samples.add(key)
+    return samples, temps
+
+
+def list_entries(root: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """List a storage directory once: sample names and temporary-file names.
+
+    The one directory scan of the package: readers (``list_samples``), ``scan_health``
+    and the ``hidden-state`` commands all see a directory through it.
+
+    Args:
+        root: The storage directory (not searched recursively; hidden entries such as
+            ``.claims`` and ``.quarantine`` are ignored).
+
+    Returns:
+        ``(samples, temps)``, both in natural order. A sample appears once whether it
+        was seen through its data file, its lock, or both.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: ``root`` is not a directory.
+    """
+    samples, temps = _entries(os.fspath(root))
+    return sorted(samples, key=natural_key), sorted(temps, key=natural_key)
 
 
 def describe_empty(root: str) -> str:
@@ -121,7 +153,7 @@ def _holds_samples(directory: str) -> bool:
 
 def _age_key(root: str, name: str) -> tuple[float, tuple[object, ...]]:
     """Order of creation as far as the filesystem tells: lock first, else data mtime."""
-    for candidate in (name + ".lock", name):
+    for candidate in (lock_path(name), name):
         try:
             return (os.stat(os.path.join(root, candidate)).st_mtime, natural_key(name))
         except FileNotFoundError:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from hidden_state_reader.discovery import list_entries
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
@@ -41,10 +42,9 @@ from hidden_state_reader.format.names import (
     Kind,
     classify,
     lock_path,
-    natural_key,
     sample_key,
 )
-from hidden_state_reader.load import LoadOptions, load_sample
+from hidden_state_reader.sample_load import LoadOptions, load_sample
 from hidden_state_reader.states import GRACE, Observation, SampleState, judge
 
 DEFAULT_GRACE = GRACE
@@ -330,34 +330,6 @@ def check_temp(
         return verdict(HealthState.PENDING, f"modified {age:.1f}s ago; may still be written")
     what = "no lock protects it" if lock is LockState.ABSENT else "its lock is not held"
     return verdict(HealthState.ORPHAN_TEMP, f"{what} and it is unchanged for {age:.0f}s")
-
-
-def list_entries(root: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
-    """List a storage directory once: sample names and temporary-file names.
-
-    Args:
-        root: The storage directory (not searched recursively; hidden entries such as
-            ``.claims`` and ``.quarantine`` are ignored).
-
-    Returns:
-        ``(samples, temps)``, both in natural order. A sample appears once whether it
-        was seen through its data file, its lock, or both.
-
-    Raises:
-        FileNotFoundError, NotADirectoryError: ``root`` is not a directory.
-    """
-    samples: set[str] = set()
-    temps: list[str] = []
-    with os.scandir(os.fspath(root)) as entries:
-        for entry in entries:
-            kind = classify(entry.name)
-            if kind is Kind.TEMP:
-                temps.append(entry.name)
-            elif kind in (Kind.DATA, Kind.LOCK):
-                key = sample_key(entry.name)
-                assert key is not None
-                samples.add(key)
-    return sorted(samples, key=natural_key), sorted(temps, key=natural_key)
 
 
 def scan_health(

@@ -3,8 +3,9 @@
 Each stage is its own module: ``discovery`` finds names and file-system touches,
 ``stream`` keeps every sample still being written pending and hands out decisions in
 completion order, ``decision`` decides about one sample (with ``states``, the one
-sample-state rule), ``disposal`` and ``claims`` settle it. This module composes them and
-applies each outcome: count it, warn or raise, yield, consume.
+sample-state rule), ``outcomes`` counts and reports each decision (warn or raise, set a
+bad sample aside), ``disposal`` and ``claims`` settle it. This module composes them,
+yields the samples and records each as consumed.
 """
 
 from __future__ import annotations
@@ -12,28 +13,25 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from typing import Literal
 
 import torch
 
 from hidden_state_reader.access import check_modes
 from hidden_state_reader.claims import Claim, ClaimStore
-from hidden_state_reader.decision import Decider, Outcome, OutcomeKind
+from hidden_state_reader.decision import Decider
 from hidden_state_reader.discovery import FollowSource, SnapshotSource, describe_empty
-from hidden_state_reader.disposal import ACTIONS, dispose, quarantine
-from hidden_state_reader.errors import LockTimeoutError, SampleError
+from hidden_state_reader.disposal import ACTIONS, dispose
+from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
 from hidden_state_reader.format.lockfile import SharedLock
-from hidden_state_reader.load import LoadOptions
+from hidden_state_reader.outcomes import OutcomeHandler
+from hidden_state_reader.reader_options import OnConsumed, OnError
 from hidden_state_reader.sample import Sample
-from hidden_state_reader.states import GRACE, SampleState
+from hidden_state_reader.sample_load import LoadOptions
+from hidden_state_reader.states import GRACE
 from hidden_state_reader.stats import ReaderStats
 from hidden_state_reader.stream import CompletionStream
-from hidden_state_reader.waiting import CancelToken
 
 log = logging.getLogger(__name__)
-
-OnError = Literal["skip", "raise"]
-OnConsumed = Literal["keep", "delete", "move"]
 
 
 class HiddenStateReader:
@@ -112,14 +110,8 @@ class HiddenStateReader:
         orphan_grace: float = GRACE,
     ) -> None:
         self.root = os.fspath(path)
-        if not os.path.isdir(self.root):
-            raise FileNotFoundError(f"hidden-state directory does not exist: {self.root}")
-        if on_consumed not in ACTIONS:
-            raise ValueError(f"on_consumed must be one of {ACTIONS}, got {on_consumed!r}")
-        if on_error not in ("skip", "raise"):
-            raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
-        if follow and names is not None:
-            raise ValueError("names= lists a fixed set of samples; it cannot be followed")
+        _check_options(self.root, follow=follow, names=names, on_consumed=on_consumed,
+                       on_error=on_error)  # fmt: skip
         self.follow = follow
         self.idle_timeout = idle_timeout
         self.max_samples = max_samples
@@ -140,6 +132,9 @@ class HiddenStateReader:
         self._claims = ClaimStore(self.root, claim_group) if claim else None
         # Files are the reader's to tidy up when it consumes them exclusively.
         self._owns_files = claim or on_consumed != "keep"
+        # Built on the main thread as a rule: waits on helper threads can then sleep in
+        # flock with deadlines (only the main thread can install the wake handler).
+        install_wake_handler()
         self._cancel = CancelToken()
         self._source: SnapshotSource | FollowSource | None = None
         self._stream: CompletionStream | None = None
@@ -209,10 +204,17 @@ class HiddenStateReader:
             return
         stream = self._open_stream()
         source = stream.source
+        handler = OutcomeHandler(
+            self.root,
+            on_error=self.on_error,
+            owns_files=self._owns_files,
+            lock_timeout=self.lock_timeout,
+            follow=self.follow,
+        )
         yielded = 0
         try:
             for outcome in stream:
-                sample = self._apply(outcome, source)
+                sample = handler.apply(outcome, source, self.stats)
                 if sample is None:
                     continue
                 yielded += 1
@@ -232,61 +234,6 @@ class HiddenStateReader:
                     self.root,
                     len(stream.waiting.held_names()),
                 )
-
-    def _apply(self, outcome: Outcome, source: SnapshotSource | FollowSource) -> Sample | None:
-        """Count an outcome, warn or raise; the sample to yield, if any."""
-        kind, name = outcome.kind, outcome.name
-        if kind is OutcomeKind.YIELD:
-            sample = outcome.sample
-            assert sample is not None
-            if outcome.claim is not None and outcome.claim.reclaimed:
-                self.stats.reclaimed += 1
-                log.info("took over %s from a reader that is gone", name)
-            self.stats.yielded += 1
-            self.stats.bytes += sample.nbytes
-            self.stats.tokens += sample.num_tokens
-            return sample
-        if kind is OutcomeKind.REJECT:
-            assert outcome.error is not None and outcome.state is not None
-            self._reject(name, outcome.error, outcome.state, outcome.claim)
-        elif kind is OutcomeKind.VANISHED:
-            self.stats.vanished += 1
-            source.forget(name)
-        elif kind is OutcomeKind.CLAIMED:
-            self.stats.claimed_elsewhere += 1
-        elif kind is OutcomeKind.DONE_ELSEWHERE:
-            self.stats.done_elsewhere += 1
-        elif kind is OutcomeKind.TIMED_OUT:
-            self._timed_out(name)
-        return None
-
-    def _timed_out(self, name: str) -> None:
-        self.stats.lock_timeouts += 1
-        data_path = os.path.join(self.root, name)
-        if self.on_error == "raise":
-            raise LockTimeoutError(data_path, f"still locked after {self.lock_timeout}s")
-        log.warning(
-            "%s: writer still holds the lock after %ss; %s",
-            data_path,
-            self.lock_timeout,
-            "yielded if it finishes later" if self.follow else "skipped",
-        )
-
-    def _reject(self, name: str, exc: SampleError, state: SampleState, claim: Claim | None) -> None:
-        """Count, report and (when the reader owns the files) set aside a bad sample."""
-        counter = _COUNTERS.get(state, "corrupt")
-        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
-        if self._owns_files:
-            try:
-                if quarantine(self.root, name, str(exc)) is not None:
-                    self.stats.quarantined += 1
-            except OSError as move_exc:
-                log.warning("cannot quarantine %s: %s", name, move_exc)
-        if claim is not None:
-            claim.done()
-        if self.on_error == "raise":
-            raise exc
-        log.warning("skipping %s", exc)
 
     def _commit(
         self, source: SnapshotSource | FollowSource, name: str, claim: Claim | None
@@ -317,9 +264,14 @@ class HiddenStateReader:
             source.forget(name)
 
 
-_COUNTERS = {
-    SampleState.INCOMPLETE: "incomplete",
-    SampleState.FAILED: "failed",
-    SampleState.STALE: "stale_locks",
-    SampleState.EMPTY: "empty",
-}
+def _check_options(
+    root: str, *, follow: bool, names: Sequence[str] | None, on_consumed: str, on_error: str
+) -> None:
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"hidden-state directory does not exist: {root}")
+    if on_consumed not in ACTIONS:
+        raise ValueError(f"on_consumed must be one of {ACTIONS}, got {on_consumed!r}")
+    if on_error not in ("skip", "raise"):
+        raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
+    if follow and names is not None:
+        raise ValueError("names= lists a fixed set of samples; it cannot be followed")

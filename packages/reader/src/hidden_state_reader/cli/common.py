@@ -1,5 +1,9 @@
 """Pieces shared by the subcommands: errors, exit codes, argument checks, progress.
 
+Also the helpers both packages' commands share (the connector's ``extract``, ``serve``
+and ``demo`` too): exit codes, ``format_bytes`` / ``format_si`` / ``format_rate`` for
+progress lines, ``isatty``, and ``read_token_ids``.
+
 A subcommand (built in or from a plugin) is an ``argparse`` subparser whose defaults
 carry ``handler``: a callable taking the parsed ``argparse.Namespace`` and returning the
 exit status (None means 0). A handler reports bad input by raising ``CliError``, which
@@ -11,15 +15,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import struct
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from hidden_state_reader.format.names import DATA_SUFFIX, Kind, classify
 
+if TYPE_CHECKING:
+    from hidden_state_reader.format.header import SampleHeader
+
 EXIT_OK = 0
-EXIT_PROBLEMS = 1
+EXIT_FAILED = 1
+EXIT_PROBLEMS = EXIT_FAILED  # what the reader's commands call it: problems were found
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
 PROG = "hidden-state"
 
@@ -179,7 +189,7 @@ class Progress:
     def for_args(cls, args: argparse.Namespace, label: str) -> Progress:
         """Enabled by ``--progress`` or when stderr is a terminal."""
         wanted = bool(getattr(args, "progress", False))
-        return cls(label, wanted or _isatty(sys.stderr))
+        return cls(label, wanted or isatty(sys.stderr))
 
     def __call__(self, done: int, total: int) -> None:
         """Report that ``done`` of ``total`` files were handled."""
@@ -190,11 +200,81 @@ class Progress:
             self.printed = True
 
 
-def _isatty(stream: TextIO) -> bool:
+def isatty(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal; False for closed or file-less streams."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def format_si(value: float) -> str:
+    """A compact count or rate: ``12345`` -> ``"12.3k"``, ``42.25`` -> ``"42.2"``.
+
+    Thousands, millions and billions get ``k``, ``M``, ``G`` with one decimal; smaller
+    non-zero values under 100 keep one decimal, the rest none.
+    """
+    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.1f}{suffix}"
+    return f"{value:.1f}" if value and abs(value) < 100 else f"{value:.0f}"
+
+
+def format_bytes(n: float) -> str:
+    """A size for progress lines: ``1536`` -> ``"1.5 KiB"``, ``1023.6`` -> ``"1024 B"``.
+
+    Bytes are rounded to a whole number; larger sizes have one decimal, up to TiB
+    (``hidden_state_reader.cli.table.format_bytes``, for the tables of ``ls`` and
+    ``stats``, truncates bytes instead, goes up to PiB and prints None as ``-``).
+    """
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_rate(value: float, unit: str) -> str:
+    """A rate with its unit: ``12345.6, "tok/s"`` -> ``"12.3k tok/s"``.
+
+    Millions and thousands get ``M`` and ``k`` with one decimal, smaller rates none.
+    """
+    if value >= 1e6:
+        return f"{value / 1e6:.1f}M {unit}"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k {unit}"
+    return f"{value:.0f} {unit}"
+
+
+def read_token_ids(path: str, header: SampleHeader, limit: int | None = None) -> list[int]:
+    """The token ids of a sample file whose header was validated (no torch needed).
+
+    Args:
+        path: The sample file.
+        header: Its header (``hidden_state_reader.format.read_header``).
+        limit: Read only the first ``limit`` ids; None reads all of them.
+
+    Returns:
+        The ids, in file order. A file that shrank since its header was read gives
+        fewer (only whole ids are decoded).
+
+    Raises:
+        OSError: The file cannot be opened or read.
+    """
+    info = header.tokens
+    n = info.shape[0] if limit is None else min(limit, info.shape[0])
+    if n <= 0:
+        return []
+    fmt = {"I64": "q", "I32": "i"}[info.dtype]
+    size = struct.calcsize(fmt)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        raw = os.pread(fd, n * size, header.data_start + info.begin)
+    finally:
+        os.close(fd)
+    whole = len(raw) // size
+    return list(struct.unpack(f"<{whole}{fmt}", raw[: whole * size]))
 
 
 def print_json(obj: Any) -> None:

@@ -6,7 +6,6 @@ import argparse
 import logging
 import math
 import os
-import struct
 import time
 from collections import Counter
 from typing import Any
@@ -22,6 +21,7 @@ from hidden_state_reader.cli.common import (
     add_grace_argument,
     add_progress_argument,
     print_json,
+    read_token_ids,
     require_dir,
     require_sample_file,
 )
@@ -29,7 +29,7 @@ from hidden_state_reader.cli.table import format_bytes, format_count, format_pai
 from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
-from hidden_state_reader.format.lockfile import LockState, probe, read_status
+from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
 from hidden_state_reader.format.names import DATA_SUFFIX, LOCK_SUFFIX, lock_path
 from hidden_state_reader.health import (
     DEFAULT_GRACE,
@@ -38,7 +38,7 @@ from hidden_state_reader.health import (
     count_states,
     scan_health,
 )
-from hidden_state_reader.load import LoadOptions, load_sample
+from hidden_state_reader.sample_load import LoadOptions, load_sample
 
 log = logging.getLogger(__name__)
 
@@ -282,21 +282,6 @@ def run_stats(args: argparse.Namespace) -> int:
 # -- inspect -------------------------------------------------------------------------
 
 
-def _first_token_ids(path: str, header: SampleHeader, count: int) -> list[int]:
-    info = header.tokens
-    n = min(count, info.shape[0])
-    if n <= 0:
-        return []
-    fmt = {"I64": "q", "I32": "i"}[info.dtype]
-    size = struct.calcsize(fmt)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        raw = os.pread(fd, n * size, header.data_start + info.begin)
-    finally:
-        os.close(fd)
-    return list(struct.unpack(f"<{len(raw) // size}{fmt}", raw[: (len(raw) // size) * size]))
-
-
 def _inspect_without_data(path: str, as_json: bool) -> int:
     """A sample whose data file is not there (yet): its state, from its lock."""
     root, name = os.path.dirname(path) or ".", os.path.basename(path)
@@ -341,8 +326,27 @@ def run_inspect(args: argparse.Namespace) -> int:
     lock_file = lock_path(path)
     lock = probe(lock_file)
     status = read_status(lock_file) if lock is not LockState.ABSENT else None
+    header = _readable_header(path)
     try:
-        header = read_header(path)
+        layer_ids: list[int] | None = header.layer_ids
+        layer_note = ""
+    except SampleError as exc:
+        layer_ids, layer_note = None, exc.reason
+    info = _inspect_info(path, header, lock, status, layer_ids, args.tokens)
+    rc = EXIT_OK
+    if args.verify:
+        rc = _verify_data(path, info)
+    if args.json:
+        print_json(info)
+        return rc
+    _print_inspect(info, layer_note, verified=args.verify, shown=args.tokens)
+    return rc
+
+
+def _readable_header(path: str) -> SampleHeader:
+    """The file's header, or a ``CliError`` saying in which state the sample is."""
+    try:
+        return read_header(path)
     except SampleError as exc:
         try:
             health = check_sample(os.path.dirname(path) or ".", os.path.basename(path))
@@ -351,11 +355,16 @@ def run_inspect(args: argparse.Namespace) -> int:
             why = exc.reason
         raise CliError(f"{path}: {why}") from None
 
-    try:
-        layer_ids: list[int] | None = header.layer_ids
-        layer_note = ""
-    except SampleError as exc:
-        layer_ids, layer_note = None, exc.reason
+
+def _inspect_info(
+    path: str,
+    header: SampleHeader,
+    lock: LockState,
+    status: LockStatus | None,
+    layer_ids: list[int] | None,
+    tokens: int,
+) -> dict[str, Any]:
+    """What ``inspect`` shows of a sample with a readable header (its ``--json``)."""
     meta = dict(header.metadata)
     recorded_nonfinite = {"0": False, "1": True}.get(meta.get(Meta.NONFINITE, ""))
     health = check_sample(os.path.dirname(path) or ".", os.path.basename(path))
@@ -385,16 +394,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         "nonfinite": recorded_nonfinite,
         "crc32": meta.get(Meta.CRC32),
         "metadata": meta,
-        "first_token_ids": _first_token_ids(path, header, args.tokens),
+        "first_token_ids": read_token_ids(path, header, tokens),
     }
-    rc = EXIT_OK
-    if args.verify:
-        rc = _verify_data(path, info)
-    if args.json:
-        print_json(info)
-        return rc
-    _print_inspect(info, layer_note, verified=args.verify, shown=args.tokens)
-    return rc
+    return info
 
 
 def _verify_data(path: str, info: dict[str, Any]) -> int:

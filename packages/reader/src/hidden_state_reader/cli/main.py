@@ -40,6 +40,7 @@ from typing import Any
 from hidden_state_reader import __version__
 from hidden_state_reader.cli import listing, tail, verify
 from hidden_state_reader.cli.common import (
+    EXIT_INTERRUPTED,
     EXIT_PROBLEMS,
     EXIT_USAGE,
     PROG,
@@ -47,6 +48,7 @@ from hidden_state_reader.cli.common import (
     HelpFormatter,
 )
 from hidden_state_reader.errors import HiddenStateError
+from hidden_state_reader.format.flockwait import install_wake_handler
 
 PLUGIN_GROUP = "hidden_state.cli"
 """Entry-point group through which other packages add subcommands."""
@@ -206,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    # Run here, on the main thread, so that lock waits on a command's helper threads (the
+    # connector's extract verifies on a thread pool) can sleep in flock with deadlines.
+    install_wake_handler()
     try:
         rc = handler(args)
     except CliError as exc:
@@ -215,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_code(exc.code)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader of our output went away (`hidden-state ls DIR | head`).
         _silence_stdout()

@@ -35,6 +35,7 @@ from hidden_state_reader.cli.common import (
 from hidden_state_reader.cli.table import format_bytes, format_table
 from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.format.lockfile import LockState, probe
+from hidden_state_reader.format.names import LOCK_SUFFIX
 from hidden_state_reader.health import (
     DEFAULT_GRACE,
     HealthState,
@@ -281,7 +282,7 @@ def remove_lock(lock_file: str, *, older_than: float, require_no_data: bool) -> 
             return "replaced by a new writer"
         if time.time() - current.st_mtime < older_than:
             return f"modified less than {older_than:g}s ago"
-        if require_no_data and os.path.lexists(lock_file[: -len(".lock")]):
+        if require_no_data and os.path.lexists(lock_file[: -len(LOCK_SUFFIX)]):
             return "its data file has appeared"
         os.unlink(lock_file)
         return None

@@ -15,9 +15,11 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
@@ -51,17 +53,36 @@ class Meta:
     CRC32 = "crc32"  # 8 hex digits over the tensor bytes, in file order
 
 
-DTYPES: dict[str, torch.dtype] = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# Element size of every dtype this format accepts. The format itself needs no torch, so
+# importing it imports no torch either; the torch dtypes are looked up on first use.
+DTYPE_SIZES: dict[str, int] = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4}
 HIDDEN_DTYPES = frozenset({"BF16", "F16", "F32"})
 TOKEN_DTYPES = frozenset({"I64", "I32"})
+
+
+@cache
+def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch
+
+    by_name = {
+        "BF16": torch.bfloat16,
+        "F16": torch.float16,
+        "F32": torch.float32,
+        "F64": torch.float64,
+        "I64": torch.int64,
+        "I32": torch.int32,
+    }
+    return by_name, {v: k for k, v in by_name.items()}
+
+
+def __getattr__(name: str) -> Any:
+    # ``DTYPES`` (safetensors name -> torch dtype) and ``DTYPE_NAMES`` (the reverse) stay
+    # module attributes, built when first asked for (PEP 562).
+    if name == "DTYPES":
+        return _dtype_tables()[0]
+    if name == "DTYPE_NAMES":
+        return _dtype_tables()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -76,7 +97,7 @@ class TensorInfo:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of this tensor."""
-        return DTYPES[self.dtype]
+        return _dtype_tables()[0][self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -150,11 +171,17 @@ def _shape_bytes(dtype: str, shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
         n *= d
-    return n * DTYPES[dtype].itemsize
+    return n * DTYPE_SIZES[dtype]
 
 
 def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader:
     """Validate a header read from ``path`` against the file's size.
+
+    This is the executable rule of what a complete sample file is: a JSON object of
+    well-formed tensor entries (``_parse_tensor``) and a string map, holding the two
+    tensors of a sample with consistent shapes (``_check_sample_tensors``), whose data
+    tiles the rest of the file exactly (``_check_data_size``), and, when recorded,
+    layer ids matching the layer axis.
 
     Args:
         path: The file, for error messages.
@@ -169,6 +196,22 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
             promise (the file is truncated or still being written).
         CorruptSampleError: Anything else that makes the file unusable.
     """
+    entries, metadata = _parse_json(path, header_bytes)
+    tensors = {name: _parse_tensor(path, name, spec) for name, spec in entries.items()}
+    _check_sample_tensors(path, tensors)
+    data_start = 8 + len(header_bytes)
+    _check_data_size(path, tensors, data_start, file_size)
+    header = SampleHeader(path, data_start, file_size, tensors, metadata)
+    ids = header.layer_ids  # raises CorruptSampleError when malformed
+    if ids is not None and len(ids) != header.num_layers:
+        raise CorruptSampleError(
+            path, f"metadata layer_ids {ids} do not match {header.num_layers} captured layers"
+        )
+    return header
+
+
+def _parse_json(path: str, header_bytes: bytes) -> tuple[dict[str, Any], dict[str, str]]:
+    """The header's tensor entries and its ``__metadata__`` string map."""
     try:
         raw = json.loads(header_bytes)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -180,31 +223,39 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise CorruptSampleError(path, "__metadata__ is not a string-to-string map")
+    return raw, dict(metadata)
 
-    tensors: dict[str, TensorInfo] = {}
-    for name, spec in raw.items():
-        if not isinstance(spec, dict):
-            raise CorruptSampleError(path, f"tensor {name!r}: entry is not an object")
-        dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise CorruptSampleError(path, f"tensor {name!r}: unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
-        ):
-            raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise CorruptSampleError(path, f"tensor {name!r}: bad data_offsets {offsets!r}")
-        if offsets[1] - offsets[0] != _shape_bytes(dtype, shape):
-            raise CorruptSampleError(
-                path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} {dtype}"
-            )
-        tensors[name] = TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
 
+def _parse_tensor(path: str, name: str, spec: Any) -> TensorInfo:
+    """One tensor entry: a known dtype, a sane shape, offsets spanning exactly its bytes."""
+    if not isinstance(spec, dict):
+        raise CorruptSampleError(path, f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise CorruptSampleError(path, f"tensor {name!r}: unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
+    ):
+        raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CorruptSampleError(path, f"tensor {name!r}: bad data_offsets {offsets!r}")
+    if offsets[1] - offsets[0] != _shape_bytes(dtype, shape):
+        raise CorruptSampleError(
+            path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} {dtype}"
+        )
+    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_sample_tensors(path: str, tensors: Mapping[str, TensorInfo]) -> None:
+    """Both tensors of a sample are there, with consistent shapes and dtypes.
+
+    3-D float hidden states, 1-D integer token ids, one hidden state per token id.
+    """
     for required in (HIDDEN_STATES, TOKEN_IDS):
         if required not in tensors:
             raise CorruptSampleError(path, f"missing tensor {required!r}")
@@ -224,14 +275,21 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
             f"{hidden.shape[0]} hidden states",
         )
 
-    # The data section must be tiled exactly, with no gaps or overlaps.
+
+def _check_data_size(
+    path: str, tensors: Mapping[str, TensorInfo], data_start: int, file_size: int
+) -> None:
+    """The tensors tile the data section exactly, and the file ends where the last one does.
+
+    No gap or overlap between tensors; a shorter file is incomplete (truncated or still
+    being written), a longer one is corrupt.
+    """
     spans = sorted((t.begin, t.end) for t in tensors.values())
     cursor = 0
     for begin, end in spans:
         if begin != cursor:
             raise CorruptSampleError(path, "tensor data offsets leave gaps or overlap")
         cursor = end
-    data_start = 8 + len(header_bytes)
     expected_size = data_start + cursor
     if file_size < expected_size:
         raise IncompleteSampleError(
@@ -241,13 +299,6 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
         raise CorruptSampleError(
             path, f"{file_size - expected_size} trailing bytes after the tensor data"
         )
-    header = SampleHeader(path, data_start, file_size, tensors, dict(metadata))
-    ids = header.layer_ids  # raises CorruptSampleError when malformed
-    if ids is not None and len(ids) != hidden.shape[1]:
-        raise CorruptSampleError(
-            path, f"metadata layer_ids {ids} do not match {hidden.shape[1]} captured layers"
-        )
-    return header
 
 
 def read_header_fd(fd: int, path: str) -> SampleHeader:
@@ -332,10 +383,11 @@ def encode_header(
     cursor = 0
     for name in order:
         dtype, shape = tensors[name]
-        nbytes = _shape_bytes(DTYPE_NAMES[dtype], shape)
+        code = _dtype_tables()[1][dtype]
+        nbytes = _shape_bytes(code, shape)
         offsets[name] = (cursor, cursor + nbytes)
         doc[name] = {
-            "dtype": DTYPE_NAMES[dtype],
+            "dtype": code,
             "shape": list(shape),
             "data_offsets": [cursor, cursor + nbytes],
         }

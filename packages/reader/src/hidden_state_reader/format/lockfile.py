@@ -8,7 +8,7 @@ pid and host, or ``failed`` with a reason) that readers and ``hidden-state verif
 to tell a failed sample from a dead writer. Releasing = closing the descriptor.
 
 Reader side: ``SharedLock.acquire`` sleeps in ``flock(LOCK_SH)`` until the writer is
-done (see ``hidden_state_reader.waiting``). ``probe`` asks without blocking.
+done (see ``hidden_state_reader.format.flockwait``). ``probe`` asks without blocking.
 
 Lock files written by vLLM's own connector are empty and created in place; both sides
 of this module accept them.
@@ -27,8 +27,8 @@ from typing import Any
 
 from hidden_state_reader.errors import CorruptSampleError
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.format.flockwait import CancelToken, flock_wait
 from hidden_state_reader.format.names import lock_path, temp_path
-from hidden_state_reader.waiting import CancelToken, flock_wait
 
 STATE_WRITING = "writing"
 STATE_FAILED = "failed"
@@ -61,10 +61,34 @@ class LockStatus:
         return str(self.detail.get("reason", ""))
 
 
-def _encode_status(state: str, **detail: Any) -> bytes:
+# A small JSON object ``{"state": ..., **detail}`` in a locked file: the rule of the lock
+# files here, and also of the reader's claim files (``hidden_state_reader.claims``).
+
+
+def encode_status(state: str, **detail: Any) -> bytes:
+    """The JSON status ``{"state": state, **detail}``, at most ``_MAX_STATUS_BYTES``."""
     return json.dumps({"state": state, **detail}, separators=(",", ":")).encode()[
         :_MAX_STATUS_BYTES
     ]
+
+
+def write_status(fd: int, state: str, **detail: Any) -> None:
+    """Replace the status in the file open as ``fd`` (the caller holds its lock)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, encode_status(state, **detail), 0)
+
+
+def read_status_fd(fd: int) -> LockStatus:
+    """The status in the file open as ``fd``; ``state=None`` if empty or not a status."""
+    raw = os.pread(fd, _MAX_STATUS_BYTES, 0)
+    try:
+        doc = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        doc = {}
+    if not isinstance(doc, dict):
+        doc = {}
+    state = doc.pop("state", None)
+    return LockStatus(state if isinstance(state, str) else None, doc)
 
 
 class WriterLock:
@@ -101,10 +125,7 @@ class WriterLock:
         fd = os.open(tmp_name, flags, 0o644, dir_fd=dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            status = _encode_status(
-                STATE_WRITING, pid=os.getpid(), host=socket.gethostname(), **detail
-            )
-            os.pwrite(fd, status, 0)
+            write_status(fd, STATE_WRITING, pid=os.getpid(), host=socket.gethostname(), **detail)
             os.replace(tmp_name, final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             os.close(fd)
@@ -127,12 +148,9 @@ class WriterLock:
         """Record in the lock file why the sample will never appear (best effort)."""
         if self._fd is None:
             return
-        try:
-            status = _encode_status(STATE_FAILED, reason=reason[:1000], pid=os.getpid(), **detail)
-            os.ftruncate(self._fd, 0)
-            os.pwrite(self._fd, status, 0)
-        except OSError:
-            pass  # a full disk must not turn a failed sample into a crash
+        # A full disk must not turn a failed sample into a crash.
+        with contextlib.suppress(OSError):
+            write_status(self._fd, STATE_FAILED, reason=reason[:1000], pid=os.getpid(), **detail)
 
     def release(self) -> None:
         """Release the lock (idempotent). Readers sleeping on it wake now."""
@@ -148,17 +166,9 @@ def read_status(path: str) -> LockStatus:
     except (FileNotFoundError, NotRegularFileError):
         return LockStatus(None, {})
     try:
-        raw = os.pread(fd, _MAX_STATUS_BYTES, 0)
+        return read_status_fd(fd)
     finally:
         os.close(fd)
-    try:
-        doc = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        doc = {}
-    if not isinstance(doc, dict):
-        doc = {}
-    state = doc.pop("state", None)
-    return LockStatus(state if isinstance(state, str) else None, doc)
 
 
 def probe(path: str) -> LockState:

@@ -13,10 +13,10 @@ import contextlib
 import os
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from hidden_state_reader.format.header import (
     FORMAT_VERSION,
@@ -28,9 +28,17 @@ from hidden_state_reader.format.header import (
 from hidden_state_reader.format.lockfile import WriterLock
 from hidden_state_reader.format.names import temp_path
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are handled, never at import: the format's names,
+# header parser and locks must stay importable without it (writers have it loaded).
+
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a CPU tensor (contiguous copies are made if needed)."""
+    import torch
+
     flat = tensor.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
@@ -40,11 +48,15 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 # Float formats: (signed view, unsigned view, lowest bit pattern with all exponent bits set).
 # A value is NaN or +-inf exactly when its exponent bits are all ones, so the largest
 # signed pattern catches positive ones and the largest unsigned pattern negative ones.
-_FLOAT_BITS: dict[torch.dtype, tuple[torch.dtype, Any, int, int]] = {
-    torch.bfloat16: (torch.int16, np.uint16, 0x7F80, 0xFF80),
-    torch.float16: (torch.int16, np.uint16, 0x7C00, 0xFC00),
-    torch.float32: (torch.int32, np.uint32, 0x7F800000, 0xFF800000),
-}
+@cache
+def _float_bits() -> dict[torch.dtype, tuple[torch.dtype, Any, int, int]]:
+    import torch
+
+    return {
+        torch.bfloat16: (torch.int16, np.uint16, 0x7F80, 0xFF80),
+        torch.float16: (torch.int16, np.uint16, 0x7C00, 0xFC00),
+        torch.float32: (torch.int32, np.uint32, 0x7F800000, 0xFF800000),
+    }
 
 
 def has_nonfinite(tensor: torch.Tensor) -> bool:
@@ -53,14 +65,30 @@ def has_nonfinite(tensor: torch.Tensor) -> bool:
     For bf16/fp16/fp32 this works on the raw bits with two reductions and no temporary
     (``torch.isfinite`` on bf16 runs at a fraction of a GB/s on CPUs).
     """
+    import torch
+
     if tensor.numel() == 0:
         return False
-    spec = _FLOAT_BITS.get(tensor.dtype)
+    spec = _float_bits().get(tensor.dtype)
     if spec is None or tensor.device.type != "cpu":
         return not bool(torch.isfinite(tensor).all())
     signed, unsigned, positive, negative = spec
     bits = tensor.detach().contiguous().view(signed).numpy()
     return bool(bits.max() >= positive or bits.view(unsigned).max() >= negative)
+
+
+def _initial_metadata(
+    metadata: Mapping[str, str] | None, *, checksum: bool, nonfinite: bool
+) -> dict[str, str]:
+    """The metadata to encode first, with fixed-width placeholders patched at the end."""
+    meta = dict(metadata or {})
+    # Marks files published atomically by this module (readers may map them).
+    meta.setdefault(Meta.FORMAT, FORMAT_VERSION)
+    if nonfinite:
+        meta[Meta.NONFINITE] = "0"
+    if checksum:
+        meta[Meta.CRC32] = "0" * 8
+    return meta
 
 
 class SampleFileWriter:
@@ -95,16 +123,12 @@ class SampleFileWriter:
         fsync: bool = False,
         dir_fd: int | None = None,
     ) -> None:
+        import torch
+
         self.final_path = final_path
         self.lock = lock
         self._fsync = fsync
-        self._meta = dict(metadata or {})
-        # Marks files published atomically by this module (readers may map them).
-        self._meta.setdefault(Meta.FORMAT, FORMAT_VERSION)
-        if record_nonfinite:
-            self._meta[Meta.NONFINITE] = "0"
-        if checksum:
-            self._meta[Meta.CRC32] = "0" * 8
+        self._meta = _initial_metadata(metadata, checksum=checksum, nonfinite=record_nonfinite)
         self._crc: int | None = 0 if checksum else None
         self._tokens = token_ids.detach().to("cpu", torch.int64).reshape(-1)
         if self._tokens.shape[0] != hidden_shape[0]:
@@ -121,6 +145,11 @@ class SampleFileWriter:
         begin, end = self._layout.offsets[HIDDEN_STATES]
         self._hidden_remaining = end - begin
         self.tmp_path = temp_path(final_path)
+        self._open_temp(dir_fd)
+
+    def _open_temp(self, dir_fd: int | None) -> None:
+        """Create the temp file and write the header and ``token_ids`` into it."""
+        final_path = self.final_path
         # Every later step goes through the directory's descriptor, so a directory that is
         # renamed meanwhile still gets its complete file, and a failure still removes the
         # temp file (paths would point elsewhere).
@@ -171,6 +200,8 @@ class SampleFileWriter:
             chunk: Anything exposing the buffer protocol (bytes, memoryview, numpy) or a
                 CPU tensor.
         """
+        import torch
+
         data = tensor_bytes(chunk) if isinstance(chunk, torch.Tensor) else memoryview(chunk)
         n = data.nbytes
         if n > self._hidden_remaining:
@@ -271,6 +302,8 @@ def write_sample(
     Returns:
         The final path.
     """
+    import torch
+
     final = os.fspath(path)
     if hidden_states.dim() != 3:
         raise ValueError(f"{final}: hidden_states must be [tokens, layers, hidden]")
