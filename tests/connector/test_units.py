@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_connector import compat
-from hidden_state_connector.buffers import SlabPool
-from hidden_state_connector.config import ConnectorConfig, parse_size
-from hidden_state_connector.extract import plan_chunks
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.buffers import SlabPool
+from hidden_state_connector.engine.config import ConnectorConfig, parse_size
+from hidden_state_connector.engine.gather import plan_chunks
 from hidden_state_connector.server import ServeOptions, default_layer_ids
 from hidden_state_reader import PathOutsideRootError
 from hidden_state_reader.format import resolve_inside, safe_component

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hidden_state_connector.compat import KVConnectorMetadata
+from hidden_state_connector.engine.compat import KVConnectorMetadata
 
 
 @dataclass

@@ -27,14 +27,15 @@ from typing import Any
 
 import torch
 
-from hidden_state_connector import __version__, compat, local_handoff
-from hidden_state_connector.config import ConnectorConfig
-from hidden_state_connector.extract import Extractor
+from hidden_state_connector import __version__
+from hidden_state_connector.engine import compat, local_handoff
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.engine.order_channel import OrderListener
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.writer import SaveJob, WritePipeline
 from hidden_state_connector.logs import get_logger
-from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOrder
-from hidden_state_connector.order_channel import OrderListener
-from hidden_state_connector.stats import WriteStats
-from hidden_state_connector.writer import SaveJob, WritePipeline
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import (
     WriterLock,

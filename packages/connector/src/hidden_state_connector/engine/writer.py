@@ -38,11 +38,11 @@ from typing import Any
 
 import torch
 
-from hidden_state_connector.buffers import Slab, SlabPool
-from hidden_state_connector.extract import Chunk, Extractor
+from hidden_state_connector.engine.buffers import Slab, SlabPool
+from hidden_state_connector.engine.gather import Chunk, Extractor
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.trace import StageTrace
 from hidden_state_connector.logs import get_logger
-from hidden_state_connector.stats import WriteStats
-from hidden_state_connector.trace import StageTrace
 from hidden_state_reader.format import SampleFileWriter, WriterLock
 from hidden_state_reader.waiting import threads_ignore_signals
 

