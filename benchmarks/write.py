@@ -109,7 +109,7 @@ class Variant:
         """Write ``requests`` (tokens, block ids) into ``directory``; time it."""
         import torch
 
-        from hidden_state_connector.engine.writer import SaveJob
+        from hidden_state_connector.engine.save_job import SaveJob
         from hidden_state_reader.format import WriterLock, sample_metadata
 
         pipeline, extractor = self.pipeline, self.extractor
@@ -166,7 +166,7 @@ class Variant:
 
     def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
         """One more trial with timers around each stage (thread-seconds per stage)."""
-        from hidden_state_connector.engine import writer as writer_module
+        from hidden_state_connector.engine import sample_write as writer_module
 
         timers = _Timers()
         real_writer = writer_module.SampleFileWriter
