@@ -5,8 +5,9 @@
 * ``metadata``: what the scheduler half tells the worker half each step.
 * ``local_handoff`` / ``order_channel``: finish-time orders between steps (same process
   / local socket).
-* ``save_job`` / ``writer``: one sample's state, and the write pipeline (slabs, writer
-  threads, back-pressure, shutdown).
+* ``sample_target``: a scheduled request's pinned directory and lock.
+* ``save_job`` / ``writer`` / ``sample_write``: one sample's state, the write pipeline
+  (slabs, writer threads, back-pressure, shutdown), and one writer thread's file.
 * ``gather``: copies chunks of the paged hidden-state cache into host slabs.
 * ``buffers``: the bounded pool of host slabs.
 * ``layout``: how the hidden-state cache view is indexed (pure types).
