@@ -32,9 +32,15 @@ OTHER_MODULES = [
     "hidden_state_connector.offline.extract",
 ]
 
+# The write path never loads vLLM, even where it is installed (benchmarks use it bare).
+WRITE_PATH = [
+    f"{engine.__name__}.{name}"
+    for name in ("writer", "gather", "buffers", "save_job", "sample_write", "compat", "layout")
+]
+
 _PROBE = textwrap.dedent(
     """
-    import importlib, json, sys
+    import importlib, json, os, sys
 
     class NoVllm:
         def find_spec(self, name, path=None, target=None):
@@ -42,7 +48,8 @@ _PROBE = textwrap.dedent(
                 raise ImportError(f"vLLM is blocked in this test: {name}")
             return None
 
-    sys.meta_path.insert(0, NoVllm())
+    if os.environ.get("BLOCK_VLLM") == "1":
+        sys.meta_path.insert(0, NoVllm())
     result = {}
     for name in json.loads(sys.argv[1]):
         try:
@@ -56,13 +63,15 @@ _PROBE = textwrap.dedent(
 )
 
 
-def _import_without_vllm(names: list[str]) -> dict[str, object]:
+def _import_without_vllm(names: list[str], *, block: bool = True) -> dict[str, object]:
+    env = os.environ.copy()  # PYTHONPATH decides which checkout is imported
+    env["BLOCK_VLLM"] = "1" if block else "0"
     out = subprocess.run(
         [sys.executable, "-c", _PROBE, json.dumps(names)],
         capture_output=True,
         text=True,
         timeout=120,
-        env=os.environ.copy(),  # PYTHONPATH decides which checkout is imported
+        env=env,
         check=True,
     )
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -83,3 +92,9 @@ def test_the_facade_and_its_stats_type_do_need_vllm() -> None:
     )
     assert all(result[m] is not None and "blocked" in str(result[m]) for m in NEEDS_VLLM)
     assert result["hidden_state_connector.connector"] is not None
+
+
+def test_the_write_path_does_not_load_an_installed_vllm() -> None:
+    result = _import_without_vllm(WRITE_PATH, block=False)
+    assert all(result[m] is None for m in WRITE_PATH)
+    assert result["vllm loaded"] == []

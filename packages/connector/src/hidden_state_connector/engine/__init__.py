@@ -15,8 +15,10 @@
   (``metrics`` is vLLM's stats type), stage timings, start-up checks of the storage.
 * ``compat``: everything that differs between vLLM releases.
 
-Only ``connector`` and ``metrics`` import vLLM at import time; ``compat`` imports it
-inside its functions (plus the metadata base class, with a stand-in when vLLM is
-absent), so every other module can be imported and unit-tested without vLLM. Nothing
-is imported here.
+Only ``connector`` and ``metrics`` need vLLM to be importable. ``compat`` imports vLLM
+inside its functions only, and ``metadata`` subclasses vLLM's metadata base class when
+vLLM is installed (a stand-in otherwise), so every other module imports, and can be
+unit-tested, without vLLM; the write path (``writer``, ``gather``, ``buffers``,
+``save_job``, ``sample_write``) does not even load an installed vLLM. Nothing is
+imported here.
 """

