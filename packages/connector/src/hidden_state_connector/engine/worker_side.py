@@ -1,4 +1,4 @@
-"""Worker-side half of the connector: locks, extraction and writing (TP rank 0 only).
+"""Worker-side half of the connector: locks, gathering and writing (TP rank 0 only).
 
 Runs in each worker process. Only tensor-parallel rank 0 writes: the hidden states are
 replicated across TP ranks, and ``get_finished_count() == 1`` tells vLLM to wait for
