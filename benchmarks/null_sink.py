@@ -16,14 +16,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from hidden_state_connector.compat import (
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
+
 from hidden_state_connector.connector import HiddenStateConnector
-from hidden_state_connector.writer import SaveJob, WritePipeline
+from hidden_state_connector.engine.save_job import SaveJob
+from hidden_state_connector.engine.writer import WritePipeline
 
 
 class NullSinkConnector(KVConnectorBase_V1, SupportsHMA):

@@ -23,15 +23,16 @@ from typing import Any
 import pytest
 import torch
 
-from hidden_state_connector import local_handoff, order_channel
-from hidden_state_connector.compat import CacheLayout
-from hidden_state_connector.config import ConnectorConfig
-from hidden_state_connector.extract import Extractor
-from hidden_state_connector.metadata import SaveOrder
-from hidden_state_connector.order_channel import OrderListener, OrderSender
-from hidden_state_connector.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
-from hidden_state_connector.stats import WriteStats
-from hidden_state_connector.writer import SaveJob, WritePipeline
+from hidden_state_connector.engine import local_handoff, order_channel
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.layout import CacheLayout
+from hidden_state_connector.engine.metadata import SaveOrder
+from hidden_state_connector.engine.order_channel import OrderListener, OrderSender
+from hidden_state_connector.engine.save_job import SaveJob
+from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.writer import WritePipeline
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import (
     LockState,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hidden_state_connector.storage_check import (
+from hidden_state_connector.engine.storage_check import (
     PROBE_STEM,
     DirectoryProbeCache,
     StorageRootError,
@@ -78,7 +78,7 @@ def run_unprivileged(code: str) -> dict:
     prelude = textwrap.dedent(
         f"""
         import json, os
-        import hidden_state_connector.storage_check
+        import hidden_state_connector.engine.storage_check
         os.setgroups([])
         os.setgid({NOBODY})
         os.setuid({NOBODY})
@@ -98,7 +98,7 @@ def run_unprivileged(code: str) -> dict:
 CHECK_ROOT = textwrap.dedent(
     """
     import json, sys
-    from hidden_state_connector.storage_check import StorageRootError, check_storage_root
+    from hidden_state_connector.engine.storage_check import StorageRootError, check_storage_root
     try:
         check_storage_root({path!r})
         print(json.dumps({{"error": None}}))
@@ -110,7 +110,7 @@ CHECK_ROOT = textwrap.dedent(
 ASK_DIRECTORY = textwrap.dedent(
     """
     import json
-    from hidden_state_connector.storage_check import usable_directory
+    from hidden_state_connector.engine.storage_check import usable_directory
     print(json.dumps({{"reason": usable_directory({path!r})}}))
     """
 )

@@ -147,9 +147,10 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0 on success, 1 on any failure, 2 for unusable options, 130 when interrupted.
     """
-    from hidden_state_connector.demo.options import EXIT_INTERRUPTED, DemoError, DemoOptions
+    from hidden_state_connector.demo.options import DemoError, DemoOptions
     from hidden_state_connector.demo.report import format_table
     from hidden_state_connector.demo.run import run_demo
+    from hidden_state_connector.exit_codes import EXIT_INTERRUPTED
 
     options = DemoOptions(
         model=args.model,

@@ -14,6 +14,12 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from hidden_state_connector.cli.serve import add_arguments, resolve_layers
+from hidden_state_connector.exit_codes import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+)
 from hidden_state_reader.cli.common import CliError, non_negative_float, positive_int
 
 PROG = "hidden-state extract"
@@ -64,10 +70,6 @@ examples:
   # after a crash: the same command resumes; retry what failed before
   hidden-state extract ./my-model --input data.jsonl --out /data/hs --retry-failed
 """
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
 
 
 def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +210,7 @@ def run(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         raise
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; run the same command again to resume", file=err)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as exc:  # vLLM would not start, the disk failed, ...
         print(f"{PROG}: error: {exc}", file=err, flush=True)
         return EXIT_FAILED
@@ -222,7 +224,7 @@ def run(args: argparse.Namespace, stream: TextIO | None = None) -> int:
         )
         return EXIT_FAILED
     if result.interrupted:
-        return 130
+        return EXIT_INTERRUPTED
     return EXIT_FAILED if result.failures else EXIT_OK
 
 

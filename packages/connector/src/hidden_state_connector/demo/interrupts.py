@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from hidden_state_connector.demo.options import EXIT_INTERRUPTED
+from hidden_state_connector.exit_codes import EXIT_INTERRUPTED
 from hidden_state_connector.server import VllmServer
 
 

@@ -22,7 +22,6 @@ CPU_VLLM_ARGS = [
     "--enforce-eager",
 ]  # fmt: skip
 """What vLLM's CPU build needs to start quickly and fit in a small machine."""
-EXIT_INTERRUPTED = 130
 
 
 class DemoError(Exception):

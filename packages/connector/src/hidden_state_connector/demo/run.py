@@ -40,7 +40,6 @@ from hidden_state_connector.demo.options import (
     DEFAULT_CACHE_DIR,
     DEFAULT_NUM_PROMPTS,
     DEFAULT_OUT,
-    EXIT_INTERRUPTED,
     SERVED_MODEL_NAME,
     DemoError,
     DemoOptions,
@@ -61,6 +60,7 @@ from hidden_state_connector.demo.serving import (
     server_env,
 )
 from hidden_state_connector.demo.trainer import Trainer, TrainerConfig
+from hidden_state_connector.exit_codes import EXIT_INTERRUPTED
 from hidden_state_connector.server import VllmServer
 
 __all__ = [  # the entry points, and names that were defined here before the split

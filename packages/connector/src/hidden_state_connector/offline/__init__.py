@@ -10,8 +10,8 @@ The engine behind ``hidden-state extract``. Modules:
 * ``result``: ``ExtractResult``, what a run did.
 * ``resume``: what earlier runs left (recorded samples, unrecorded files, temporaries).
 * ``engine``: starts offline vLLM and feeds it one request at a time.
-* ``verify``: checks that a sample file holds a prompt's hidden states.
-* ``verifier``: waits for each finished request's file on threads, then checks it.
+* ``sample_check``: checks that a sample file holds a prompt's hidden states.
+* ``check_pool``: waits for each finished request's file on threads, then checks it.
 * ``pipeline``: records -> prompts -> vLLM -> verified files -> manifest.
 * ``extract``: one run (``run_extract``): checks, run lock, manifest, progress, Ctrl-C.
 

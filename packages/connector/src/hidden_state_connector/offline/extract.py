@@ -19,7 +19,7 @@ This module runs it: the checks, the run lock, the manifest's start and end even
 the progress line and Ctrl-C. The pieces live beside it: ``settings``
 (``ExtractOptions``, vLLM and connector settings), ``result`` (``ExtractResult``),
 ``resume`` (what earlier runs left behind), ``pipeline`` (steps 2 and 3), ``engine``
-(``VllmEngine``), ``verifier`` (the verifier threads) and ``verify`` (``verify_file``).
+(``VllmEngine``), ``check_pool`` (the verifier threads) and ``sample_check`` (``verify_file``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterator
 
+from hidden_state_connector.offline.check_pool import Job, Verifier
 from hidden_state_connector.offline.engine import VllmEngine, start_engine
 from hidden_state_connector.offline.inputs import Prompt, PromptEncoder, RawItem, load_tokenizer
 from hidden_state_connector.offline.manifest import (
@@ -27,7 +28,6 @@ from hidden_state_connector.offline.progress import Progress
 from hidden_state_connector.offline.result import ExtractResult
 from hidden_state_connector.offline.resume import recover
 from hidden_state_connector.offline.settings import ExtractOptions
-from hidden_state_connector.offline.verifier import Job, Verifier
 
 ENCODE_CHUNK = 64  # records tokenized at a time (keeps vLLM fed while tokenizing)
 

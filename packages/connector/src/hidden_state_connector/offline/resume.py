@@ -24,8 +24,8 @@ from hidden_state_connector.offline.manifest import (
     sample_name,
 )
 from hidden_state_connector.offline.result import ExtractResult
+from hidden_state_connector.offline.sample_check import verify_file
 from hidden_state_connector.offline.settings import ExtractOptions
-from hidden_state_connector.offline.verify import verify_file
 
 log = logging.getLogger(__name__)
 

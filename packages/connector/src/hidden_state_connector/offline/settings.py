@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hidden_state_connector.config import ConnectorConfig
+from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.offline.errors import UsageError
 from hidden_state_connector.server import kv_transfer_config, speculative_config
 

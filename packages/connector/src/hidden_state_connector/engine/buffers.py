@@ -14,6 +14,10 @@ from typing import Any
 
 import torch
 
+from hidden_state_connector.logs import get_logger
+
+log = get_logger(__name__)
+
 
 @dataclass(eq=False)
 class Slab:
@@ -43,6 +47,12 @@ class SlabPool:
     def __init__(self, slab_bytes: int, budget_bytes: int, *, pinned: bool) -> None:
         if slab_bytes <= 0:
             raise ValueError("slab_bytes must be positive")
+        if slab_bytes > budget_bytes:
+            log.warning(
+                "one chunk (%d bytes) exceeds host_buffer_bytes (%d); using one slab",
+                slab_bytes,
+                budget_bytes,
+            )
         self.slab_bytes = slab_bytes
         self.capacity = max(1, budget_bytes // slab_bytes)
         self.pinned = pinned

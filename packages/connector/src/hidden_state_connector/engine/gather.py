@@ -10,15 +10,15 @@ beside the engine's own OpenMP work).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from hidden_state_connector.buffers import Slab
-from hidden_state_connector.compat import CacheLayout
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.buffers import Slab
+from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_reader.format import has_nonfinite
 
 
@@ -51,16 +51,6 @@ def plan_chunks(num_tokens: int, block_size: int, blocks_per_chunk: int) -> list
 
 # Integer dtypes of each element size: numpy has no bfloat16, and a copy moves bytes.
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _sync_allowed() -> contextlib.AbstractContextManager[object]:
-    # vLLM >= 0.32 can flag host syncs inside the step; our small index upload is
-    # deliberate and on our own stream.
-    try:
-        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
-    except ImportError:
-        return contextlib.nullcontext()
-    return gpu_sync_allowed()
 
 
 class Extractor:
@@ -161,7 +151,7 @@ class Extractor:
         assert self._staging is not None
         staging = self._staging[: chunk.count]
         with torch.cuda.stream(stream):
-            with _sync_allowed():
+            with compat.host_sync_allowed():
                 ids_dev = ids.to(self.device, non_blocking=True)
             torch.index_select(self.view, 0, ids_dev, out=staging)
             host.copy_(staging, non_blocking=True)

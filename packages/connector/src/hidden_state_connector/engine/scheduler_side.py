@@ -24,13 +24,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hidden_state_connector import compat, local_handoff
-from hidden_state_connector.config import ConnectorConfig
+from hidden_state_connector.engine import compat, local_handoff
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.metadata import (
+    HiddenStateConnectorMetadata,
+    NewSample,
+    SaveOrder,
+)
+from hidden_state_connector.engine.order_channel import OrderSender
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.storage_check import usable_directory
 from hidden_state_connector.logs import get_logger
-from hidden_state_connector.metadata import HiddenStateConnectorMetadata, NewSample, SaveOrder
-from hidden_state_connector.order_channel import OrderSender
-from hidden_state_connector.stats import WriteStats
-from hidden_state_connector.storage_check import usable_directory
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
 

@@ -22,8 +22,8 @@ from hidden_state_connector.offline.manifest import (
     SampleRecord,
     sample_name,
 )
+from hidden_state_connector.offline.sample_check import verify_file
 from hidden_state_connector.offline.settings import ExtractOptions
-from hidden_state_connector.offline.verify import verify_file
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Worker-side half of the connector: locks, extraction and writing (TP rank 0 only).
+"""Worker-side half of the connector: locks, gathering and writing (TP rank 0 only).
 
 Runs in each worker process. Only tensor-parallel rank 0 writes: the hidden states are
 replicated across TP ranks, and ``get_finished_count() == 1`` tells vLLM to wait for
@@ -22,43 +22,25 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hidden_state_connector import __version__, compat, local_handoff
-from hidden_state_connector.config import ConnectorConfig
-from hidden_state_connector.extract import Extractor
+from hidden_state_connector import __version__
+from hidden_state_connector.engine import compat, local_handoff
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.engine.order_channel import OrderListener
+from hidden_state_connector.engine.sample_target import SampleTarget, pin_sample
+from hidden_state_connector.engine.save_job import SaveJob
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.writer import WritePipeline
 from hidden_state_connector.logs import get_logger
-from hidden_state_connector.metadata import HiddenStateConnectorMetadata, SaveOrder
-from hidden_state_connector.order_channel import OrderListener
-from hidden_state_connector.stats import WriteStats
-from hidden_state_connector.writer import SaveJob, WritePipeline
 from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import (
-    WriterLock,
-    open_dir_beneath,
-    resolve_inside,
-    sample_metadata,
-)
+from hidden_state_reader.format import sample_metadata
 
 log = get_logger(__name__)
-
-
-@dataclass
-class _Target:
-    """Where a scheduled request's sample will go: its pinned directory and its lock."""
-
-    dir_fd: int
-    lock: WriterLock | None
-
-    def abandon(self, reason: str) -> None:
-        """Release everything for a request that will never be saved."""
-        if self.lock is not None:
-            self.lock.mark_failed(reason)
-            self.lock.release()
-        os.close(self.dir_fd)
 
 
 class WorkerSide:
@@ -90,7 +72,7 @@ class WorkerSide:
         self.producer = f"hidden-state-connector/{__version__} vllm/{compat.vllm_version()}"
         self.is_writer = True
         self.pipeline: WritePipeline | None = None
-        self._targets: dict[str, _Target] = {}
+        self._targets: dict[str, SampleTarget] = {}
         self._target_errors: dict[str, str] = {}
         # Samples whose blocks vLLM holds for us, until reported: ``_unreported`` from
         # submission; ``_announced`` once vLLM has said the request finished (only then
@@ -192,37 +174,8 @@ class WorkerSide:
             except (OSError, PathOutsideRootError) as exc:
                 self._target_errors[new.req_id] = f"cannot create lock: {exc}"
 
-    def _pin(self, req_id: str, path: str) -> _Target:
-        """Open the sample's directory beneath the root (no symlinks), lock the sample.
-
-        Everything later (temp file, rename) goes through this directory descriptor, so
-        swapping a path component for a symlink mid-request cannot redirect the file.
-        """
-        self._check_inside(path)
-        rel = os.path.relpath(os.path.realpath(os.path.dirname(path)), os.path.realpath(self.root))
-        rel = "" if rel == "." else rel
-        try:
-            dir_fd = open_dir_beneath(self.root, rel, create=True)
-        except FileNotFoundError:
-            # The storage directory vanished (deleted by hand?): recreate it once.
-            os.makedirs(self.root, exist_ok=True)
-            dir_fd = open_dir_beneath(self.root, rel, create=True)
-        try:
-            lock = (
-                WriterLock.create(path, dir_fd=dir_fd, request_id=req_id)
-                if self.config.use_synchronization_lock
-                else None
-            )
-        except BaseException:
-            os.close(dir_fd)
-            raise
-        return _Target(dir_fd, lock)
-
-    def _check_inside(self, path: str) -> None:
-        # Defence in depth: the scheduler validated it, but it crossed a process boundary.
-        rel = os.path.relpath(path, self.root)
-        if resolve_inside(self.root, rel) != os.path.realpath(path):
-            raise PathOutsideRootError(path, self.root, "does not resolve to itself")
+    def _pin(self, req_id: str, path: str) -> SampleTarget:
+        return pin_sample(self.root, req_id, path, lock=self.config.use_synchronization_lock)
 
     def get_finished(
         self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]

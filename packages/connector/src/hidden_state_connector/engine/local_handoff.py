@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from hidden_state_connector.metadata import SaveOrder
+from hidden_state_connector.engine.metadata import SaveOrder
 
 Accept = Callable[[SaveOrder], None]
 

@@ -1,0 +1,120 @@
+"""What a writer thread does with one job: create the file, write its chunks, publish.
+
+``WritePipeline`` runs ``write_sample`` on its writer threads; it keeps the counters
+and the stage trace, this module only the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hidden_state_connector.engine.buffers import Slab
+from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.save_job import END_OF_CHUNKS, SaveJob, fail_lock
+from hidden_state_reader.format import SampleFileWriter
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """How each sample file is written.
+
+    Attributes:
+        checksum: Record CRC32s.
+        check_nonfinite: Record NaN/inf flags.
+        fsync: fsync each file before publishing.
+    """
+
+    checksum: bool
+    check_nonfinite: bool
+    fsync: bool
+
+
+def write_sample(
+    job: SaveJob,
+    extractor: Extractor,
+    options: FileOptions,
+    return_slab: Callable[[Slab], None],
+    copies_done: Callable[[], None],
+) -> str | None:
+    """Write one job's file from its chunk stream; publish it, or give up.
+
+    Every slab that arrives is handed to ``return_slab``, also after a failure, so the
+    copies of later jobs keep flowing. On failure the temporary file is removed and the
+    lock released with the reason: no partial file is ever published.
+
+    Args:
+        job: The sample (its chunks arrive on ``job.ready``).
+        extractor: What gathered the chunks (their layout and dtype).
+        options: How the file is written.
+        return_slab: Gives a slab back to the pool.
+        copies_done: Called once the chunk stream has ended.
+
+    Returns:
+        None once the file is published, else why it failed.
+    """
+    writer = _open(job, extractor, options)
+    _write_chunks(job, writer, extractor, options.check_nonfinite, return_slab)
+    copies_done()
+    if job.failure is None and writer is not None:
+        try:
+            writer.publish()
+            return None
+        except Exception as exc:
+            job.fail(f"publish failed: {exc}")
+    reason = job.failure or "unknown failure"
+    if writer is not None:
+        writer.abort(reason)
+    else:
+        fail_lock(job.lock, reason)
+    return reason
+
+
+def _open(job: SaveJob, extractor: Extractor, options: FileOptions) -> SampleFileWriter | None:
+    """Create the temp file with its header and token ids (None, and the job failed, if not)."""
+    try:
+        return SampleFileWriter(
+            job.path,
+            token_ids=job.token_ids,
+            hidden_shape=(
+                job.token_ids.shape[0],
+                extractor.layout.num_layers,
+                extractor.layout.hidden_size,
+            ),
+            hidden_dtype=extractor.dtype,
+            metadata=job.metadata,
+            lock=job.lock,
+            checksum=options.checksum,
+            record_nonfinite=options.check_nonfinite,
+            fsync=options.fsync,
+            dir_fd=job.dir_fd,
+        )
+    except OSError as exc:
+        job.fail(f"cannot create file: {exc}")
+        return None
+
+
+def _write_chunks(
+    job: SaveJob,
+    writer: SampleFileWriter | None,
+    extractor: Extractor,
+    check_nonfinite: bool,
+    return_slab: Callable[[Slab], None],
+) -> None:
+    """Write chunks as they arrive until the stream ends; after a failure, only drain."""
+    while True:
+        item = job.ready.get()
+        if item is END_OF_CHUNKS:
+            return
+        chunk, slab = item
+        try:
+            if slab.event is not None:
+                slab.event.synchronize()
+            if writer is not None and job.failure is None:
+                if check_nonfinite:
+                    writer.note_nonfinite(extractor.chunk_nonfinite(slab, chunk))
+                writer.write_hidden(extractor.chunk_bytes(slab, chunk))
+        except Exception as exc:
+            job.fail(f"write failed: {exc}")
+        finally:
+            return_slab(slab)

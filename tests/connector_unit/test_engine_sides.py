@@ -1,0 +1,413 @@
+"""``SchedulerSide``, ``WorkerSide`` and ``WritePipeline`` against small fakes; no vLLM.
+
+In the style of vLLM's offloading-connector unit tests: fake request objects and
+scheduler outputs (``SimpleNamespace`` with the fields vLLM's ``SchedulerOutput``,
+``NewRequestData``, ``CachedRequestData`` and ``Request`` have), a fake hidden-state
+cache (a CPU tensor), real files in ``tmp_path``, read back with
+``hidden_state_reader``. The few ``compat`` functions that ask vLLM itself (the version,
+the cache-only layer's name, the TP rank, the request status type) are replaced.
+Mocks only inject faults (a full disk, a stuck disk).
+
+The fake engine calls the connector's halves in vLLM's order (0.32, with the drafter
+deferring the finalize): ``build_metadata`` (scheduler), ``before_forward``
+(``handle_preemptions``), the forward pass (here: the cache already holds the values),
+``get_finished`` with the ids the scheduler announced finished in the step before, then
+``after_forward`` (``wait_for_save``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.layout import CacheLayout
+from hidden_state_connector.engine.save_job import JobState, SaveJob, fail_lock
+from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.worker_side import WorkerSide
+from hidden_state_connector.engine.writer import WritePipeline
+from hidden_state_reader import HiddenStateReader
+from hidden_state_reader.format import (
+    LockState,
+    SampleFileWriter,
+    WriterLock,
+    lock_path,
+    probe,
+    read_status,
+    sample_metadata,
+)
+
+BLOCK, LAYERS, HIDDEN, NUM_BLOCKS = 4, 3, 8, 16
+HS_GROUP = 1  # the hidden-state group is the second KV-cache group in these fakes
+LAYER_IDS = [1, 2, 4]
+BLOCK_BYTES = BLOCK * LAYERS * HIDDEN * 4  # float32
+WAIT_S = 10.0  # generous bound for anything a thread must do
+
+
+# -- fakes --------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``compat`` calls that ask vLLM itself, answered as a 0.32 engine would."""
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.32.0")
+    monkeypatch.setattr(compat, "tensor_parallel_rank", lambda: 0)
+    monkeypatch.setattr(compat, "find_cache_only_layer", lambda _cfg, caches: next(iter(caches)))
+    monkeypatch.setattr(compat, "request_was_aborted", lambda request: request.status == "aborted")
+
+
+@pytest.fixture(params=[1, 2], ids=["token-axis-1", "token-axis-2"])
+def cache(request: pytest.FixtureRequest) -> torch.Tensor:
+    """The cache-only layer's view, in either vLLM layout, filled with distinct values."""
+    shape = (
+        (NUM_BLOCKS, BLOCK, LAYERS, HIDDEN)
+        if request.param == 1
+        else (NUM_BLOCKS, LAYERS, BLOCK, HIDDEN)
+    )
+    return torch.randn(shape, generator=torch.Generator().manual_seed(request.param))
+
+
+def _gathered(cache: torch.Tensor, block_ids: list[int], n: int) -> torch.Tensor:
+    """What the file must hold: the first ``n`` token positions of these blocks."""
+    view = cache if cache.shape[1] == BLOCK else cache.transpose(1, 2)
+    return view[block_ids].reshape(-1, LAYERS, HIDDEN)[:n].clone()
+
+
+def _new_request(req_id: str, prompt: list[int], hs_blocks: list[int]) -> SimpleNamespace:
+    """``NewRequestData``: first scheduling of a request."""
+    return SimpleNamespace(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        num_computed_tokens=0,
+        block_ids=([100 + b for b in hs_blocks], list(hs_blocks)),  # main group first
+        sampling_params=SimpleNamespace(extra_args=None),
+    )
+
+
+def _scheduler_output(
+    new: tuple[SimpleNamespace, ...] = (),
+    scheduled: dict[str, int] | None = None,
+    preempted: frozenset[str] = frozenset(),
+) -> SimpleNamespace:
+    """``SchedulerOutput`` with new requests only (continuing ones are not needed here)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], num_computed_tokens=[], new_block_ids=[], resumed_req_ids=set()
+        ),
+        num_scheduled_tokens=dict(scheduled or {}),
+        preempted_req_ids=set(preempted),
+    )
+
+
+def _finished_request(req_id: str, prompt: list[int], output: list[int]) -> SimpleNamespace:
+    """A ``Request`` that ended normally; the last output token was never fed back."""
+    tokens = prompt + output
+    return SimpleNamespace(
+        request_id=req_id,
+        prompt_token_ids=prompt,
+        all_token_ids=tokens,
+        num_computed_tokens=len(tokens) - 1,
+        status="length_capped",
+    )
+
+
+class FakeEngine:
+    """Both halves of one engine in one process, driven in vLLM's call order."""
+
+    def __init__(self, root: Path, cache: torch.Tensor, **extra: Any) -> None:
+        settings: dict[str, Any] = {
+            "chunk_bytes": BLOCK_BYTES,  # one block per chunk
+            "host_buffer_bytes": BLOCK_BYTES,  # one slab: one chunk in flight at a time
+            "num_writer_threads": 1,
+            "checksum": True,
+            "shutdown_timeout": 5.0,
+        }
+        settings.update(extra)
+        self.config = ConnectorConfig(shared_storage_path=str(root), instance_id="unit", **settings)
+        # A fresh engine id per test: no other test's hand-off or channel is found.
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(model="fake-model"),
+            kv_transfer_config=SimpleNamespace(engine_id=f"unit-{uuid.uuid4().hex}"),
+            parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
+        )
+        self.stats = WriteStats(0)
+        self.scheduler = SchedulerSide(self.config, self.vllm_config, BLOCK, HS_GROUP, self.stats)
+        self.worker = WorkerSide(self.config, self.vllm_config, BLOCK, LAYER_IDS, self.stats)
+        self.worker.register({"model.drafter.cache_only": cache})
+        self.announced: set[str] = set()  # finished in the last step; told the worker next
+
+    def step(self, output: SimpleNamespace, after_preemption: Any = None) -> set[str]:
+        """One engine step; returns the requests whose blocks vLLM may free now."""
+        meta = self.scheduler.build_metadata(output)
+        self.worker.before_forward(meta)
+        if after_preemption is not None:
+            after_preemption()  # the forward pass may overwrite the freed blocks now
+        # With extract_hidden_states, vLLM finalizes after the drafter: get_finished
+        # (get_transfer_results) comes before wait_for_save.
+        finished, self.announced = self.announced, set()
+        done, _ = self.worker.get_finished(meta, finished)
+        self.worker.after_forward(meta)
+        return done or set()
+
+    def finish(self, request: SimpleNamespace, block_ids: list[int]) -> dict[str, Any]:
+        """``request_finished``: the scheduler keeps the blocks until the worker reports."""
+        delay, params = self.scheduler.request_finished(request, block_ids)
+        assert delay is True, params
+        self.announced.add(request.request_id)
+        assert params is not None
+        return params
+
+    def idle_until_freed(self, req_id: str) -> None:
+        """Empty steps until ``req_id`` is reported (its copies are done)."""
+        deadline = time.monotonic() + WAIT_S
+        while req_id not in self.step(_scheduler_output()):
+            assert time.monotonic() < deadline, f"{req_id} never reported"
+            self.announced.add(req_id)  # vLLM keeps it announced until reported
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+@pytest.fixture
+def engine_factory(tmp_path: Path) -> Iterator[Any]:
+    engines: list[FakeEngine] = []
+
+    def make(cache: torch.Tensor, **extra: Any) -> FakeEngine:
+        engines.append(FakeEngine(tmp_path, cache, **extra))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def _read(path: str) -> Any:
+    reader = HiddenStateReader(
+        os.path.dirname(path),
+        names=[os.path.basename(path)],
+        on_error="raise",
+        lock_timeout=WAIT_S,
+        verify_checksum=True,
+    )
+    (sample,) = list(reader)
+    return sample
+
+
+def _temp_files(root: Path) -> list[str]:
+    return [f for f in os.listdir(root) if ".tmp." in f]
+
+
+class _StuckDisk:
+    """Makes every ``write_hidden`` wait until ``release`` (or raise ``error``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: OSError | None = None) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = SampleFileWriter.write_hidden
+
+        def write_hidden(writer: SampleFileWriter, chunk: Any) -> None:
+            self.entered.set()
+            if error is not None:
+                raise error
+            self.release.wait(WAIT_S)
+            real(writer, chunk)
+
+        monkeypatch.setattr(SampleFileWriter, "write_hidden", write_hidden)
+
+
+# -- scheduler side + worker side ------------------------------------------------------
+
+
+@pytest.mark.parametrize("include_output", [False, True], ids=["prompt", "with-output"])
+def test_a_finished_requests_save_publishes_a_complete_readable_file(
+    cache: torch.Tensor, engine_factory: Any, tmp_path: Path, include_output: bool
+) -> None:
+    engine = engine_factory(cache, include_output_tokens=include_output)
+    prompt, output, blocks = list(range(10, 20)), [7, 8, 9], [5, 2, 9, 0]
+    request = _new_request("req-a", prompt, blocks)
+    assert engine.step(_scheduler_output((request,), {"req-a": len(prompt)})) == set()
+    params = engine.finish(_finished_request("req-a", prompt, output), blocks)
+    path = params[PATH_PARAM]
+    assert ERROR_PARAM not in params and path.startswith(str(tmp_path))
+
+    sample = _read(path)  # sleeps on the lock until the writer publishes
+    saved = prompt + output[:-1] if include_output else prompt
+    assert sample.token_ids.tolist() == saved
+    assert torch.equal(sample.hidden_states, _gathered(cache, blocks, len(saved)))
+    assert sample.layer_ids == LAYER_IDS
+    assert probe(lock_path(path)) is LockState.FREE
+    engine.idle_until_freed("req-a")
+    assert engine.stats.total.files == 1 and engine.stats.total.failures == 0
+
+
+def test_blocks_are_reported_freed_only_after_the_copy(
+    cache: torch.Tensor, engine_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = _StuckDisk(monkeypatch)
+    engine = engine_factory(cache, include_output_tokens=True)
+    prompt, output, blocks = list(range(12)), [1], [3, 4, 5]  # 3 chunks, 1 slab
+    assert engine.step(_scheduler_output((_new_request("r", prompt, blocks),), {"r": 12})) == set()
+    engine.finish(_finished_request("r", prompt, output), blocks)  # hand-off: copy starts
+    assert disk.entered.wait(WAIT_S)  # the writer holds the only slab: chunks 2-3 wait
+    for _ in range(3):  # announced finished, but its blocks still hold uncopied states
+        assert engine.step(_scheduler_output()) == set()
+        engine.announced.add("r")
+    disk.release.set()
+    engine.idle_until_freed("r")
+    sample = _read(engine.scheduler.default_path("r"))
+    assert torch.equal(sample.hidden_states, _gathered(cache, blocks, len(prompt)))
+
+
+def test_a_failed_write_records_why_in_the_lock_and_leaves_no_partial_file(
+    cache: torch.Tensor, engine_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = _StuckDisk(monkeypatch, error=OSError(errno.ENOSPC, "No space left on device"))
+    engine = engine_factory(cache)
+    prompt, blocks = list(range(9)), [1, 6, 11]
+    engine.step(_scheduler_output((_new_request("full", prompt, blocks),), {"full": 9}))
+    path = engine.finish(_finished_request("full", prompt, [0]), blocks)[PATH_PARAM]
+    assert disk.entered.wait(WAIT_S)
+    engine.idle_until_freed("full")  # a failed sample still frees its blocks
+    deadline = time.monotonic() + WAIT_S
+    while probe(lock_path(path)) is not LockState.FREE:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    status = read_status(lock_path(path))
+    assert status.failed and "write failed" in status.reason and "No space" in status.reason
+    assert not os.path.exists(path)
+    assert _temp_files(tmp_path) == []
+    assert engine.stats.total.failures == 1 and engine.stats.total.files == 0
+
+
+def test_a_preempted_requests_states_are_copied_out_before_the_next_forward_pass(
+    cache: torch.Tensor, engine_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = SampleFileWriter.write_hidden
+
+    def slow_write(writer: SampleFileWriter, chunk: Any) -> None:  # a slow disk
+        time.sleep(0.02)
+        real(writer, chunk)
+
+    monkeypatch.setattr(SampleFileWriter, "write_hidden", slow_write)
+    engine = engine_factory(cache)
+    prompt, blocks = list(range(20)), [15, 3, 8, 0, 12]  # 5 chunks through 1 slab
+    expected = _gathered(cache, blocks, len(prompt))
+    new = _new_request("pre", prompt, blocks)
+    engine.step(_scheduler_output((new,), {"pre": 20}))  # prompt complete: save started
+    # Preempted before it finished: vLLM freed its blocks; this step may reuse them.
+    engine.step(
+        _scheduler_output(preempted=frozenset({"pre"})),
+        after_preemption=lambda: cache.fill_(float("nan")),
+    )
+    path = engine.scheduler.default_path("pre")
+    sample = _read(path)
+    assert torch.equal(sample.hidden_states, expected)
+    assert sample.metadata["nonfinite"] == "0"
+
+
+# -- write pipeline ------------------------------------------------------------------
+
+
+def _pipeline(cache: torch.Tensor, **overrides: Any) -> WritePipeline:
+    axis = 1 if cache.shape[1] == BLOCK else 2
+    extractor = Extractor(
+        cache, CacheLayout(axis, BLOCK, LAYERS, HIDDEN), blocks_per_chunk=1, check_nonfinite=True
+    )
+    settings: dict[str, Any] = {
+        "num_threads": 1,
+        "host_budget": extractor.slab_bytes,
+        "when_full": "wait",
+        "max_queued_bytes": 1 << 30,
+        "checksum": False,
+        "check_nonfinite": True,
+        "fsync": False,
+        "stats": WriteStats(0),
+    }
+    settings.update(overrides)
+    return WritePipeline(extractor, **settings)
+
+
+def _job(pipeline: WritePipeline, root: Path, req_id: str, blocks: list[int]) -> SaveJob:
+    path = str(root / f"{req_id}.safetensors")
+    n = len(blocks) * BLOCK
+    return SaveJob(
+        req_id=req_id,
+        path=path,
+        token_ids=torch.arange(n, dtype=torch.int64),
+        block_ids=blocks,
+        lock=WriterLock.create(path, request_id=req_id),
+        dir_fd=None,
+        metadata=sample_metadata(layer_ids=LAYER_IDS, request_id=req_id, num_prompt_tokens=n),
+        chunks=pipeline.extractor.plan(n),
+        nbytes=n * pipeline.extractor.token_bytes,
+    )
+
+
+def test_job_states_published_and_dropped(cache: torch.Tensor, tmp_path: Path) -> None:
+    pipeline = _pipeline(cache, when_full="drop", max_queued_bytes=2 * BLOCK_BYTES)
+    try:
+        ok = _job(pipeline, tmp_path, "ok", [1, 2])
+        too_big = _job(pipeline, tmp_path, "big", [3, 4, 5])
+        assert ok.state is JobState.QUEUED
+        pipeline.submit(ok)
+        pipeline.submit(too_big)
+        assert ok.finished.wait(WAIT_S) and too_big.finished.is_set()
+        assert ok.state is JobState.PUBLISHED and ok.published and ok.failure is None
+        assert too_big.state is JobState.FAILED and not too_big.published
+        status = read_status(lock_path(too_big.path))
+        assert status.failed and "dropped" in status.reason
+        assert not os.path.exists(too_big.path)
+        assert sorted(pipeline.finished()) == ["big", "ok"]
+    finally:
+        assert pipeline.close(WAIT_S) == 0
+
+
+def test_shutdown_fails_unwritten_jobs_with_the_reason_in_their_locks(
+    cache: torch.Tensor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = _StuckDisk(monkeypatch)
+    pipeline = _pipeline(cache)
+    first, second = (
+        _job(pipeline, tmp_path, "first", [1, 2]),
+        _job(pipeline, tmp_path, "second", [3]),
+    )
+    pipeline.submit(first)
+    pipeline.submit(second)  # queued behind the stuck one: the only writer thread is busy
+    assert disk.entered.wait(WAIT_S)
+    threading.Timer(0.3, disk.release.set).start()  # the disk recovers after the deadline
+    assert pipeline.close(timeout=0.1) == 2
+    for job in (first, second):
+        assert job.finished.wait(WAIT_S)
+        assert job.state is JobState.FAILED
+        status = read_status(lock_path(job.path))
+        assert status.failed and "shut down" in status.reason
+        assert not os.path.exists(job.path)
+    assert _temp_files(tmp_path) == []
+
+
+def test_fail_lock_records_the_reason_and_releases_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "x.safetensors")
+    lock = WriterLock.create(path, request_id="x")
+    assert probe(lock_path(path)) is LockState.HELD
+    fail_lock(lock, "disk full")
+    assert not lock.held and probe(lock_path(path)) is LockState.FREE
+    status = read_status(lock_path(path))
+    assert status.failed and status.reason == "disk full"
+    fail_lock(lock, "later reason")  # released already: the first reason stays
+    assert read_status(lock_path(path)).reason == "disk full"
+    fail_lock(None, "no lock")  # locks disabled: nothing to do
