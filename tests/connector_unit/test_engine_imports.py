@@ -25,7 +25,6 @@ ENGINE_MODULES = sorted(
 OTHER_MODULES = [
     "hidden_state_connector",
     "hidden_state_connector.plugin",
-    "hidden_state_connector.exit_codes",
     "hidden_state_connector.server",
     "hidden_state_connector.client",
     "hidden_state_connector.cli.extract",

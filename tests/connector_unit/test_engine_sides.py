@@ -34,7 +34,7 @@ from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.gather import Extractor
 from hidden_state_connector.engine.layout import CacheLayout
-from hidden_state_connector.engine.save_job import JobState, SaveJob, fail_lock
+from hidden_state_connector.engine.save_job import JobState, SaveJob
 from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
@@ -398,16 +398,3 @@ def test_shutdown_fails_unwritten_jobs_with_the_reason_in_their_locks(
         assert status.failed and "shut down" in status.reason
         assert not os.path.exists(job.path)
     assert _temp_files(tmp_path) == []
-
-
-def test_fail_lock_records_the_reason_and_releases_once(tmp_path: Path) -> None:
-    path = str(tmp_path / "x.safetensors")
-    lock = WriterLock.create(path, request_id="x")
-    assert probe(lock_path(path)) is LockState.HELD
-    fail_lock(lock, "disk full")
-    assert not lock.held and probe(lock_path(path)) is LockState.FREE
-    status = read_status(lock_path(path))
-    assert status.failed and status.reason == "disk full"
-    fail_lock(lock, "later reason")  # released already: the first reason stays
-    assert read_status(lock_path(path)).reason == "disk full"
-    fail_lock(None, "no lock")  # locks disabled: nothing to do

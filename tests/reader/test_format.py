@@ -71,3 +71,15 @@ def test_writer_lock_is_held_from_the_moment_it_exists(hs_dir: Path) -> None:
     status = read_status(lock_path(data))
     assert probe(lock_path(data)) is LockState.FREE and status.failed
     assert status.reason == "disk full"
+
+
+def test_writer_lock_fail_records_the_reason_and_releases_once(tmp_path: Path) -> None:
+    path = str(tmp_path / "x.safetensors")
+    lock = WriterLock.create(path, request_id="x")
+    assert probe(lock_path(path)) is LockState.HELD
+    lock.fail("disk full")
+    assert not lock.held and probe(lock_path(path)) is LockState.FREE
+    status = read_status(lock_path(path))
+    assert status.failed and status.reason == "disk full"
+    lock.fail("later reason")  # released already: the first reason stays
+    assert read_status(lock_path(path)).reason == "disk full"

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from hidden_state_connector.demo.options import DemoError, DemoOptions
     from hidden_state_connector.demo.report import format_table
     from hidden_state_connector.demo.run import run_demo
-    from hidden_state_connector.exit_codes import EXIT_INTERRUPTED
+    from hidden_state_reader.cli.common import EXIT_INTERRUPTED
 
     options = DemoOptions(
         model=args.model,

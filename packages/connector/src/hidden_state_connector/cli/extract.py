@@ -14,13 +14,15 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from hidden_state_connector.cli.serve import add_arguments, resolve_layers
-from hidden_state_connector.exit_codes import (
+from hidden_state_reader.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    CliError,
+    non_negative_float,
+    positive_int,
 )
-from hidden_state_reader.cli.common import CliError, non_negative_float, positive_int
 
 PROG = "hidden-state extract"
 
@@ -258,7 +260,8 @@ def _options(args: argparse.Namespace) -> Any:
 
 
 def _print_summary(result: Any, out: TextIO) -> None:
-    from hidden_state_connector.offline.progress import format_bytes, format_duration, format_si
+    from hidden_state_connector.offline.progress import format_duration
+    from hidden_state_reader.cli.common import format_bytes, format_si
 
     skipped = result.skipped_ok + result.skipped_failed
     if result.nothing_to_do:

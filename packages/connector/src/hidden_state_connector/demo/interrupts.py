@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from hidden_state_connector.exit_codes import EXIT_INTERRUPTED
 from hidden_state_connector.server import VllmServer
+from hidden_state_reader.cli.common import EXIT_INTERRUPTED
 
 
 class Interrupts:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TextIO
 
+from hidden_state_reader.cli.common import format_rate
+
 MB = 1e6
 
 
@@ -35,15 +37,6 @@ class Snapshot:
     bytes_read: int
     loss: float | None
     total: int
-
-
-def format_rate(value: float, unit: str) -> str:
-    """``12345.6, "tok/s"`` -> ``"12.3k tok/s"``."""
-    if value >= 1e6:
-        return f"{value / 1e6:.1f}M {unit}"
-    if value >= 1e3:
-        return f"{value / 1e3:.1f}k {unit}"
-    return f"{value:.0f} {unit}"
 
 
 class ProgressLine:

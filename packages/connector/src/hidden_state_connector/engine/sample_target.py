@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hidden_state_connector.engine.save_job import fail_lock
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import WriterLock, open_dir_beneath, resolve_inside
 
@@ -28,7 +27,8 @@ class SampleTarget:
 
     def abandon(self, reason: str) -> None:
         """Release everything for a request that will never be saved."""
-        fail_lock(self.lock, reason)
+        if self.lock is not None:
+            self.lock.fail(reason)
         os.close(self.dir_fd)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hidden_state_connector.engine.buffers import Slab
 from hidden_state_connector.engine.gather import Extractor
-from hidden_state_connector.engine.save_job import END_OF_CHUNKS, SaveJob, fail_lock
+from hidden_state_connector.engine.save_job import END_OF_CHUNKS, SaveJob
 from hidden_state_reader.format import SampleFileWriter
 
 
@@ -66,7 +66,8 @@ def write_sample(
     if writer is not None:
         writer.abort(reason)
     else:
-        fail_lock(job.lock, reason)
+        if job.lock is not None:
+            job.lock.fail(reason)
     return reason
 
 

@@ -29,17 +29,6 @@ END_OF_CHUNKS = None
 """Sentinel in a job's chunk queue: no more chunks will come."""
 
 
-def fail_lock(lock: WriterLock | None, reason: str) -> None:
-    """Record ``reason`` in the lock file, then release it (no-op for None or released).
-
-    Readers sleeping on the lock wake and read the reason. Stands in for a
-    ``WriterLock.fail(reason)`` in the reader package.
-    """
-    if lock is not None and lock.held:
-        lock.mark_failed(reason)
-        lock.release()
-
-
 class JobState(enum.Enum):
     """Where a job's file stands (the write side; see the module docstring)."""
 
@@ -115,7 +104,8 @@ class SaveJob:
         """Fail a job no writer thread took: release its lock and directory now."""
         self.fail(reason)
         self.state = JobState.FAILED
-        fail_lock(self.lock, reason)
+        if self.lock is not None:
+            self.lock.fail(reason)
         self.close_dir()
 
     def close_dir(self) -> None:

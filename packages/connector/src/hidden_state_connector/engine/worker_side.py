@@ -74,6 +74,9 @@ class WorkerSide:
         self.pipeline: WritePipeline | None = None
         self._targets: dict[str, SampleTarget] = {}
         self._target_errors: dict[str, str] = {}
+        # The step metadata whose locks exist: get_finished and wait_for_save both see
+        # it, and a save started in between must not get a second lock.
+        self._locked_meta: HiddenStateConnectorMetadata | None = None
         # Samples whose blocks vLLM holds for us, until reported: ``_unreported`` from
         # submission; ``_announced`` once vLLM has said the request finished (only then
         # may it be reported); ``_copied`` once its device-to-host copies are done.
@@ -164,8 +167,9 @@ class WorkerSide:
 
     def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
         """Pin the directory and create the lock of every new request."""
-        if not self.is_writer:
+        if not self.is_writer or meta is self._locked_meta:
             return
+        self._locked_meta = meta
         for new in meta.new_samples:
             if new.req_id in self._targets or new.req_id in self._target_errors:
                 continue

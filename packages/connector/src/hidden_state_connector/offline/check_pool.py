@@ -105,6 +105,11 @@ class Verifier:
     """
 
     def __init__(self, options: ExtractOptions) -> None:
+        from hidden_state_reader.format.flockwait import install_wake_handler
+
+        # The checks wait on locks from pool threads only: arm the kernel wake-up from
+        # here (the main thread) so their deadlines interrupt flock instead of polling.
+        install_wake_handler()
         self.options = options
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max(1, options.verify_threads), thread_name_prefix="hs-extract-verify"

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from hidden_state_reader.cli.common import format_si, isatty
+
 
 def format_duration(seconds: float) -> str:
     """``75`` -> ``"1m15s"``; ``4000`` -> ``"1h06m"``."""
@@ -21,24 +23,6 @@ def format_duration(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
-
-
-def format_si(value: float) -> str:
-    """``12345`` -> ``"12.3k"``: a compact rate or count."""
-    for factor, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= factor:
-            return f"{value / factor:.1f}{suffix}"
-    return f"{value:.1f}" if value and abs(value) < 100 else f"{value:.0f}"
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 class Progress:
@@ -77,7 +61,7 @@ class Progress:
         self.engine_ready: float | None = None
         self.engine_done: float | None = None
         self._last = -math.inf
-        self._inline = _isatty(self.stream)
+        self._inline = isatty(self.stream)
         self._dirty = False
 
     @property
@@ -172,8 +156,3 @@ class Progress:
             self._dirty = False
 
 
-def _isatty(stream: TextIO) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False

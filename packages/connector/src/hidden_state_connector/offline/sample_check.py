@@ -8,19 +8,6 @@ is imported only when a file is read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-
-def read_token_ids(path: str, header: Any) -> list[int]:
-    """The ``token_ids`` tensor of a sample file whose header was validated."""
-    import numpy as np
-
-    info = header.tokens
-    with open(path, "rb") as f:
-        f.seek(header.data_start + info.begin)
-        raw = f.read(info.nbytes)
-    dtype = "<i8" if info.dtype == "I64" else "<i4"
-    return [int(t) for t in np.frombuffer(raw, dtype=dtype)]
 
 
 def verify_file(
@@ -48,6 +35,7 @@ def verify_file(
         hidden_state_reader.SampleError: The file is incomplete or corrupt.
         OSError: It cannot be read.
     """
+    from hidden_state_reader.cli.common import read_token_ids
     from hidden_state_reader.format import Meta, read_header
 
     header = read_header(path)

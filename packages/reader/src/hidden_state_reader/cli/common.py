@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from hidden_state_reader.cli.table import format_bytes as format_bytes  # one home: table.py
 from hidden_state_reader.format.names import DATA_SUFFIX, Kind, classify
 
 if TYPE_CHECKING:
@@ -218,21 +219,6 @@ def format_si(value: float) -> str:
         if abs(value) >= factor:
             return f"{value / factor:.1f}{suffix}"
     return f"{value:.1f}" if value and abs(value) < 100 else f"{value:.0f}"
-
-
-def format_bytes(n: float) -> str:
-    """A size for progress lines: ``1536`` -> ``"1.5 KiB"``, ``1023.6`` -> ``"1024 B"``.
-
-    Bytes are rounded to a whole number; larger sizes have one decimal, up to TiB
-    (``hidden_state_reader.cli.table.format_bytes``, for the tables of ``ls`` and
-    ``stats``, truncates bytes instead, goes up to PiB and prints None as ``-``).
-    """
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_rate(value: float, unit: str) -> str:

@@ -158,6 +158,15 @@ class WriterLock:
         if fd is not None:
             os.close(fd)
 
+    def fail(self, reason: str, **detail: Any) -> None:
+        """Record why the sample will never appear, then release (idempotent).
+
+        Readers sleeping on the lock wake and read ``reason``; once released, a later
+        call changes nothing (the first reason stays).
+        """
+        self.mark_failed(reason, **detail)
+        self.release()
+
 
 def read_status(path: str) -> LockStatus:
     """Read the status a writer left in a lock file (``state=None`` if empty/foreign)."""

@@ -259,8 +259,7 @@ class SampleFileWriter:
         """Give up: remove the temp file, mark the lock failed, release it (idempotent)."""
         self._discard()
         if self.lock is not None:
-            self.lock.mark_failed(reason)
-            self.lock.release()
+            self.lock.fail(reason)
 
     def _discard(self) -> None:
         fd, self._fd = self._fd, None
@@ -323,8 +322,7 @@ def write_sample(
         )
     except BaseException as exc:
         if lock is not None:
-            lock.mark_failed(f"cannot create {final}: {exc!r}")
-            lock.release()
+            lock.fail(f"cannot create {final}: {exc!r}")
         raise
     try:
         writer.note_nonfinite(bool(hidden.numel()) and not bool(torch.isfinite(hidden).all()))
