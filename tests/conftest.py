@@ -15,7 +15,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", help="run the long reliability variants")
 
 
+# The longest test files, longest first. ``make test`` hands whole files to its worker
+# processes in collection order, so starting these first keeps one long file from running
+# alone at the end (the order of files is otherwise collection order).
+LONGEST_FIRST = (
+    "test_benchmarks.py",
+    "test_extract.py",
+    "test_demo.py",
+    "test_examples.py",
+    "test_delivery.py",
+    "test_soak.py",
+    "test_server_kill.py",
+    "test_offline.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long variant: run with --long")
