@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from benchmarks.common import (
     remove_tree_contents,
     table,
 )
+from hidden_state_connector.demo.serving import free_port
 
 NAME = "completion_order"
 TITLE = "7. Completion order: concurrent clients of a live vLLM server"
@@ -124,12 +124,6 @@ def reader_main(argv: list[str]) -> None:
 # ================================================================ driver side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _requests(count: int, seed: int) -> list[dict[str, Any]]:
     """Mixed prompt and output lengths; ``include_output_tokens`` on every other one."""
     out = []
@@ -215,7 +209,7 @@ def run(ctx: Context) -> dict[str, Any]:
         model=str(model_dir),
         out_dir=str(work / "hs"),
         layer_ids=LAYERS,
-        port=_free_port(),
+        port=free_port(),
         connector={"num_writer_threads": 4},
         vllm_args=[
             "--max-model-len", "2048",

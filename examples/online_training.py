@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -46,6 +45,7 @@ import torch
 from hidden_state_connector.client import complete_all
 from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
 from hidden_state_connector.demo.prompts import load_prompts
+from hidden_state_connector.demo.serving import free_port
 from hidden_state_connector.demo.tiny_model import build_tiny_model
 from hidden_state_connector.server import ServeOptions, VllmServer, default_layer_ids
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, pad_collate
@@ -97,12 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the tiny model is built once (shared with hidden-state demo)",
     )
     return parser.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def model_config(model: str) -> dict:

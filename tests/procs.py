@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 def start_together(
@@ -39,3 +42,71 @@ def start_together(
         for proc, _ in procs:
             proc.kill()
         raise
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# A separate process that takes and drops locks on request: what another reader or a
+# writer elsewhere does to the files under test.
+HOLDER = r"""
+import fcntl, os, sys
+from hidden_state_reader.format import WriterLock
+held = {}
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, _, path = line.rstrip("\n").partition(" ")
+    if cmd == "lock":
+        held[path] = WriterLock.create(path)
+    elif cmd == "flock":
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        held[path] = fd
+    elif cmd == "release":
+        h = held.pop(path)
+        h.release() if hasattr(h, "release") else os.close(h)
+    print(cmd + " " + path, flush=True)
+"""
+
+
+class LockHolder:
+    """Drives the HOLDER process; each call returns once the process has answered."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._line() == "ready"
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"lock holder died (rc={self.proc.poll()})"
+        return line.strip()
+
+    def _ask(self, cmd: str, path: Path) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{cmd} {path}\n")
+        self.proc.stdin.flush()
+        assert self._line() == f"{cmd} {path}"
+
+    def lock(self, data_path: Path) -> None:
+        self._ask("lock", data_path)
+
+    def flock(self, path: Path) -> None:
+        self._ask("flock", path)
+
+    def release(self, path: Path) -> None:
+        self._ask("release", path)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)

@@ -6,7 +6,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import threading
 from pathlib import Path
 
@@ -17,17 +16,12 @@ from hidden_state_connector.server import ServeOptions, VllmServer
 from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.format import SharedLock, read_status
 
+from procs import free_port
 from tools.relkit import HEALTH_TIMEOUT
 
 pytestmark = pytest.mark.vllm
 
 LAYERS = [1, 2, 4]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -22,58 +22,11 @@ from hidden_state_reader.cli.common import Progress
 from hidden_state_reader.cli.table import format_bytes, format_table
 from hidden_state_reader.format import WriterLock, encode_header, write_sample
 
+from procs import LockHolder
 from samples import make_tensors, write_samples, write_vllm_style
 
 PAST = time.time() - 3600
 CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
-
-HOLDER = r"""
-import sys
-from hidden_state_reader.format import WriterLock
-held = {}
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd, _, path = line.rstrip("\n").partition(" ")
-    if cmd == "lock":
-        held[path] = WriterLock.create(path)
-    else:
-        held.pop(path).release()
-    print(cmd + " " + path, flush=True)
-"""
-
-
-class LockHolder:
-    """A separate process holding writer locks; each call returns once it has answered."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        assert self._line() == "ready"
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"lock holder died (rc={self.proc.poll()})"
-        return line.strip()
-
-    def _ask(self, cmd: str, path: Path) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{cmd} {path}\n")
-        self.proc.stdin.flush()
-        assert self._line() == f"{cmd} {path}"
-
-    def lock(self, data_path: Path) -> None:
-        self._ask("lock", data_path)
-
-    def release(self, data_path: Path) -> None:
-        self._ask("release", data_path)
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
 
 @pytest.fixture(scope="module")
 def holder() -> Iterator[LockHolder]:

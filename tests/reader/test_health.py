@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from hidden_state_reader.health import (
     temp_owner_lock,
 )
 
+from procs import LockHolder
 from samples import make_tensors, write_samples, write_vllm_style
 
 PAST = time.time() - 3600
@@ -33,65 +32,6 @@ PAST = time.time() - 3600
 # A separate process that holds locks on request: "lock PATH" takes a WriterLock (as a
 # writer does), "flock PATH" creates PATH and flocks it LOCK_EX (a lock file in the
 # making), "release PATH" lets go. Every command is answered with one line.
-HOLDER = r"""
-import fcntl, os, sys
-from hidden_state_reader.format import WriterLock
-held = {}
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd, _, path = line.rstrip("\n").partition(" ")
-    if cmd == "lock":
-        held[path] = WriterLock.create(path)
-    elif cmd == "flock":
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        held[path] = fd
-    elif cmd == "release":
-        h = held.pop(path)
-        h.release() if hasattr(h, "release") else os.close(h)
-    print(cmd + " " + path, flush=True)
-"""
-
-
-class LockHolder:
-    """Drives the HOLDER process; each call returns once the process has answered."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLDER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self._line() == "ready"
-
-    def _line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"lock holder died (rc={self.proc.poll()})"
-        return line.strip()
-
-    def _ask(self, cmd: str, path: Path) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{cmd} {path}\n")
-        self.proc.stdin.flush()
-        assert self._line() == f"{cmd} {path}"
-
-    def lock(self, data_path: Path) -> None:
-        self._ask("lock", data_path)
-
-    def flock(self, path: Path) -> None:
-        self._ask("flock", path)
-
-    def release(self, path: Path) -> None:
-        self._ask("release", path)
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def holder() -> Iterator[LockHolder]:
     h = LockHolder()

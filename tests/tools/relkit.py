@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import torch
 
 from hidden_state_reader.format import LockState, classify, probe
 from hidden_state_reader.format.names import Kind
+
+from procs import free_port
 
 # A live server answers /health at once; on a loaded machine it may take seconds.
 HEALTH_TIMEOUT = 30.0
@@ -198,13 +199,6 @@ def log_count(server: Any, text: str, at_least: int, timeout: float = 15.0) -> i
 
 
 # -- processes -----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def process_tree(pid: int) -> list[Any]:
