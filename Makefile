@@ -48,7 +48,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/hidden-state demo $(DEMO_ARGS)

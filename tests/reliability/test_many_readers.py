@@ -53,7 +53,7 @@ from tools.relkit import TOOLS, Figures
 
 READERS = 8
 PLAN = {  # samples, writing seconds
-    False: (10_000, 30.0),
+    False: (4_000, 15.0),
     True: (50_000, 150.0),
 }
 WRITERS = 2
