@@ -93,16 +93,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    args.scratch.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(quick=args.quick, scratch=args.scratch, cache=args.scratch / "models")
-    ctx.cache.mkdir(exist_ok=True)
-    mode = "quick" if args.quick else "full"
-    log(f"{mode} run of {', '.join(args.names)}; scratch {args.scratch}, output {args.out}")
-    started = time.time()
-    run_info: dict[str, Any] = {
+def _run_info(
+    args: argparse.Namespace, argv: list[str] | None, mode: str, started: float
+) -> dict[str, Any]:
+    """The run's header for the JSON: command, start time, machine, versions, load."""
+    return {
         "mode": mode,
         "command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
@@ -110,37 +105,38 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions(),
         "busy_processes_at_start": busy_processes(),
     }
-    results: dict[str, Any] = {}
-    failed = []
-    other = OtherLoad()
-    cores = os.cpu_count() or 1
-    for name in args.names:
-        module = importlib.import_module(f"benchmarks.{name}")
-        log(f"== {module.TITLE}")
-        t0 = time.perf_counter()
-        load_start = os.getloadavg()[0]
-        other_start = other.read()
-        try:
-            result = module.run(ctx)
-        except Exception as exc:
-            log(f"{name} FAILED: {exc!r}")
-            result = {"error": "".join(traceback.format_exception(exc))[-4000:], "goals": []}
-            failed.append(name)
-        result["seconds"] = time.perf_counter() - t0
-        result["loadavg_1min"] = [round(load_start, 2), round(os.getloadavg()[0], 2)]
-        # Share of the machine's CPU time that other processes took while this ran.
-        result["other_cpu_share"] = (other.read() - other_start) / (result["seconds"] * cores)
-        result["mode"] = mode
-        result["measured"] = time.strftime("%Y-%m-%d %H:%M")
-        results[name] = result
-        log(f"{name}: done in {result['seconds']:.0f} s")
-    other.stop()
-    run_info["seconds"] = time.time() - started
-    run_info["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    run_info["busy_processes_at_end"] = busy_processes()
-    run_info["benchmarks_run"] = args.names
 
-    json_path = args.out / "benchmarks.json"
+
+def _run_one(
+    name: str, ctx: Context, mode: str, other: OtherLoad, cores: int
+) -> tuple[dict[str, Any], bool]:
+    """Run benchmark ``name``; return its result (with timing and load) and whether it failed."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    log(f"== {module.TITLE}")
+    t0 = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    other_start = other.read()
+    failed = False
+    try:
+        result = module.run(ctx)
+    except Exception as exc:
+        log(f"{name} FAILED: {exc!r}")
+        result = {"error": "".join(traceback.format_exception(exc))[-4000:], "goals": []}
+        failed = True
+    result["seconds"] = time.perf_counter() - t0
+    result["loadavg_1min"] = [round(load_start, 2), round(os.getloadavg()[0], 2)]
+    # Share of the machine's CPU time that other processes took while this ran.
+    result["other_cpu_share"] = (other.read() - other_start) / (result["seconds"] * cores)
+    result["mode"] = mode
+    result["measured"] = time.strftime("%Y-%m-%d %H:%M")
+    log(f"{name}: done in {result['seconds']:.0f} s")
+    return result, failed
+
+
+def _merge_doc(
+    args: argparse.Namespace, json_path: Path, run_info: dict[str, Any], results: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON document: this run's results over what earlier ``--only`` runs kept."""
     doc: dict[str, Any] = {"schema": 1, "run": run_info, "benchmarks": {}}
     if args.only and json_path.exists():
         # Keep what earlier runs measured for the benchmarks not run now.
@@ -152,6 +148,35 @@ def main(argv: list[str] | None = None) -> int:
             pass
     doc["benchmarks"].update(results)
     doc["benchmarks"] = {n: doc["benchmarks"][n] for n in BENCHMARKS if n in doc["benchmarks"]}
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.scratch.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(quick=args.quick, scratch=args.scratch, cache=args.scratch / "models")
+    ctx.cache.mkdir(exist_ok=True)
+    mode = "quick" if args.quick else "full"
+    log(f"{mode} run of {', '.join(args.names)}; scratch {args.scratch}, output {args.out}")
+    started = time.time()
+    run_info = _run_info(args, argv, mode, started)
+    results: dict[str, Any] = {}
+    failed = []
+    other = OtherLoad()
+    cores = os.cpu_count() or 1
+    for name in args.names:
+        results[name], did_fail = _run_one(name, ctx, mode, other, cores)
+        if did_fail:
+            failed.append(name)
+    other.stop()
+    run_info["seconds"] = time.time() - started
+    run_info["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    run_info["busy_processes_at_end"] = busy_processes()
+    run_info["benchmarks_run"] = args.names
+
+    json_path = args.out / "benchmarks.json"
+    doc = _merge_doc(args, json_path, run_info, results)
     json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     md_path = args.out / "benchmarks.md"
     md_path.write_text(render_markdown(doc))
