@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Context, fmt, log, median, rotate, spread, table
@@ -77,6 +78,50 @@ def _profile(root: Any, collate: str, top: int = 8) -> list[dict[str, Any]]:
     return rows[:top]
 
 
+def _measure(
+    work: Path, configs: list[tuple[int, bool, str]], rounds: int, count: int
+) -> tuple[dict[str, list[dict[str, Any]]], list[float]]:
+    """Time every loader config per round (rotated), plus a reader pass per round.
+
+    Returns the epochs per config key and the reader-loop pass times.
+    """
+    per: dict[str, list[dict[str, Any]]] = {}
+    reader_times: list[float] = []
+    for r in range(rounds):
+        t = time.perf_counter()
+        pass_reader(work)
+        reader_times.append(time.perf_counter() - t)
+        for workers, pin, collate in rotate(configs, r):
+            key = f"workers={workers} pin_memory={pin} {collate}"
+            res = _epoch(work, workers, pin, collate)
+            if res["samples"] != count:
+                raise RuntimeError(f"{key}: {res['samples']} of {count} samples")
+            per.setdefault(key, []).append(res)
+            log(
+                f"dataloader: round {r + 1}/{rounds} {key:32s} "
+                f"{res['samples'] / res['seconds']:7.1f} samples/s"
+            )
+    return per, reader_times
+
+
+def _summarise(
+    per: dict[str, list[dict[str, Any]]], nbytes: int, reader_sps: float
+) -> dict[str, dict[str, Any]]:
+    """Medians (and spread of samples/s) of each config's epochs."""
+    summary = {}
+    for key, rows in per.items():
+        sps = [r["samples"] / r["seconds"] for r in rows]
+        summary[key] = {
+            "samples_s": spread(sps),
+            "tokens_s": median([r["tokens"] / r["seconds"] for r in rows]),
+            "gb_s": median([nbytes / r["seconds"] / 1e9 for r in rows]),
+            "first_batch_s": median([r["first_batch_s"] for r in rows]),
+            "padding_fraction": 1 - median([r["tokens"] / r["token_slots"] for r in rows]),
+            "vs_reader_loop": median(sps) / reader_sps,
+        }
+    return summary
+
+
 def run(ctx: Context) -> dict[str, Any]:
     import random
 
@@ -100,35 +145,10 @@ def run(ctx: Context) -> dict[str, Any]:
         (2, True, "pad"),
     ]
     rounds = ctx.pick(1, 2)
-    per: dict[str, list[dict[str, Any]]] = {}
-    reader_times: list[float] = []
-    for r in range(rounds):
-        t = time.perf_counter()
-        pass_reader(work)
-        reader_times.append(time.perf_counter() - t)
-        for workers, pin, collate in rotate(configs, r):
-            key = f"workers={workers} pin_memory={pin} {collate}"
-            res = _epoch(work, workers, pin, collate)
-            if res["samples"] != count:
-                raise RuntimeError(f"{key}: {res['samples']} of {count} samples")
-            per.setdefault(key, []).append(res)
-            log(
-                f"dataloader: round {r + 1}/{rounds} {key:32s} "
-                f"{res['samples'] / res['seconds']:7.1f} samples/s"
-            )
+    per, reader_times = _measure(work, configs, rounds, count)
     reader_sps = count / median(reader_times)
     profiles = {collate: _profile(work, collate) for collate in ("pad", "pack")}
-    summary = {}
-    for key, rows in per.items():
-        sps = [r["samples"] / r["seconds"] for r in rows]
-        summary[key] = {
-            "samples_s": spread(sps),
-            "tokens_s": median([r["tokens"] / r["seconds"] for r in rows]),
-            "gb_s": median([nbytes / r["seconds"] / 1e9 for r in rows]),
-            "first_batch_s": median([r["first_batch_s"] for r in rows]),
-            "padding_fraction": 1 - median([r["tokens"] / r["token_slots"] for r in rows]),
-            "vs_reader_loop": median(sps) / reader_sps,
-        }
+    summary = _summarise(per, nbytes, reader_sps)
     return {
         "setup": {
             "samples": count,
