@@ -269,6 +269,36 @@ def _measure(
     return times
 
 
+def _add_condition(
+    entry: dict[str, Any],
+    name: str,
+    cond: str,
+    times: dict[str, list[float]],
+    count: int,
+    nbytes: int,
+    methods: tuple[str, ...],
+) -> list[dict[str, Any]]:
+    """Store one cache condition's speeds and ratios in ``entry``; return its goals."""
+    entry[cond] = {
+        m: {
+            "seconds": spread(ts),
+            "samples_s": count / median(ts),
+            "gb_s": nbytes / median(ts) / 1e9,
+        }
+        for m, ts in times.items()
+    }
+    ratios = {
+        other: median([b / a for a, b in zip(times["reader"], times[other], strict=True)])
+        for other in methods[1:]
+    }
+    entry[cond + "_ratios"] = ratios
+    naive = min(ratios["naive flock"], ratios["naive poll"])
+    return [
+        goal(f"reader ({name} files, {cond}) / raw loop", ratios["raw"], GOAL_RAW),
+        goal(f"reader ({name} files, {cond}) / faster naive loop", naive, GOAL_NAIVE),
+    ]
+
+
 def run(ctx: Context) -> dict[str, Any]:
     work = ctx.workdir("reader")
     datasets = {
@@ -312,26 +342,7 @@ def run(ctx: Context) -> dict[str, Any]:
         for cond, times in (("warm", warm), ("cold", cold)):
             if times is None:
                 continue
-            entry[cond] = {
-                m: {
-                    "seconds": spread(ts),
-                    "samples_s": count / median(ts),
-                    "gb_s": nbytes / median(ts) / 1e9,
-                }
-                for m, ts in times.items()
-            }
-            ratios = {
-                other: median([b / a for a, b in zip(times["reader"], times[other], strict=True)])
-                for other in methods[1:]
-            }
-            entry[cond + "_ratios"] = ratios
-            result["goals"].append(
-                goal(f"reader ({name} files, {cond}) / raw loop", ratios["raw"], GOAL_RAW)
-            )
-            naive = min(ratios["naive flock"], ratios["naive poll"])
-            result["goals"].append(
-                goal(f"reader ({name} files, {cond}) / faster naive loop", naive, GOAL_NAIVE)
-            )
+            result["goals"] += _add_condition(entry, name, cond, times, count, nbytes, methods)
         result["datasets"][name] = entry
     result["cold_refused"] = cold_refused
     result["rounds"] = {"warm": warm_rounds, "cold": cold_rounds}
@@ -396,57 +407,64 @@ def findings(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def _dataset_intro(res: dict[str, Any], name: str, d: dict[str, Any]) -> str:
+    """The paragraph that describes one dataset and how it was measured."""
+    lengths = d["token_lengths"]
+    return (
+        f"**{name} files**: {d['files']} samples of {', '.join(map(str, lengths))} "
+        f"tokens \u00d7 {d['layers']} layers \u00d7 {d['hidden']} hidden (bf16), "
+        f"{d['tensor_bytes'] / 1e9:.2f} GB of tensors "
+        f"({d['file_bytes'] / d['files'] / 2**20:.2f} MiB per file on average). "
+        f"{res['rounds']['warm']} warm and {res['rounds']['cold']} cold rounds. GB/s and "
+        "samples/s come from the median pass time; the reader's speed-up is the median of "
+        "per-round ratios (each round times every method once, in rotating order). Rows "
+        "below the naive loops are references (no goal): see the findings."
+    )
+
+
+def _dataset_table(d: dict[str, Any]) -> str:
+    """One dataset's table: every method under every cache condition measured."""
+    rows = []
+    for cond in ("warm", "cold"):
+        if cond not in d:
+            continue
+        ratios = d[cond + "_ratios"]
+        for method in METHODS:
+            if method not in d[cond]:
+                continue
+            m = d[cond][method]
+            s = m["seconds"]
+            rows.append(
+                [
+                    cond,
+                    method,
+                    m["samples_s"],
+                    m["gb_s"],
+                    f"{fmt(s['median'])} ({fmt(s['min'])}\u2013{fmt(s['max'])})",
+                    1.0 if method == "reader" else ratios[method],
+                ]
+            )
+    return table(
+        [
+            "cache",
+            "method",
+            "samples/s",
+            "GB/s",
+            "s per pass (min\u2013max)",
+            "reader's speed \u00f7 this method's",
+        ],
+        rows,
+    )
+
+
 def render(res: dict[str, Any]) -> str:
     out = []
     if res.get("cold_refused"):
         refused = res["cold_refused"]
         out += [f"Cold runs skipped: dropping the page cache was refused ({refused}).", ""]
     for name, d in res["datasets"].items():
-        lengths = d["token_lengths"]
-        out += [
-            f"**{name} files**: {d['files']} samples of {', '.join(map(str, lengths))} "
-            f"tokens \u00d7 {d['layers']} layers \u00d7 {d['hidden']} hidden (bf16), "
-            f"{d['tensor_bytes'] / 1e9:.2f} GB of tensors "
-            f"({d['file_bytes'] / d['files'] / 2**20:.2f} MiB per file on average). "
-            f"{res['rounds']['warm']} warm and {res['rounds']['cold']} cold rounds. GB/s and "
-            "samples/s come from the median pass time; the reader's speed-up is the median of "
-            "per-round ratios (each round times every method once, in rotating order). Rows "
-            "below the naive loops are references (no goal): see the findings.",
-            "",
-        ]
-        rows = []
-        for cond in ("warm", "cold"):
-            if cond not in d:
-                continue
-            ratios = d[cond + "_ratios"]
-            for method in METHODS:
-                if method not in d[cond]:
-                    continue
-                m = d[cond][method]
-                s = m["seconds"]
-                rows.append(
-                    [
-                        cond,
-                        method,
-                        m["samples_s"],
-                        m["gb_s"],
-                        f"{fmt(s['median'])} ({fmt(s['min'])}\u2013{fmt(s['max'])})",
-                        1.0 if method == "reader" else ratios[method],
-                    ]
-                )
-        out.append(
-            table(
-                [
-                    "cache",
-                    "method",
-                    "samples/s",
-                    "GB/s",
-                    "s per pass (min\u2013max)",
-                    "reader's speed \u00f7 this method's",
-                ],
-                rows,
-            )
-        )
+        out += [_dataset_intro(res, name, d), ""]
+        out.append(_dataset_table(d))
         prof = d.get("profile_reader_warm") or []
         if prof:
             out += [
