@@ -64,7 +64,8 @@ def _goals(benchmarks: dict[str, Any]) -> str:
     return table(["benchmark", "metric", "measured", "goal", "met", "miss"], rows)
 
 
-def render_markdown(doc: dict[str, Any]) -> str:
+def _intro(doc: dict[str, Any]) -> list[str]:
+    """The title, the run's description, the machine table and the goals table."""
     run = doc["run"]
     benchmarks = doc["benchmarks"]
     full = [
@@ -110,6 +111,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
         _goals(benchmarks),
         "",
     ]
+    return out
+
+
+def _findings(benchmarks: dict[str, Any]) -> list[str]:
+    """The "Findings" section's lines (none when no benchmark has findings)."""
     findings = []
     for name in BENCHMARKS:
         res = benchmarks.get(name)
@@ -121,44 +127,58 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 findings += module.findings(res)
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
                 findings.append(f"{name}: no findings ({type(exc).__name__}: {exc})")
-    if findings:
-        out += ["## Findings", ""] + [f"- {f}" for f in findings] + [""]
-    for name in BENCHMARKS:
-        res = benchmarks.get(name)
-        module = importlib.import_module(f"benchmarks.{name}")
-        out += [f"## {module.TITLE}", ""]
-        if res is None:
-            out += ["Not measured yet: `python -m benchmarks --only " + name + "`.", ""]
-            continue
-        load = res.get("loadavg_1min")
-        share = res.get("other_cpu_share")
-        cores = run["machine"].get("cores") or 1
-        load_text = f"; 1-minute load average {load[0]} at start, {load[1]} at end" if load else ""
-        share_text = (
-            f"; processes outside the benchmark used {share:.0%} of the {cores} CPUs meanwhile"
-            if share is not None
-            else ""
-        )
+    if not findings:
+        return []
+    return ["## Findings", ""] + [f"- {f}" for f in findings] + [""]
+
+
+def _section(name: str, res: dict[str, Any] | None, run: dict[str, Any]) -> list[str]:
+    """One benchmark's section: title, when and how it was measured, its rendered result."""
+    out: list[str] = []
+    module = importlib.import_module(f"benchmarks.{name}")
+    out += [f"## {module.TITLE}", ""]
+    if res is None:
+        out += ["Not measured yet: `python -m benchmarks --only " + name + "`.", ""]
+        return out
+    load = res.get("loadavg_1min")
+    share = res.get("other_cpu_share")
+    cores = run["machine"].get("cores") or 1
+    load_text = f"; 1-minute load average {load[0]} at start, {load[1]} at end" if load else ""
+    share_text = (
+        f"; processes outside the benchmark used {share:.0%} of the {cores} CPUs meanwhile"
+        if share is not None
+        else ""
+    )
+    out += [
+        f"*Measured {res.get('measured', '?')}, {res.get('mode', '?')} mode, "
+        f"{res.get('seconds', 0):.0f} s{load_text}{share_text}.*",
+        "",
+    ]
+    if share is not None and share > NOISY_SHARE:
         out += [
-            f"*Measured {res.get('measured', '?')}, {res.get('mode', '?')} mode, "
-            f"{res.get('seconds', 0):.0f} s{load_text}{share_text}.*",
+            f"> **Noisy**: other processes took {share:.0%} of the CPUs while this ran "
+            "(see the machine table), so this section's numbers, its tails and extremes "
+            "most of all, are less reliable than usual. Re-run it on a quiet machine with "
+            f"`python -m benchmarks --only {name}`.",
             "",
         ]
-        if share is not None and share > NOISY_SHARE:
-            out += [
-                f"> **Noisy**: other processes took {share:.0%} of the CPUs while this ran "
-                "(see the machine table), so this section's numbers, its tails and extremes "
-                "most of all, are less reliable than usual. Re-run it on a quiet machine with "
-                f"`python -m benchmarks --only {name}`.",
-                "",
-            ]
-        if "error" in res:
-            out += ["**The benchmark failed:**", "", "```", res["error"].rstrip(), "```", ""]
-            continue
-        try:
-            out += [module.render(res), ""]
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-            # E.g. a section kept by --only from a run of an older version of this module.
-            out += [f"(cannot render this result: {type(exc).__name__}: {exc}; re-run it)", ""]
+    if "error" in res:
+        out += ["**The benchmark failed:**", "", "```", res["error"].rstrip(), "```", ""]
+        return out
+    try:
+        out += [module.render(res), ""]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        # E.g. a section kept by --only from a run of an older version of this module.
+        out += [f"(cannot render this result: {type(exc).__name__}: {exc}; re-run it)", ""]
+    return out
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    run = doc["run"]
+    benchmarks = doc["benchmarks"]
+    out = _intro(doc)
+    out += _findings(benchmarks)
+    for name in BENCHMARKS:
+        out += _section(name, benchmarks.get(name), run)
     out.append(GPU_SUMMARY.read_text())
     return "\n".join(out)
