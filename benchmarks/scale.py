@@ -66,12 +66,9 @@ def writer_main(argv: list[str]) -> None:
     )
 
 
-def follower_main(argv: list[str]) -> None:
-    directory, count, bucket = Path(argv[0]), int(argv[1]), int(argv[2])
+def _count_overflows() -> list[float]:
+    """Watch watchdog's log for overflow reports; the list gets one time per report."""
     import logging
-    import threading
-
-    import psutil
 
     overflows: list[float] = []
 
@@ -81,33 +78,40 @@ def follower_main(argv: list[str]) -> None:
                 overflows.append(time.perf_counter())
 
     logging.getLogger("watchdog").addHandler(CountOverflows())
+    return overflows
 
-    from hidden_state_reader import HiddenStateReader
 
-    proc = psutil.Process()
-    reader = HiddenStateReader(directory, follow=True, idle_timeout=120, max_samples=count)
-    rss0 = proc.memory_info().rss
+def _thread_cpu(proc: Any, main_tid: int) -> tuple[float, float]:
+    """CPU seconds so far of the consumer (this) thread and of watchdog's threads."""
+    import threading
+
+    watchdog_tids = {
+        t.native_id
+        for t in threading.enumerate()
+        if type(t).__module__.startswith("watchdog") and t.native_id is not None
+    }
+    main = watchdog = 0.0
+    for th in proc.threads():
+        if th.id == main_tid:
+            main += th.user_time + th.system_time
+        elif th.id in watchdog_tids:
+            watchdog += th.user_time + th.system_time
+    return main, watchdog
+
+
+def _follow(
+    reader: Any, proc: Any, count: int, bucket: int, overflows: list[float]
+) -> tuple[int, float, list[dict[str, Any]]]:
+    """Iterate the follow-mode reader, one row of costs per ``bucket`` samples.
+
+    Returns the samples yielded, when the ``count``-th came (monotonic) and the rows.
+    """
+    import threading
+
     main_tid = threading.get_native_id()
-
-    def thread_cpu() -> tuple[float, float]:
-        """CPU seconds so far of the consumer (this) thread and of watchdog's threads."""
-        watchdog_tids = {
-            t.native_id
-            for t in threading.enumerate()
-            if type(t).__module__.startswith("watchdog") and t.native_id is not None
-        }
-        main = watchdog = 0.0
-        for th in proc.threads():
-            if th.id == main_tid:
-                main += th.user_time + th.system_time
-            elif th.id in watchdog_tids:
-                watchdog += th.user_time + th.system_time
-        return main, watchdog
-
-    print("following", flush=True)
     rows = []
     t_prev, cpu_prev = time.perf_counter(), time.process_time()
-    main_prev, watchdog_prev = thread_cpu()
+    main_prev, watchdog_prev = _thread_cpu(proc, main_tid)
     n = 0
     t_last = float("nan")
     for sample in reader:
@@ -117,7 +121,7 @@ def follower_main(argv: list[str]) -> None:
             t_last = time.monotonic()
         if n % bucket == 0:
             t, cpu = time.perf_counter(), time.process_time()
-            main, watchdog = thread_cpu()
+            main, watchdog = _thread_cpu(proc, main_tid)
             source = reader._source
             rows.append(
                 {
@@ -135,6 +139,23 @@ def follower_main(argv: list[str]) -> None:
                 }
             )
             t_prev, cpu_prev, main_prev, watchdog_prev = t, cpu, main, watchdog
+    return n, t_last, rows
+
+
+def follower_main(argv: list[str]) -> None:
+    directory, count, bucket = Path(argv[0]), int(argv[1]), int(argv[2])
+    import psutil
+
+    overflows = _count_overflows()
+
+    from hidden_state_reader import HiddenStateReader
+
+    proc = psutil.Process()
+    reader = HiddenStateReader(directory, follow=True, idle_timeout=120, max_samples=count)
+    rss0 = proc.memory_info().rss
+
+    print("following", flush=True)
+    n, t_last, rows = _follow(reader, proc, count, bucket, overflows)
     source = reader._source
     print(
         json.dumps(
@@ -283,10 +304,8 @@ def _n(count: int | None, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def findings(res: dict[str, Any]) -> list[str]:
-    """Data-driven conclusions for the report's findings list."""
-    runs, scan, setup = res["runs"], res["scan"], res["setup"]
-    shipped = runs[SHIPPED]
+def _consumer_finding(shipped: dict[str, Any], scan: dict[str, Any], setup: dict[str, Any]) -> str:
+    """The finding on the reader's own CPU per sample as the directory grows, and the scan."""
     b = setup["bucket_samples"]
     buckets = shipped["buckets"]
     per_bucket = [r["consumer_cpu_s"] / b * 1e6 for r in buckets]
@@ -321,7 +340,13 @@ def findings(res: dict[str, Any]) -> list[str]:
         f"{scan['bytes_per_tracked_sample']:.0f} bytes of memory per tracked sample "
         "(`tracemalloc`)."
     )
-    out = [text]
+    return text
+
+
+def _watchdog_finding(shipped: dict[str, Any], setup: dict[str, Any]) -> str:
+    """The finding on watchdog's CPU, the writer's and follower's rates and the overflows."""
+    b = setup["bucket_samples"]
+    buckets = shipped["buckets"]
     writer = shipped["writer"]
     overflows = shipped.get("inotify_overflows") or 0
     text = (
@@ -364,26 +389,19 @@ def findings(res: dict[str, Any]) -> list[str]:
             f"overflowed; the follower scanned the directory {_n(rescans, 'time')} in all "
             "(the initial scan included)."
         )
-    out.append(text)
-    return out
+    return text
 
 
-def render(res: dict[str, Any]) -> str:
-    s = res["setup"]
-    b = s["bucket_samples"]
-    scan = res["scan"]
-    out = [
-        f"{s['samples']:,} samples of {s['sample_shape'][0]} tokens \u00d7 "
-        f"{s['sample_shape'][1]} layer \u00d7 {s['sample_shape'][2]} hidden, each with its "
-        f"lock file ({s['files_at_end']:,} files at the end), written by one writer process "
-        "as fast as it can while one follower process reads them with the reader's "
-        f"defaults (the two share the {s.get('cpus')} CPUs). inotify queue: "
-        f"{s['inotify_max_queued_events']} events. Per bucket of {s['bucket_files']:,} files "
-        f'({b:,} samples); "consumer" is the thread iterating the reader, "watchdog" '
-        'watchdog\'s threads (inotify reader, emitter, dispatcher), "all threads" the whole '
-        "follower process:",
-        "",
-    ]
+def findings(res: dict[str, Any]) -> list[str]:
+    """Data-driven conclusions for the report's findings list."""
+    runs, scan, setup = res["runs"], res["scan"], res["setup"]
+    shipped = runs[SHIPPED]
+    return [_consumer_finding(shipped, scan, setup), _watchdog_finding(shipped, setup)]
+
+
+def _bucket_table(res: dict[str, Any]) -> str:
+    """The per-bucket table: each follower's costs per sample as the directory grows."""
+    b = res["setup"]["bucket_samples"]
     rows = []
     for variant, run in res["runs"].items():
         for r in run["buckets"]:
@@ -402,59 +420,79 @@ def render(res: dict[str, Any]) -> str:
                     r["overflows"],
                 ]
             )
-    out.append(
-        table(
-            [
-                "follower",
-                "files so far",
-                "consumer CPU \u00b5s/sample",
-                "watchdog CPU \u00b5s/sample",
-                "all threads CPU \u00b5s/sample",
-                "wall \u00b5s/sample",
-                "bucket ended, s",
-                "RSS MB",
-                "names tracked",
-                "scans so far",
-                "overflows so far",
-            ],
-            rows,
-        )
+    return table(
+        [
+            "follower",
+            "files so far",
+            "consumer CPU \u00b5s/sample",
+            "watchdog CPU \u00b5s/sample",
+            "all threads CPU \u00b5s/sample",
+            "wall \u00b5s/sample",
+            "bucket ended, s",
+            "RSS MB",
+            "names tracked",
+            "scans so far",
+            "overflows so far",
+        ],
+        rows,
     )
+
+
+def _summary_table(res: dict[str, Any]) -> str:
+    """One row per follower: writer and follower rates, CPU, overflows, scans, lag, RSS."""
+    return table(
+        [
+            "follower",
+            "writer samples/s",
+            "writer done, s",
+            "follower samples/s overall",
+            "consumer CPU \u00b5s/sample",
+            "consumer CPU last \u00f7 first",
+            "watchdog CPU \u00b5s/sample (first bucket)",
+            "inotify overflows",
+            "scans",
+            "last sample after writer done, s",
+            "RSS growth bytes/sample",
+        ],
+        [
+            [
+                variant,
+                run["writer"]["count"] / run["writer"]["seconds"],
+                run["writer"]["seconds"],
+                run["yielded"] / run["elapsed_s"],
+                run["consumer_us_per_sample"],
+                run["consumer_cpu_last_over_first"],
+                f"{fmt(run['watchdog_us_per_sample'])} "
+                f"({fmt(run['watchdog_us_per_sample_first_bucket'])})",
+                run.get("inotify_overflows"),
+                run.get("rescans"),
+                run["lag_after_writer_s"],
+                run["rss_per_sample_bytes"],
+            ]
+            for variant, run in res["runs"].items()
+        ],
+    )
+
+
+def render(res: dict[str, Any]) -> str:
+    s = res["setup"]
+    b = s["bucket_samples"]
+    scan = res["scan"]
+    out = [
+        f"{s['samples']:,} samples of {s['sample_shape'][0]} tokens \u00d7 "
+        f"{s['sample_shape'][1]} layer \u00d7 {s['sample_shape'][2]} hidden, each with its "
+        f"lock file ({s['files_at_end']:,} files at the end), written by one writer process "
+        "as fast as it can while one follower process reads them with the reader's "
+        f"defaults (the two share the {s.get('cpus')} CPUs). inotify queue: "
+        f"{s['inotify_max_queued_events']} events. Per bucket of {s['bucket_files']:,} files "
+        f'({b:,} samples); "consumer" is the thread iterating the reader, "watchdog" '
+        'watchdog\'s threads (inotify reader, emitter, dispatcher), "all threads" the whole '
+        "follower process:",
+        "",
+    ]
+    out.append(_bucket_table(res))
     out.append("")
-    out.append(
-        table(
-            [
-                "follower",
-                "writer samples/s",
-                "writer done, s",
-                "follower samples/s overall",
-                "consumer CPU \u00b5s/sample",
-                "consumer CPU last \u00f7 first",
-                "watchdog CPU \u00b5s/sample (first bucket)",
-                "inotify overflows",
-                "scans",
-                "last sample after writer done, s",
-                "RSS growth bytes/sample",
-            ],
-            [
-                [
-                    variant,
-                    run["writer"]["count"] / run["writer"]["seconds"],
-                    run["writer"]["seconds"],
-                    run["yielded"] / run["elapsed_s"],
-                    run["consumer_us_per_sample"],
-                    run["consumer_cpu_last_over_first"],
-                    f"{fmt(run['watchdog_us_per_sample'])} "
-                    f"({fmt(run['watchdog_us_per_sample_first_bucket'])})",
-                    run.get("inotify_overflows"),
-                    run.get("rescans"),
-                    run["lag_after_writer_s"],
-                    run["rss_per_sample_bytes"],
-                ]
-                for variant, run in res["runs"].items()
-            ],
-        )
-    )
+    out.append(_summary_table(res))
     out += [
         "",
         '"bucket ended" and "writer done": seconds since the writer\'s first write (one '
