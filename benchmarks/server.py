@@ -329,6 +329,49 @@ class Engine:
         self._log.close()
 
 
+def _start_engines(
+    engines: dict[str, Engine], configs: list[str], model_dir: Path, work: Path, batch_tokens: int
+) -> None:
+    """Start one worker process per configuration into ``engines`` (the caller stops them)."""
+    for config in configs:
+        cmd = python_module(
+            "benchmarks.server",
+            "worker",
+            "--config",
+            config,
+            "--model",
+            str(model_dir),
+            "--out",
+            str(work / f"hs-{config}"),
+            "--dtype",
+            MODEL["dtype"],
+            "--layers",
+            ",".join(map(str, LAYERS)),
+            "--batch-tokens",
+            str(batch_tokens),
+        )
+        engines[config] = Engine(config, cmd, work / f"engine-{config}.log")
+
+
+def _measure(
+    engines: dict[str, Engine], configs: list[str], rounds: int, count: int, length: int
+) -> dict[str, list[dict[str, Any]]]:
+    """Run every configuration once per round (rotating order); each round's result per config."""
+    per: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    for r in range(rounds):
+        for config in rotate(configs, r):
+            engine = engines[config]
+            engine.send({"op": "run", "seed": r, "count": count, "length": length})
+            res = engine.wait_event(900)
+            per[config].append(res)
+            log(
+                f"server: round {r + 1}/{rounds} {config:8s} "
+                f"{res['tokens'] / res['generate_s']:8,.0f} tok/s generate, "
+                f"{res['tokens'] / res['published_s']:8,.0f} tok/s until published"
+            )
+    return per
+
+
 def run(ctx: Context) -> dict[str, Any]:
     work = ctx.workdir("server")
     configs = ctx.pick(["null", "ours"], ["none", "null", "discard", "ours-nocheck", "ours"])
@@ -355,24 +398,7 @@ def run(ctx: Context) -> dict[str, Any]:
         },
     }
     try:
-        for config in configs:
-            cmd = python_module(
-                "benchmarks.server",
-                "worker",
-                "--config",
-                config,
-                "--model",
-                str(model_dir),
-                "--out",
-                str(work / f"hs-{config}"),
-                "--dtype",
-                MODEL["dtype"],
-                "--layers",
-                ",".join(map(str, LAYERS)),
-                "--batch-tokens",
-                str(batch_tokens),
-            )
-            engines[config] = Engine(config, cmd, work / f"engine-{config}.log")
+        _start_engines(engines, configs, model_dir, work, batch_tokens)
         log(f"server: starting {len(configs)} engines ({', '.join(configs)}) in parallel")
         startup = {}
         for config, engine in engines.items():
@@ -383,18 +409,7 @@ def run(ctx: Context) -> dict[str, Any]:
         for engine in [] if ctx.quick else list(engines.values()):
             engine.send({"op": "run", "seed": 999, "count": max(2, count // 4), "length": length})
             engine.wait_event(600)
-        per: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
-        for r in range(rounds):
-            for config in rotate(configs, r):
-                engine = engines[config]
-                engine.send({"op": "run", "seed": r, "count": count, "length": length})
-                res = engine.wait_event(900)
-                per[config].append(res)
-                log(
-                    f"server: round {r + 1}/{rounds} {config:8s} "
-                    f"{res['tokens'] / res['generate_s']:8,.0f} tok/s generate, "
-                    f"{res['tokens'] / res['published_s']:8,.0f} tok/s until published"
-                )
+        per = _measure(engines, configs, rounds, count, length)
     finally:
         for engine in engines.values():
             engine.stop()
@@ -403,38 +418,44 @@ def run(ctx: Context) -> dict[str, Any]:
     return result
 
 
+def _config_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's rates, bytes, CPU per process and thread, errors and load."""
+    gen = [r["tokens"] / r["generate_s"] for r in rounds]
+    e2e = [r["tokens"] / r["published_s"] for r in rounds]
+    cpu_procs: dict[str, list[float]] = {}
+    for r in rounds:
+        for role, secs in r["cpu"]["procs"].items():
+            cpu_procs.setdefault(role, []).append(secs)
+    return {
+        "generate_tok_s": spread(gen),
+        "published_tok_s": spread(e2e),
+        "bytes_per_round": median([r["bytes_written"] for r in rounds]),
+        "write_gb_s": median([r["bytes_written"] / r["published_s"] / 1e9 for r in rounds]),
+        "cpu_s_per_round": {k: median(v) for k, v in cpu_procs.items()},
+        "worker_main_thread_s": median([r["cpu"]["worker_main_thread_s"] for r in rounds]),
+        "worker_other_threads_s": median([r["cpu"]["worker_other_threads_s"] for r in rounds]),
+        "worker_threads_total": rounds[-1]["cpu"]["worker_threads_total"] if rounds else 0,
+        "busiest_worker_threads": rounds[-1]["cpu"]["worker_threads"] if rounds else [],
+        "errors": sorted({e for r in rounds for e in r["errors"]}),
+        "loadavg": spread([r["loadavg"] for r in rounds]),
+    }
+
+
+def _paired(per: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> float:
+    """Median over rounds of config ``a``'s tokens/s over ``b``'s (time from ``key``)."""
+    if a not in per or b not in per:
+        return float("nan")
+    ratios = [
+        (x["tokens"] / x[key]) / (y["tokens"] / y[key])
+        for x, y in zip(per[a], per[b], strict=False)
+    ]
+    return median(ratios)
+
+
 def _summarise(per: dict[str, list[dict[str, Any]]], configs: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for config in configs:
-        rounds = per[config]
-        gen = [r["tokens"] / r["generate_s"] for r in rounds]
-        e2e = [r["tokens"] / r["published_s"] for r in rounds]
-        cpu_procs: dict[str, list[float]] = {}
-        for r in rounds:
-            for role, secs in r["cpu"]["procs"].items():
-                cpu_procs.setdefault(role, []).append(secs)
-        summary[config] = {
-            "generate_tok_s": spread(gen),
-            "published_tok_s": spread(e2e),
-            "bytes_per_round": median([r["bytes_written"] for r in rounds]),
-            "write_gb_s": median([r["bytes_written"] / r["published_s"] / 1e9 for r in rounds]),
-            "cpu_s_per_round": {k: median(v) for k, v in cpu_procs.items()},
-            "worker_main_thread_s": median([r["cpu"]["worker_main_thread_s"] for r in rounds]),
-            "worker_other_threads_s": median([r["cpu"]["worker_other_threads_s"] for r in rounds]),
-            "worker_threads_total": rounds[-1]["cpu"]["worker_threads_total"] if rounds else 0,
-            "busiest_worker_threads": rounds[-1]["cpu"]["worker_threads"] if rounds else [],
-            "errors": sorted({e for r in rounds for e in r["errors"]}),
-            "loadavg": spread([r["loadavg"] for r in rounds]),
-        }
-
-    def paired(a: str, b: str, key: str) -> float:
-        if a not in per or b not in per:
-            return float("nan")
-        ratios = [
-            (x["tokens"] / x[key]) / (y["tokens"] / y[key])
-            for x, y in zip(per[a], per[b], strict=False)
-        ]
-        return median(ratios)
+        summary[config] = _config_summary(per[config])
 
     ratios = {}
     pairs = (
@@ -447,8 +468,8 @@ def _summarise(per: dict[str, list[dict[str, Any]]], configs: list[str]) -> dict
     for a, b in pairs:
         if a in per and b in per:
             ratios[f"{a}/{b}"] = {
-                "published": paired(a, b, "published_s"),
-                "generate": paired(a, b, "generate_s"),
+                "published": _paired(per, a, b, "published_s"),
+                "generate": _paired(per, a, b, "generate_s"),
                 "of_medians": summary[a]["published_tok_s"]["median"]
                 / summary[b]["published_tok_s"]["median"],
                 "per_round": [
@@ -525,6 +546,61 @@ def findings(res: dict[str, Any]) -> list[str]:
     return out
 
 
+def _config_table(setup: dict[str, Any], summary: dict[str, Any]) -> str:
+    """The main table: each configuration's tokens/s, write rate and CPU per round."""
+    rows = []
+    labels = {
+        "none": "no extraction",
+        "null": "extraction + null sink (baseline)",
+        "discard": "ours, data discarded (no disk)",
+        "ours-nocheck": "ours, check_nonfinite off",
+        "ours": "ours (HiddenStateConnector)",
+    }
+    for config in setup["configs"]:
+        s = summary[config]
+        g, p = s["generate_tok_s"], s["published_tok_s"]
+        cpu = s["cpu_s_per_round"]
+        rows.append(
+            [
+                labels.get(config, config),
+                f"{fmt(g['median'])} ({fmt(g['min'])}\u2013{fmt(g['max'])})",
+                f"{fmt(p['median'])} ({fmt(p['min'])}\u2013{fmt(p['max'])})",
+                fmt(s["write_gb_s"] * 1000) + " MB/s" if s["bytes_per_round"] else "\u2013",
+                f"{fmt(cpu.get('Worker', float('nan')))} / {fmt(s['worker_other_threads_s'])}",
+                fmt(cpu.get("EngineCore", float("nan"))),
+            ]
+        )
+    return table(
+        [
+            "configuration",
+            "tok/s, generate()",
+            "tok/s, until published",
+            "written",
+            "Worker CPU s/round (all / non-main threads)",
+            "EngineCore CPU s/round",
+        ],
+        rows,
+    )
+
+
+def _threads_note(summary: dict[str, Any]) -> list[str]:
+    """Lines on the busiest threads of the ``ours`` Worker process (none if not recorded)."""
+    ours = summary.get("ours", {})
+    threads = ours.get("busiest_worker_threads", [])
+    if threads:
+        desc = "; ".join(
+            f"{'main' if t['main'] else 'tid ' + str(t['tid'])}: {t['cpu_s']:.2f} s "
+            f"on CPUs {t['affinity']}"
+            for t in threads[:6]
+        )
+        return [
+            "",
+            f"Busiest threads of the `ours` Worker process in its last round "
+            f"({ours.get('worker_threads_total', 0)} threads): {desc}.",
+        ]
+    return []
+
+
 def render(res: dict[str, Any]) -> str:
     setup = res["setup"]
     model = res["model"]
@@ -547,42 +623,8 @@ def render(res: dict[str, Any]) -> str:
         "rounds varied 5\u00d7.",
         "",
     ]
-    rows = []
     summary = res["summary"]
-    labels = {
-        "none": "no extraction",
-        "null": "extraction + null sink (baseline)",
-        "discard": "ours, data discarded (no disk)",
-        "ours-nocheck": "ours, check_nonfinite off",
-        "ours": "ours (HiddenStateConnector)",
-    }
-    for config in setup["configs"]:
-        s = summary[config]
-        g, p = s["generate_tok_s"], s["published_tok_s"]
-        cpu = s["cpu_s_per_round"]
-        rows.append(
-            [
-                labels.get(config, config),
-                f"{fmt(g['median'])} ({fmt(g['min'])}\u2013{fmt(g['max'])})",
-                f"{fmt(p['median'])} ({fmt(p['min'])}\u2013{fmt(p['max'])})",
-                fmt(s["write_gb_s"] * 1000) + " MB/s" if s["bytes_per_round"] else "\u2013",
-                f"{fmt(cpu.get('Worker', float('nan')))} / {fmt(s['worker_other_threads_s'])}",
-                fmt(cpu.get("EngineCore", float("nan"))),
-            ]
-        )
-    out.append(
-        table(
-            [
-                "configuration",
-                "tok/s, generate()",
-                "tok/s, until published",
-                "written",
-                "Worker CPU s/round (all / non-main threads)",
-                "EngineCore CPU s/round",
-            ],
-            rows,
-        )
-    )
+    out.append(_config_table(setup, summary))
     out += ["", "Ratios (median of per-round ratios; each round pairs the configurations):", ""]
     out.append(
         table(
@@ -592,19 +634,7 @@ def render(res: dict[str, Any]) -> str:
     )
     startup = ", ".join(f"{k} {v:.0f} s" for k, v in res.get("startup_s", {}).items())
     out += ["", f"Engine start-up (parallel): {startup}."]
-    ours = summary.get("ours", {})
-    threads = ours.get("busiest_worker_threads", [])
-    if threads:
-        desc = "; ".join(
-            f"{'main' if t['main'] else 'tid ' + str(t['tid'])}: {t['cpu_s']:.2f} s "
-            f"on CPUs {t['affinity']}"
-            for t in threads[:6]
-        )
-        out += [
-            "",
-            f"Busiest threads of the `ours` Worker process in its last round "
-            f"({ours.get('worker_threads_total', 0)} threads): {desc}.",
-        ]
+    out += _threads_note(summary)
     return "\n".join(out)
 
 
