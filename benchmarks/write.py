@@ -254,8 +254,70 @@ def _settle(directory: Path) -> None:
     time.sleep(0.3)
 
 
-def run(ctx: Context) -> dict[str, Any]:
+def _cache_and_requests(
+    cache_blocks: int, layers: int, block: int, hidden: int, tokens: int, n_requests: int
+) -> tuple[Any, list[tuple[int, list[int]]]]:
+    """A random bf16 paged cache and ``n_requests`` requests of random block ids (seed 0)."""
     import torch
+
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(
+        (cache_blocks, layers, block, hidden), generator=gen, dtype=torch.float32
+    ).to(torch.bfloat16)
+    blocks_per_request = -(-tokens // block)
+    requests = []
+    for i in range(n_requests):
+        ids = torch.randperm(cache_blocks, generator=gen)[:blocks_per_request].tolist()
+        requests.append((tokens, ids))
+        del i
+    return cache, requests
+
+
+def _trials(
+    work: Path,
+    variants: dict[str, Variant],
+    names: list[str],
+    requests: list[tuple[int, list[int]]],
+    trials: int,
+    buf: memoryview,
+) -> tuple[dict[str, list[dict[str, Any]]], list[int], dict[str, Any]]:
+    """Warm up, then time every writer per trial (rotating order), then profile one trial.
+
+    Returns the trials per writer, the sizes of the files a trial writes and the profile.
+    """
+    n_requests = len(requests)
+    per: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    # Warm-up: one untimed pass of each connector variant (threads, slabs, allocator).
+    for variant in variants.values():
+        res = variant.trial(work, requests[: max(2, n_requests // 4)])
+        _settle(work)
+    probe = variants["connector"].trial(work, requests)
+    sizes = sorted(os.path.getsize(p) for p in work.glob("*.safetensors"))
+    total = sum(sizes)
+    _settle(work)
+    log(f"write: {n_requests} files of {sizes[0] / 2**20:.1f} MiB, {total / 1e9:.2f} GB/trial")
+    for t in range(trials):
+        for name in rotate(names, t):
+            if name == "raw":
+                res = raw_trial(work, total, buf)
+            elif name == "raw, same files":
+                res = raw_files_trial(work, sizes, buf)
+            else:
+                res = variants[name].trial(work, requests)
+            per[name].append(res)
+            _settle(work)
+            log(
+                f"write: trial {t + 1}/{trials} {name:32s} "
+                f"{res['bytes'] / res['durable_s'] / 1e9:6.2f} GB/s durable, "
+                f"{res['bytes'] / res['published_s'] / 1e9:6.2f} GB/s page cache"
+            )
+    profile = variants["connector"].profile(work, requests)
+    _settle(work)
+    del probe
+    return per, sizes, profile
+
+
+def run(ctx: Context) -> dict[str, Any]:
 
     from hidden_state_connector.engine.layout import CacheLayout
 
@@ -268,16 +330,7 @@ def run(ctx: Context) -> dict[str, Any]:
     host_budget = ctx.pick(256 * 2**20, 2 * 2**30)
     layout = CacheLayout(token_axis=2, block_size=block, num_layers=layers, hidden_size=hidden)
     log(f"write: building a {cache_blocks * block * layers * hidden * 2 / 2**20:.0f} MiB cache")
-    gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(
-        (cache_blocks, layers, block, hidden), generator=gen, dtype=torch.float32
-    ).to(torch.bfloat16)
-    blocks_per_request = -(-tokens // block)
-    requests = []
-    for i in range(n_requests):
-        ids = torch.randperm(cache_blocks, generator=gen)[:blocks_per_request].tolist()
-        requests.append((tokens, ids))
-        del i
+    cache, requests = _cache_and_requests(cache_blocks, layers, block, hidden, tokens, n_requests)
     defaults = {
         "num_writer_threads": 8,
         "host_buffer_bytes": host_budget,
@@ -294,59 +347,18 @@ def run(ctx: Context) -> dict[str, Any]:
     }
     buf = memoryview(os.urandom(RAW_BLOCK))
     names = ["raw", "raw, same files", *variants]
-    per: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    sizes: list[int] = []
     try:
-        # Warm-up: one untimed pass of each connector variant (threads, slabs, allocator).
-        for variant in variants.values():
-            res = variant.trial(work, requests[: max(2, n_requests // 4)])
-            _settle(work)
-        probe = variants["connector"].trial(work, requests)
-        sizes = sorted(os.path.getsize(p) for p in work.glob("*.safetensors"))
-        total = sum(sizes)
-        _settle(work)
-        log(f"write: {n_requests} files of {sizes[0] / 2**20:.1f} MiB, {total / 1e9:.2f} GB/trial")
-        for t in range(trials):
-            for name in rotate(names, t):
-                if name == "raw":
-                    res = raw_trial(work, total, buf)
-                elif name == "raw, same files":
-                    res = raw_files_trial(work, sizes, buf)
-                else:
-                    res = variants[name].trial(work, requests)
-                per[name].append(res)
-                _settle(work)
-                log(
-                    f"write: trial {t + 1}/{trials} {name:32s} "
-                    f"{res['bytes'] / res['durable_s'] / 1e9:6.2f} GB/s durable, "
-                    f"{res['bytes'] / res['published_s'] / 1e9:6.2f} GB/s page cache"
-                )
-        profile = variants["connector"].profile(work, requests)
-        _settle(work)
+        per, sizes, profile = _trials(work, variants, names, requests, trials, buf)
     finally:
         for variant in variants.values():
             variant.close()
         with contextlib.suppress(OSError):
             remove_tree_contents(work)
-    del probe
     return _summarise(per, profile, variant_settings, sizes, trials, layout, tokens)
 
 
-def _summarise(
-    per: dict[str, list[dict[str, Any]]],
-    profile: dict[str, Any],
-    variant_settings: dict[str, dict[str, Any]],
-    sizes: list[int],
-    trials: int,
-    layout: Any,
-    tokens: int,
-) -> dict[str, Any]:
-    summary = {}
-    for name, rows in per.items():
-        summary[name] = {
-            "durable_gb_s": spread([r["bytes"] / r["durable_s"] / 1e9 for r in rows]),
-            "page_cache_gb_s": spread([r["bytes"] / r["published_s"] / 1e9 for r in rows]),
-        }
+def _ratios(per: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Each connector variant against raw and the faster raw, and raw's two baselines."""
 
     def paired(a: str, b: str, key: str) -> float:
         return median(
@@ -379,6 +391,26 @@ def _summarise(
         "durable": paired("raw, same files", "raw", "durable_s"),
         "page_cache": paired("raw, same files", "raw", "published_s"),
     }
+    return ratios
+
+
+def _summarise(
+    per: dict[str, list[dict[str, Any]]],
+    profile: dict[str, Any],
+    variant_settings: dict[str, dict[str, Any]],
+    sizes: list[int],
+    trials: int,
+    layout: Any,
+    tokens: int,
+) -> dict[str, Any]:
+    summary = {}
+    for name, rows in per.items():
+        summary[name] = {
+            "durable_gb_s": spread([r["bytes"] / r["durable_s"] / 1e9 for r in rows]),
+            "page_cache_gb_s": spread([r["bytes"] / r["published_s"] / 1e9 for r in rows]),
+        }
+
+    ratios = _ratios(per)
     headline = ratios["connector / best raw"]["durable"]
     return {
         "setup": {
@@ -454,19 +486,8 @@ def findings(res: dict[str, Any]) -> list[str]:
     return out
 
 
-def render(res: dict[str, Any]) -> str:
-    setup = res["setup"]
-    out = [
-        f"{setup['files_per_trial']} samples of {setup['tokens_per_request']} tokens \u00d7 "
-        f"{setup['layers']} layers \u00d7 {setup['hidden']} hidden (bf16; "
-        f"{setup['file_bytes'] / 2**20:.1f} MiB per file, "
-        f"{setup['bytes_per_trial'] / 1e9:.2f} GB per trial), gathered from a "
-        f"{setup['cache_layout']} cache by `Extractor` and written by `WritePipeline` "
-        "(connector defaults: 8 writer threads, 16 MiB chunks; host buffers "
-        f"{setup['variants']['connector']['host_buffer_bytes'] / 2**30:g} GiB, touched "
-        f"before timing). {setup['trials']} trials per row, interleaved; medians (min\u2013max).",
-        "",
-    ]
+def _rate_table(res: dict[str, Any]) -> str:
+    """The main table: every writer's GB/s, durable and into the page cache, and ratios."""
     rows = []
     for name, s in res["summary"].items():
         d, p = s["durable_gb_s"], s["page_cache_gb_s"]
@@ -483,42 +504,61 @@ def render(res: dict[str, Any]) -> str:
                 best.get("page_cache"),
             ]
         )
-    out.append(
-        table(
-            [
-                "writer",
-                "GB/s durable",
-                "GB/s page cache",
-                "vs raw, durable",
-                "vs faster raw, durable",
-                "vs raw, cache",
-                "vs faster raw, cache",
-            ],
-            rows,
-        )
+    return table(
+        [
+            "writer",
+            "GB/s durable",
+            "GB/s page cache",
+            "vs raw, durable",
+            "vs faster raw, durable",
+            "vs raw, cache",
+            "vs faster raw, cache",
+        ],
+        rows,
     )
+
+
+def _profile_note(prof: dict[str, Any]) -> list[str]:
+    """The "where the time goes" table of the instrumented trial (none without a profile)."""
+    secs = prof.get("thread_seconds", {})
+    wall = prof["published_s"]
+    if not secs:
+        return []
+    return [
+        "",
+        f"Where the time goes (one instrumented trial of the default connector: "
+        f"{prof['bytes'] / 1e9:.2f} GB published in {wall:.2f} s, "
+        f"{prof['bytes'] / wall / 1e9:.2f} GB/s; seconds summed over threads, so "
+        "columns can exceed the wall time when threads overlap):",
+        "",
+        table(
+            ["stage", "thread-seconds", "per GB"],
+            [
+                [k, v, v / (prof["bytes"] / 1e9)]
+                for k, v in sorted(secs.items(), key=lambda kv: -kv[1])
+            ],
+        ),
+    ]
+
+
+def render(res: dict[str, Any]) -> str:
+    setup = res["setup"]
+    out = [
+        f"{setup['files_per_trial']} samples of {setup['tokens_per_request']} tokens \u00d7 "
+        f"{setup['layers']} layers \u00d7 {setup['hidden']} hidden (bf16; "
+        f"{setup['file_bytes'] / 2**20:.1f} MiB per file, "
+        f"{setup['bytes_per_trial'] / 1e9:.2f} GB per trial), gathered from a "
+        f"{setup['cache_layout']} cache by `Extractor` and written by `WritePipeline` "
+        "(connector defaults: 8 writer threads, 16 MiB chunks; host buffers "
+        f"{setup['variants']['connector']['host_buffer_bytes'] / 2**30:g} GiB, touched "
+        f"before timing). {setup['trials']} trials per row, interleaved; medians (min\u2013max).",
+        "",
+    ]
+    out.append(_rate_table(res))
     out += [
         "",
         '"vs faster raw": against the faster of the two raw baselines in the same trial '
         "(the goal's measure). Ratios are medians of per-trial ratios.",
     ]
-    prof = res["profile"]
-    secs = prof.get("thread_seconds", {})
-    wall = prof["published_s"]
-    if secs:
-        out += [
-            "",
-            f"Where the time goes (one instrumented trial of the default connector: "
-            f"{prof['bytes'] / 1e9:.2f} GB published in {wall:.2f} s, "
-            f"{prof['bytes'] / wall / 1e9:.2f} GB/s; seconds summed over threads, so "
-            "columns can exceed the wall time when threads overlap):",
-            "",
-            table(
-                ["stage", "thread-seconds", "per GB"],
-                [
-                    [k, v, v / (prof["bytes"] / 1e9)]
-                    for k, v in sorted(secs.items(), key=lambda kv: -kv[1])
-                ],
-            ),
-        ]
+    out += _profile_note(res["profile"])
     return "\n".join(out)
