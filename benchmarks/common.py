@@ -12,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -414,3 +414,11 @@ def remove_tree_contents(path: Path) -> None:
             else:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.path)
+
+
+def child_entry(role: str, entry: Callable[[list[str]], object], usage: str) -> None:
+    """A benchmark module's ``__main__``: run ``entry`` for ``python -m ... <role> ARGS``."""
+    if len(sys.argv) > 1 and sys.argv[1] == role:
+        entry(sys.argv[2:])
+    else:
+        raise SystemExit(usage)

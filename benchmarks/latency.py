@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 from benchmarks.common import (
     Context,
+    child_entry,
     child_env,
     fmt,
     goal,
@@ -357,7 +357,4 @@ def render(res: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "writer":
-        writer_main(sys.argv[2:])
-    else:
-        raise SystemExit("usage: python -m benchmarks.latency writer ... (internal)")
+    child_entry("writer", writer_main, "usage: python -m benchmarks.latency writer ... (internal)")

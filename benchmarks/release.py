@@ -30,6 +30,7 @@ from benchmarks.common import (
     REPO,
     Context,
     bench_model,
+    child_entry,
     child_env,
     fmt,
     goal,
@@ -274,7 +275,4 @@ def render(res: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "child":
-        child_main(sys.argv[2:])
-    else:
-        raise SystemExit("usage: python -m benchmarks.release child ... (internal)")
+    child_entry("child", child_main, "usage: python -m benchmarks.release child ... (internal)")

@@ -33,6 +33,7 @@ from typing import IO, Any
 from benchmarks.common import (
     Context,
     bench_model,
+    child_entry,
     child_env,
     fmt,
     goal,
@@ -639,7 +640,6 @@ def render(res: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker_main(sys.argv[2:])
-    else:
-        raise SystemExit("usage: python -m benchmarks.server worker --config ... (internal)")
+    child_entry(
+        "worker", worker_main, "usage: python -m benchmarks.server worker --config ... (internal)"
+    )

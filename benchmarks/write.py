@@ -318,7 +318,6 @@ def _trials(
 
 
 def run(ctx: Context) -> dict[str, Any]:
-
     from hidden_state_connector.engine.layout import CacheLayout
 
     work = ctx.workdir("write")
