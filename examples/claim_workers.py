@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from typing import Any
 
 import torch
 
@@ -100,16 +101,10 @@ def consume(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.worker is not None:
-        if not args.dir:
-            sys.exit("--worker needs --dir")
-        return consume(args)
-
-    directory = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="hs-claims-"))
-    os.makedirs(directory, exist_ok=True)
-    groups = ["default"] + [f"group{g}" for g in range(1, args.groups)]
+def start_consumers(
+    args: argparse.Namespace, directory: str, groups: list[str]
+) -> list[subprocess.Popen[str]]:
+    """Start ``args.workers`` consumer processes (this script with --worker) per group."""
     procs = []
     for group in groups:
         for worker in range(args.workers):
@@ -128,33 +123,37 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.step_time),
             ]
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
-    # No waiting for the consumers: like trainers next to a live server, they may start
-    # before, during or after the writing, and read what is already there when they do.
-    print(
-        f"started {len(procs)} consumers ({args.workers} per group, groups {groups}) "
-        f"on {directory}",
-        flush=True,
-    )
+    return procs
 
-    # The producer: here a loop of write_sample; in real life a vLLM server. Each file is
-    # published atomically under a lock, so a consumer never sees half of one.
+
+def produce(directory: str, num_samples: int) -> None:
+    """The producer: here a loop of write_sample; in real life a vLLM server.
+
+    Each file is published atomically under a lock, so a consumer never sees half of one.
+    """
     generator = torch.Generator().manual_seed(0)
-    for i in range(args.num_samples):
+    for i in range(num_samples):
         tokens = 4 + i % 13
         token_ids = torch.randint(0, 1000, (tokens,), generator=generator)
         hidden = torch.randn(tokens, 2, 64, generator=generator).bfloat16()
         write_sample(os.path.join(directory, f"hs_{i}.safetensors"), token_ids, hidden)
         time.sleep(0.05)  # a server produces samples over time, not all at once
-    print(f"wrote {args.num_samples} samples", flush=True)
 
+
+def collect(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    """Wait for every consumer and return the JSON summary each printed last."""
     results = []
     for proc in procs:
         out, _ = proc.communicate(timeout=120)
         if proc.returncode != 0:
             sys.exit(f"a consumer failed with exit status {proc.returncode}")
         results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
 
-    expected = {f"hs_{i}.safetensors" for i in range(args.num_samples)}
+
+def check_exactly_once(results: list[dict[str, Any]], groups: list[str], num_samples: int) -> bool:
+    """Print, per group, whether its consumers read each sample exactly once."""
+    expected = {f"hs_{i}.safetensors" for i in range(num_samples)}
     ok = True
     for group in groups:
         mine = [r for r in results if r["group"] == group]
@@ -169,6 +168,33 @@ def main(argv: list[str] | None = None) -> int:
             f"read twice {twice}, never read {missing}: "
             f"{'each sample exactly once, OK' if good else 'FAILED'}"
         )
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        if not args.dir:
+            sys.exit("--worker needs --dir")
+        return consume(args)
+
+    directory = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="hs-claims-"))
+    os.makedirs(directory, exist_ok=True)
+    groups = ["default"] + [f"group{g}" for g in range(1, args.groups)]
+    procs = start_consumers(args, directory, groups)
+    # No waiting for the consumers: like trainers next to a live server, they may start
+    # before, during or after the writing, and read what is already there when they do.
+    print(
+        f"started {len(procs)} consumers ({args.workers} per group, groups {groups}) "
+        f"on {directory}",
+        flush=True,
+    )
+
+    produce(directory, args.num_samples)
+    print(f"wrote {args.num_samples} samples", flush=True)
+
+    results = collect(procs)
+    ok = check_exactly_once(results, groups, args.num_samples)
     if not args.dir:
         shutil.rmtree(directory)  # the temporary directory: samples and claims
     return 0 if ok else 1

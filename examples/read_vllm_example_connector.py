@@ -46,6 +46,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -149,8 +150,8 @@ def run_vllm(directory: str, args: argparse.Namespace) -> None:
     print(f"vLLM's ExampleHiddenStatesConnector wrote {len(paths)} files to {directory}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def prepare_directory(args: argparse.Namespace) -> str:
+    """The directory to read, filled by vLLM or with demo files when asked (or needed)."""
     if args.run_vllm and not torch.cuda.is_available():
         sys.exit(
             "--run-vllm needs CUDA: vLLM's ExampleHiddenStatesConnector crashes on the CPU "
@@ -169,24 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     elif args.make_demo_files:
         make_demo_files(directory, args.make_demo_files)
 
-    # 1. HiddenStateReader: every complete sample of the directory, in natural name order.
-    #    (These files carry no layer metadata: select layers by position, layers=[0, -1],
-    #    not by id.)
-    samples = list(HiddenStateReader(directory, on_error="raise"))
-    print(f"HiddenStateReader read {len(samples)} samples")
-    for sample in samples[:3]:
-        print(
-            f"  {os.path.basename(sample.path)}: {sample.num_tokens} tokens, hidden_states "
-            f"{tuple(sample.hidden_states.shape)} {sample.hidden_states.dtype}"
-        )
+    return directory
 
-    # 2. The same tensors as vLLM's own loader.
+
+def same_as_vllm(samples: list[Any]) -> bool:
+    """Whether every sample equals vLLM's own ``load_hidden_states`` (True without vLLM)."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
             load_hidden_states,
         )
     except ImportError:
         print("vLLM is not installed: skipping the comparison with load_hidden_states")
+        return True
     else:
         same = 0
         for sample in samples:
@@ -200,8 +195,27 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"  DIFFERENT: {sample.path}")
         print(f"identical to vLLM's load_hidden_states: {same}/{len(samples)} files")
-        if same != len(samples):
-            return 1
+        return same == len(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    directory = prepare_directory(args)
+
+    # 1. HiddenStateReader: every complete sample of the directory, in natural name order.
+    #    (These files carry no layer metadata: select layers by position, layers=[0, -1],
+    #    not by id.)
+    samples = list(HiddenStateReader(directory, on_error="raise"))
+    print(f"HiddenStateReader read {len(samples)} samples")
+    for sample in samples[:3]:
+        print(
+            f"  {os.path.basename(sample.path)}: {sample.num_tokens} tokens, hidden_states "
+            f"{tuple(sample.hidden_states.shape)} {sample.hidden_states.dtype}"
+        )
+
+    # 2. The same tensors as vLLM's own loader.
+    if not same_as_vllm(samples):
+        return 1
 
     # 3. Batches for training: padded to the longest sample of each batch.
     loader = HiddenStateLoader(HiddenStateDataset(directory), batch_size=4, collate_fn=pad_collate)
