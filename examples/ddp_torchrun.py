@@ -136,13 +136,8 @@ def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
-def main() -> int:
-    args = parse_args()
-    if args.data is not None and args.vocab_size is None:
-        sys.exit("--data needs --vocab-size (the vocab_size of the model that wrote the data)")
-    vocab_size = args.vocab_size or SYNTHETIC_VOCAB
-    rank, world, device = setup(args)
-
+def prepare_data(args: argparse.Namespace, rank: int) -> tuple[str, str | None]:
+    """The data directory, and the one this run made (to remove at the end), if any."""
     data, made = args.data, None
     if data is None:
         # Rank 0 writes the data; everyone learns where and waits until it is there.
@@ -155,6 +150,62 @@ def main() -> int:
     # The static sample list is taken when the dataset is built: every rank must see the
     # same files then (hence the barrier after writing them).
     dist.barrier()
+    return data, made
+
+
+def train_epoch(
+    model: DistributedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    loader: HiddenStateLoader,
+    device: torch.device,
+) -> tuple[torch.Tensor, int, list[str]]:
+    """One epoch on this rank: (loss sum and step count, steps, sample names read)."""
+    names: list[str] = []
+    total, steps = torch.zeros(2, dtype=torch.float64), 0
+    for batch in loader:
+        names += [os.path.basename(p) for p in batch["paths"]]
+        logits = model(batch["hidden_states"].to(device))
+        loss = next_token_loss(
+            logits, {k: batch[k].to(device) for k in ("input_ids", "attention_mask")}
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP averages the gradients across ranks here
+        optimizer.step()
+        total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
+        steps += 1
+    return total, steps, names
+
+
+def report_epoch(
+    epoch: int,
+    total: torch.Tensor,
+    steps: int,
+    names: list[str],
+    rank: int,
+    world: int,
+    num_samples: int,
+) -> None:
+    """Logging only: the mean loss over all ranks, and what each rank read."""
+    dist.all_reduce(total)
+    per_rank: list = [None] * world
+    dist.all_gather_object(per_rank, (steps, names))
+    if rank == 0:
+        step_counts = [s for s, _ in per_rank]
+        covered = {n for _, ns in per_rank for n in ns}
+        print(
+            f"epoch {epoch}: loss {total[0] / total[1]:.3f}  steps per rank "
+            f"{step_counts}  samples covered {len(covered)}/{num_samples}",
+            flush=True,
+        )
+
+
+def main() -> int:
+    args = parse_args()
+    if args.data is not None and args.vocab_size is None:
+        sys.exit("--data needs --vocab-size (the vocab_size of the model that wrote the data)")
+    vocab_size = args.vocab_size or SYNTHETIC_VOCAB
+    rank, world, device = setup(args)
+    data, made = prepare_data(args, rank)
 
     # rank / world_size are detected from the process group. even_shards=True (default)
     # pads every rank's share to ceil(N / world) by wrapping around, like DistributedSampler.
@@ -174,39 +225,14 @@ def main() -> int:
         )
 
     header = read_header(os.path.join(data, dataset.epoch_names()[0]))  # shapes, no data read
-    num_layers, hidden_size = header.num_layers, header.hidden_size
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    head = DraftHead(num_layers, hidden_size, vocab_size).to(device)
+    head = DraftHead(header.num_layers, header.hidden_size, vocab_size).to(device)
     model = DistributedDataParallel(head)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-
     for epoch in range(args.epochs):
         dataset.set_epoch(epoch)
-        names: list[str] = []
-        total, steps = torch.zeros(2, dtype=torch.float64), 0
-        for batch in loader:
-            names += [os.path.basename(p) for p in batch["paths"]]
-            logits = model(batch["hidden_states"].to(device))
-            loss = next_token_loss(
-                logits, {k: batch[k].to(device) for k in ("input_ids", "attention_mask")}
-            )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP averages the gradients across ranks here
-            optimizer.step()
-            total += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-            steps += 1
-        # Logging only: the mean loss over all ranks, and what each rank read.
-        dist.all_reduce(total)
-        per_rank: list = [None] * world
-        dist.all_gather_object(per_rank, (steps, names))
-        if rank == 0:
-            step_counts = [s for s, _ in per_rank]
-            covered = {n for _, ns in per_rank for n in ns}
-            print(
-                f"epoch {epoch}: loss {total[0] / total[1]:.3f}  steps per rank "
-                f"{step_counts}  samples covered {len(covered)}/{dataset.num_samples}",
-                flush=True,
-            )
+        total, steps, names = train_epoch(model, optimizer, loader, device)
+        report_epoch(epoch, total, steps, names, rank, world, dataset.num_samples)
     # One checkpoint per rank would hold loader.state_dict() of that rank (positions are
     # per rank), next to the model state that rank 0 saves.
     dist.barrier()

@@ -134,6 +134,44 @@ def make_loader(hs_dir: Path, args: argparse.Namespace) -> HiddenStateLoader:
     )
 
 
+def save_checkpoint(
+    ckpt: Path,
+    head: DraftHead,
+    optimizer: torch.optim.Optimizer,
+    loader: HiddenStateLoader,
+    step: int,
+) -> None:
+    """Save model, optimizer and reader position together."""
+    # A checkpoint can be taken after any batch: the loader's state says which epoch and
+    # how many of this rank's samples the loop has consumed.
+    torch.save(
+        {
+            "head": head.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "loader": loader.state_dict(),
+            "step": step,
+        },
+        ckpt,
+    )
+    print(f"step {step}: checkpoint {loader.state_dict()} -> {ckpt.name}")
+
+
+def load_checkpoint(
+    ckpt: Path, head: DraftHead, optimizer: torch.optim.Optimizer, loader: HiddenStateLoader
+) -> int:
+    """Restore what ``save_checkpoint`` saved; the step it was taken at."""
+    state = torch.load(ckpt)  # plain tensors and ints: weights_only loading works
+    head.load_state_dict(state["head"])
+    optimizer.load_state_dict(state["optimizer"])
+    loader.load_state_dict(state["loader"])  # epoch + samples consumed in it
+    step = int(state["step"])
+    print(
+        f"resumed from {ckpt.name} at epoch {loader.epoch}, sample {loader.consumed} "
+        f"of {len(loader.dataset)}, step {step}"
+    )
+    return step
+
+
 def train(
     hs_dir: Path,
     ckpt: Path,
@@ -151,17 +189,7 @@ def train(
     torch.manual_seed(0)
     head = DraftHead(first.num_layers, first.hidden_size, vocab_size)
     optimizer = torch.optim.Adam(head.parameters(), lr=args.lr)
-    step = 0
-    if resume:
-        state = torch.load(ckpt)  # plain tensors and ints: weights_only loading works
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        loader.load_state_dict(state["loader"])  # epoch + samples consumed in it
-        step = state["step"]
-        print(
-            f"resumed from {ckpt.name} at epoch {loader.epoch}, sample {loader.consumed} "
-            f"of {len(loader.dataset)}, step {step}"
-        )
+    step = load_checkpoint(ckpt, head, optimizer, loader) if resume else 0
     seen: dict[int, list[str]] = {}
     for epoch in range(loader.epoch, args.epochs):  # after a resume: the checkpoint's epoch
         # As with DistributedSampler. For the checkpoint's epoch this keeps the restored
@@ -185,18 +213,7 @@ def train(
                     flush=True,
                 )
             if step == crash_at:
-                # A checkpoint can be taken after any batch: the loader's state says which
-                # epoch and how many of this rank's samples the loop has consumed.
-                torch.save(
-                    {
-                        "head": head.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "loader": loader.state_dict(),
-                        "step": step,
-                    },
-                    ckpt,
-                )
-                print(f"step {step}: checkpoint {loader.state_dict()} -> {ckpt.name}")
+                save_checkpoint(ckpt, head, optimizer, loader, step)
                 print(f"step {step}: simulated crash (the rest of the epoch is not read)")
                 return seen
         print(

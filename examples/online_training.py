@@ -187,7 +187,15 @@ def train(args: argparse.Namespace, out_dir: str, producer: Producer, vocab_size
             if time.monotonic() - max(last_news, producer.finished_at) > args.drain_timeout:
                 print(f"gave up waiting for {len(producer.paths - seen)} samples", file=sys.stderr)
                 break
-    missing = producer.paths - seen
+    report(seen, losses, producer)
+    if args.num_workers == 0:  # (with worker processes, each worker counts for itself)
+        stats = dataset.stats
+        print(f"reader: {stats.yielded} samples read, {stats.skipped} skipped as unusable")
+    return not (producer.paths - seen) and producer.failed == 0
+
+
+def report(seen: set[str], losses: list[float], producer: Producer) -> None:
+    """The run in one line: samples used, and the loss on unseen data, early vs late."""
     k = max(1, len(losses) // 4)
     if losses:
         print(
@@ -195,20 +203,10 @@ def train(args: argparse.Namespace, out_dir: str, producer: Producer, vocab_size
             f"failed), {len(losses)} batches; loss {sum(losses[:k]) / k:.3f} -> "
             f"{sum(losses[-k:]) / k:.3f} (mean of the first and last {k} batches)"
         )
-    if args.num_workers == 0:  # (with worker processes, each worker counts for itself)
-        stats = dataset.stats
-        print(f"reader: {stats.yielded} samples read, {stats.skipped} skipped as unusable")
-    return not missing and producer.failed == 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.url and not args.out:
-        sys.exit("--url needs --out: the directory that server writes to")
-    out_dir = os.path.abspath(args.out or tempfile.mkdtemp(prefix="hs-online-"))
-    os.makedirs(out_dir, exist_ok=True)
-    prompts = load_prompts(args.prompts, args.num_prompts)
-
+def resolve_model(args: argparse.Namespace) -> tuple[str | None, int, list[int]]:
+    """The model to serve (None with --url), the draft head's vocabulary, the layers."""
     tiny = args.model is None and args.url is None
     if tiny:
         cache = Path(os.path.expanduser(args.cache_dir))
@@ -231,6 +229,41 @@ def main(argv: list[str] | None = None) -> int:
         layers = default_layer_ids(int(config["num_hidden_layers"]))  # EAGLE-3's choice
     elif not args.url:
         sys.exit("--layers is needed when --model is not a local directory")
+    else:
+        layers = []  # a running server (--url) already knows its layers
+    return model, vocab_size, layers
+
+
+def start_server(model: str | None, out_dir: str, layers: list[int], name: str) -> VllmServer:
+    """Start ``vllm serve`` with the connector writing to ``out_dir``; wait until ready."""
+    assert model is not None
+    vllm_args = ["--max-model-len", "2048", "--served-model-name", name]
+    vllm_args += CPU_VLLM_ARGS if not torch.cuda.is_available() else []
+    options = ServeOptions(
+        model=model,
+        out_dir=out_dir,
+        layer_ids=layers,
+        port=free_port(),
+        vllm_args=vllm_args,
+    )
+    print(f"starting: {options.shell_command()}", flush=True)
+    env = {"HF_HUB_OFFLINE": "1"} if os.path.isdir(model) else {}  # nothing to download
+    server = VllmServer(options, log_file=os.path.join(out_dir, "server.log"), env=env)
+    started = time.monotonic()
+    server.start(timeout=600)  # raises with the end of the server log if it fails
+    print(f"server ready after {time.monotonic() - started:.0f}s at {server.url}", flush=True)
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.url and not args.out:
+        sys.exit("--url needs --out: the directory that server writes to")
+    out_dir = os.path.abspath(args.out or tempfile.mkdtemp(prefix="hs-online-"))
+    os.makedirs(out_dir, exist_ok=True)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+
+    model, vocab_size, layers = resolve_model(args)
 
     server: VllmServer | None = None
     producer: Producer | None = None
@@ -241,23 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             name = args.served_model_name or served_model_name(url)
         else:
             name = "hs-example"
-            vllm_args = ["--max-model-len", "2048", "--served-model-name", name]
-            vllm_args += CPU_VLLM_ARGS if not torch.cuda.is_available() else []
-            options = ServeOptions(
-                model=model,
-                out_dir=out_dir,
-                layer_ids=layers,
-                port=free_port(),
-                vllm_args=vllm_args,
-            )
-            print(f"starting: {options.shell_command()}", flush=True)
-            env = {"HF_HUB_OFFLINE": "1"} if os.path.isdir(model) else {}  # nothing to download
-            server = VllmServer(options, log_file=os.path.join(out_dir, "server.log"), env=env)
-            started = time.monotonic()
-            server.start(timeout=600)  # raises with the end of the server log if it fails
-            print(
-                f"server ready after {time.monotonic() - started:.0f}s at {server.url}", flush=True
-            )
+            server = start_server(model, out_dir, layers, name)
             url = server.url
             if not torch.cuda.is_available():
                 torch.set_num_threads(1)  # leave the other cores to the server
