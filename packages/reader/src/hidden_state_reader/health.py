@@ -44,7 +44,6 @@ from hidden_state_reader.format.names import (
     lock_path,
     sample_key,
 )
-from hidden_state_reader.sample_load import LoadOptions, load_sample
 from hidden_state_reader.states import GRACE, Observation, SampleState, judge
 
 DEFAULT_GRACE = GRACE
@@ -216,6 +215,10 @@ def _check_sample(
         except (CorruptSampleError, IncompleteSampleError) as exc:
             problem = exc
         if header is not None and checksums and lock is not LockState.HELD:
+            # Imported here: sample_load needs torch, and the `hidden-state` command
+            # imports this module to build its help (start-up stays well under 1 s).
+            from hidden_state_reader.sample_load import LoadOptions, load_sample
+
             try:
                 load_sample(data_path, LoadOptions(verify_checksum=True))
                 verified = Meta.CRC32 in header.metadata

@@ -10,8 +10,6 @@ import time
 from collections import Counter
 from typing import Any
 
-import torch
-
 from hidden_state_reader.cli.common import (
     EXIT_OK,
     EXIT_PROBLEMS,
@@ -38,7 +36,6 @@ from hidden_state_reader.health import (
     count_states,
     scan_health,
 )
-from hidden_state_reader.sample_load import LoadOptions, load_sample
 
 log = logging.getLogger(__name__)
 
@@ -401,6 +398,10 @@ def _inspect_info(
 
 def _verify_data(path: str, info: dict[str, Any]) -> int:
     """Load the data, check the CRC32 and count non-finite values; fill ``info``."""
+    import torch  # here, not at the top: `hidden-state --help` must not pay for torch
+
+    from hidden_state_reader.sample_load import LoadOptions, load_sample
+
     try:
         sample = load_sample(path, LoadOptions(verify_checksum=True))
     except SampleError as exc:

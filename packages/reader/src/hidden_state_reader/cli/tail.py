@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hidden_state_reader.cli.common import (
     EXIT_OK,
@@ -23,9 +23,12 @@ from hidden_state_reader.cli.common import (
 from hidden_state_reader.cli.table import format_bytes
 from hidden_state_reader.discovery import WATCH_MODES
 from hidden_state_reader.errors import DirectoryNotWritableError
-from hidden_state_reader.format.header import DTYPE_NAMES, Meta
-from hidden_state_reader.reader import HiddenStateReader
-from hidden_state_reader.sample import Sample
+from hidden_state_reader.format import header
+from hidden_state_reader.format.header import Meta
+
+if TYPE_CHECKING:  # torch-backed; imported by run_tail so `hidden-state --help` stays fast
+    from hidden_state_reader.reader import HiddenStateReader
+    from hidden_state_reader.sample import Sample
 
 # ReaderStats fields worth a mention in the summary when non-zero.
 _SKIP_COUNTERS = (
@@ -128,7 +131,8 @@ def sample_record(sample: Sample) -> dict[str, Any]:
         "tokens": sample.num_tokens,
         "layers": int(hidden.shape[1]),
         "hidden": int(hidden.shape[2]),
-        "dtype": DTYPE_NAMES.get(hidden.dtype, str(hidden.dtype)),
+        # header.DTYPE_NAMES builds its torch table on first use, not at import.
+        "dtype": header.DTYPE_NAMES.get(hidden.dtype, str(hidden.dtype)),
         "bytes": sample.nbytes,
         "request_id": sample.metadata.get(Meta.REQUEST_ID),
         "layer_ids": sample.layer_ids,
@@ -149,6 +153,8 @@ def format_record(rec: dict[str, Any]) -> str:
 
 def run_tail(args: argparse.Namespace) -> int:
     """``hidden-state tail``."""
+    from hidden_state_reader.reader import HiddenStateReader  # torch: only when it runs
+
     root = require_dir(args.directory)
     claim = args.claim or args.group is not None
     try:

@@ -16,8 +16,6 @@ from collections.abc import Mapping
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from hidden_state_reader.format.header import (
     FORMAT_VERSION,
     HIDDEN_STATES,
@@ -50,6 +48,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 # signed pattern catches positive ones and the largest unsigned pattern negative ones.
 @cache
 def _float_bits() -> dict[torch.dtype, tuple[torch.dtype, Any, int, int]]:
+    # numpy too is imported on first use: the `hidden-state` CLI imports this module.
+    import numpy as np
     import torch
 
     return {
