@@ -205,11 +205,6 @@ def run(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     except (UsageError, CliError) as exc:  # CliError: from resolve_layers
         print(f"{PROG}: error: {exc}", file=err, flush=True)
         return EXIT_USAGE
-    except SystemExit as exc:  # resolve_layers reports some errors as SystemExit(message)
-        if isinstance(exc.code, str):
-            print(f"{PROG}: error: {exc.code.removeprefix('hidden-state: ')}", file=err)
-            return EXIT_USAGE
-        raise
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; run the same command again to resume", file=err)
         return EXIT_INTERRUPTED

@@ -83,12 +83,13 @@ def capture_layers(options: DemoOptions, model: str, tiny: bool) -> list[int]:
         DemoError: A layer id is out of range.
     """
     from hidden_state_connector.cli.serve import resolve_layers
+    from hidden_state_reader.cli.common import CliError
 
     layers = options.layers if options.layers is not None else (TINY_LAYERS if tiny else None)
     try:
         return resolve_layers(model, layers, False)
-    except SystemExit as exc:
-        raise DemoError(str(exc.code)) from None
+    except CliError as exc:
+        raise DemoError(str(exc)) from None
 
 
 def serve_options(options: DemoOptions, model: str, layers: list[int], hs_dir: str) -> ServeOptions:

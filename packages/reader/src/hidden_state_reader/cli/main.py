@@ -111,6 +111,35 @@ def load_plugins(subparsers: Any, group: str = PLUGIN_GROUP) -> list[str]:
     return loaded
 
 
+def version_text(plugin_dists: Sequence[tuple[str, str]] = ()) -> str:
+    """What ``hidden-state --version`` prints: this package's version, then each plugin's.
+
+    Args:
+        plugin_dists: ``(distribution name, version)`` of the packages whose
+            ``hidden_state.cli`` plugins registered (e.g. ``hidden-state-connector``).
+
+    Returns:
+        One ``NAME VERSION`` line per package, the reader first.
+    """
+    lines = [f"hidden-state-reader {__version__}"]
+    lines += [f"{name} {ver}" for name, ver in plugin_dists if name != "hidden-state-reader"]
+    return "\n".join(lines)
+
+
+def _plugin_dists(loaded: Sequence[str], group: str = PLUGIN_GROUP) -> list[tuple[str, str]]:
+    """The distributions (name, version) behind the plugins that registered, deduplicated."""
+    found: dict[str, str] = {}
+    try:
+        eps = entry_points(group=group)
+    except Exception:  # a broken installation must not break --version
+        return []
+    for ep in eps:
+        dist = getattr(ep, "dist", None)
+        if ep.name in loaded and dist is not None:
+            found.setdefault(dist.metadata["Name"], dist.version)
+    return sorted(found.items())
+
+
 def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     """The full argument parser: global options, built-in commands, plugins.
 
@@ -126,7 +155,8 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    # The text is filled in once the plugins are known, so it names their packages too.
+    version = parser.add_argument("--version", action="version", version=version_text())
     parser.add_argument(
         "-v",
         "--verbose",
@@ -137,7 +167,8 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     for register in BUILTIN_COMMANDS:
         register(subparsers)
     if plugins:
-        load_plugins(subparsers)
+        loaded = load_plugins(subparsers)
+        version.version = version_text(_plugin_dists(loaded))  # type: ignore[attr-defined]
     return parser
 
 
