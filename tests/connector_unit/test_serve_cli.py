@@ -1,0 +1,171 @@
+"""``hidden-state serve`` without vLLM: hub ids, ``--dry-run``, light start-up.
+
+The command runs as a real subprocess. Only the Hugging Face cache is faked: a directory
+laid out as huggingface_hub writes it (``models--ORG--NAME/refs/main`` holding a commit
+sha, ``snapshots/SHA/config.json``), found through ``HF_HOME`` / ``HF_HUB_CACHE`` with
+``HF_HUB_OFFLINE=1`` so that nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hidden_state_connector.cli.serve import resolve_layers
+from hidden_state_connector.server import default_layer_ids
+from hidden_state_reader.cli.common import CliError
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+HEAVY = ("torch", "vllm", "transformers", "numpy")
+
+
+def fake_hf_cache(root: Path, repo_id: str, config: dict[str, Any]) -> Path:
+    """Lay out ``root/hub`` as huggingface_hub's cache holding one ``config.json``."""
+    repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / SHA
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    return root
+
+
+def hidden_state(
+    *args: str, hf_home: Path | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``hidden-state ARGS`` offline, with ``hf_home`` as the Hugging Face home."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if hf_home is not None:
+        env["HF_HOME"] = str(hf_home)
+        env["HF_HUB_CACHE"] = str(hf_home / "hub")
+    return subprocess.run(
+        [sys.executable, "-m", "hidden_state_reader.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def captured_layers(command: str) -> list[int]:
+    """The ``eagle_aux_hidden_state_layer_ids`` in a printed ``vllm serve`` command."""
+    marker = '"eagle_aux_hidden_state_layer_ids": '
+    start = command.index(marker) + len(marker)
+    return [int(x) for x in command[start : command.index("]", start)].strip("[").split(",")]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"num_hidden_layers": 32}, {"text_config": {"num_hidden_layers": 32}}],
+    ids=["plain", "text_config"],
+)
+def test_dry_run_with_a_cached_hub_id_prints_eagle3_layers_and_creates_nothing(
+    tmp_path: Path, config: dict[str, Any]
+) -> None:
+    hf_home = fake_hf_cache(tmp_path / "hf", "org/model-a", config)
+    out = tmp_path / "out"
+    proc = hidden_state("serve", "org/model-a", "--out", str(out), "--dry-run", hf_home=hf_home)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("vllm serve org/model-a "), proc.stdout
+    assert captured_layers(proc.stdout) == default_layer_ids(32) == [2, 16, 29]
+    assert str(out) in proc.stdout
+    assert not out.exists()
+
+
+def test_include_last_with_a_cached_hub_id(tmp_path: Path) -> None:
+    hf_home = fake_hf_cache(tmp_path / "hf", "org/model-b", {"num_hidden_layers": 12})
+    out = tmp_path / "out"
+    proc = hidden_state(
+        "serve", "org/model-b", "--out", str(out), "--include-last", "--dry-run", hf_home=hf_home
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert captured_layers(proc.stdout) == [*default_layer_ids(12), 12]
+    assert not out.exists()
+
+
+def test_hub_id_not_in_the_cache_offline_is_one_line_exit_2(tmp_path: Path) -> None:
+    hf_home = fake_hf_cache(tmp_path / "hf", "org/other", {"num_hidden_layers": 4})
+    out = tmp_path / "out"
+    proc = hidden_state("serve", "org/missing", "--out", str(out), "--dry-run", hf_home=hf_home)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("hidden-state: error: org/missing: ")
+    assert "--layers" in lines[0] and "local model directory" in lines[0]
+    assert "HF_HUB_OFFLINE" in lines[0]
+    assert proc.stdout == ""
+    assert not out.exists()
+
+
+def test_explicit_layers_need_no_config_for_a_hub_id(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = hidden_state(
+        "serve", "org/missing", "--out", str(out), "--layers", "1,5", "--dry-run",
+        hf_home=tmp_path / "empty",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert captured_layers(proc.stdout) == [1, 5]
+    assert not out.exists()
+
+
+def test_dry_run_with_a_local_directory_creates_nothing(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    out = tmp_path / "a" / "b" / "out"
+    proc = hidden_state("serve", str(model), "--out", str(out), "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert captured_layers(proc.stdout) == default_layer_ids(4)
+    assert not (tmp_path / "a").exists()
+
+
+def test_missing_local_path_is_one_line_exit_2(tmp_path: Path) -> None:
+    proc = hidden_state("serve", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--dry-run")
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "no such model directory" in proc.stderr
+
+
+def test_resolve_layers_raises_cli_error_for_out_of_range_layers(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    assert resolve_layers(str(tmp_path), None, False) == default_layer_ids(4)
+    with pytest.raises(CliError, match=r"layer ids must be <= 4"):
+        resolve_layers(str(tmp_path), [1, 99], False)
+
+
+def test_serve_help_mentions_hub_ids() -> None:
+    proc = hidden_state("serve", "--help")
+    assert proc.returncode == 0
+    assert "Hugging Face hub id" in proc.stdout
+    assert "hidden-state serve meta-llama/Llama-3.1-8B-Instruct --out" in proc.stdout
+
+
+def test_version_names_both_packages() -> None:
+    proc = hidden_state("--version")
+    assert proc.returncode == 0, proc.stderr
+    assert "hidden-state-reader " in proc.stdout
+    assert "hidden-state-connector " in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["--version"], ["serve", "--help"], ["serve"]], ids=" ".join
+)
+def test_start_up_imports_no_torch_or_vllm(argv: list[str]) -> None:
+    # Start-up time is mostly imports; which modules got imported is what a test can
+    # check without timing a loaded machine.
+    code = (
+        "import sys\n"
+        "from hidden_state_reader.cli.main import main\n"
+        f"rc = main({argv!r})\n"
+        f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    heavy = [line for line in proc.stdout.splitlines() if line.startswith("HEAVY")]
+    assert heavy == ["HEAVY []"], (proc.stdout, proc.stderr)
