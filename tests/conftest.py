@@ -10,14 +10,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from procs import TEST_ENGINE_ENV
+
 # Engines started by tests (and their children) use one OpenMP thread and no core pinning.
 # vLLM's CPU build pins its OpenMP threads to the same cores in every engine it starts;
 # with two test processes at once (``make test``) two pinned engines share a core while
 # the other idles, and spinning threads make each wait for the other. The tiny test
 # models gain nothing from a second thread. Measured: two concurrent copies of
 # test_delivery took 125 s with vLLM's defaults, 103 s with these.
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+for _key, _value in TEST_ENGINE_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

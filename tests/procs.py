@@ -8,6 +8,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+TEST_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+"""What tests/conftest.py sets for the engines tests start (see the reason there)."""
+
 
 def start_together(
     procs: list[tuple[subprocess.Popen[str], str]],
