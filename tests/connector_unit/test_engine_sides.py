@@ -180,6 +180,10 @@ class FakeEngine:
             time.sleep(0.01)
 
     def close(self) -> None:
+        """Shut both halves down (once): writer threads finish their jobs and stop."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.worker.shutdown()
         self.scheduler.shutdown()
 
@@ -252,6 +256,9 @@ def test_a_finished_requests_save_publishes_a_complete_readable_file(
     assert sample.layer_ids == LAYER_IDS
     assert probe(lock_path(path)) is LockState.FREE
     engine.idle_until_freed("req-a")
+    # The writer counts a sample after releasing its lock: shutting down joins the writer
+    # threads, so the counters are final afterwards.
+    engine.close()
     assert engine.stats.total.files == 1 and engine.stats.total.failures == 0
 
 
@@ -291,6 +298,7 @@ def test_a_failed_write_records_why_in_the_lock_and_leaves_no_partial_file(
     assert status.failed and "write failed" in status.reason and "No space" in status.reason
     assert not os.path.exists(path)
     assert _temp_files(tmp_path) == []
+    engine.close()  # joins the writer threads: the failure is counted after the release
     assert engine.stats.total.failures == 1 and engine.stats.total.files == 0
 
 
