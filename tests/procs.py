@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+WRITER = [sys.executable, str(Path(__file__).resolve().parent / "tools" / "writer.py")]
+"""Command of the separate writer process (``tests/tools/writer.py MODE ARGS``)."""
 
 TEST_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 """What tests/conftest.py sets for the engines tests start (see the reason there)."""
@@ -45,6 +49,34 @@ def start_together(
         for proc, _ in procs:
             proc.kill()
         raise
+
+
+def hold_lock(path: Path) -> subprocess.Popen[str]:
+    """A writer process holding ``path``'s lock until it is told to write (or killed)."""
+    proc = subprocess.Popen(
+        [*WRITER, "hold", str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    if proc.stdout is None or proc.stdout.readline().strip() != "locked":
+        proc.kill()
+        raise AssertionError(f"the lock holder did not start (exit {proc.wait()})")
+    return proc
+
+
+def run_ranks(target: Callable[..., None], args: Callable[[int], tuple[object, ...]]) -> list:
+    """Run ``target(*args(rank), queue)`` in two forked processes; what they put, sorted.
+
+    Each process puts one result on the queue; both must exit 0.
+    """
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args(rank), queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return results
 
 
 def free_port() -> int:

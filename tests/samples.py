@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hidden_state_reader.format import sample_metadata, write_sample
+from hidden_state_reader.format import encode_header, sample_metadata, write_sample
 
 
 def make_tensors(
@@ -56,3 +56,11 @@ def write_vllm_style(
     token_ids, hidden_states = make_tensors(index, tokens, layers)
     save_file({"hidden_states": hidden_states, "token_ids": token_ids}, os.fspath(path))
     return Path(path)
+
+
+def write_raw(path: Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    """A file with a well-formed safetensors header for ``tensors`` and zeroed data."""
+    layout = encode_header(tensors)
+    with open(path, "wb") as f:
+        f.write(layout.header)
+        f.write(b"\0" * (layout.file_size - layout.data_start))

@@ -14,19 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import BENCHMARKS
+
 from procs import TEST_ENGINE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = (
-    "server",
-    "write",
-    "reader",
-    "latency",
-    "scale",
-    "dataloader",
-    "completion_order",
-    "release",
-)
 SECTIONS = (
     "## Machine",
     "## Goals",

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 from resume_contract import check_resume_contract
 
-from procs import start_together
+from procs import WRITER, start_together
 from samples import write_samples
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-WRITER = [sys.executable, str(TOOLS / "writer.py")]
 READER = [sys.executable, str(TOOLS / "claim_reader.py")]
 
 

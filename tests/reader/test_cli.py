@@ -20,13 +20,14 @@ import torch
 from hidden_state_reader.cli import main as cli_main
 from hidden_state_reader.cli.common import Progress
 from hidden_state_reader.cli.table import format_bytes, format_table
-from hidden_state_reader.format import WriterLock, encode_header, write_sample
+from hidden_state_reader.format import WriterLock, write_sample
 
 from procs import LockHolder
-from samples import make_tensors, write_samples, write_vllm_style
+from samples import make_tensors, write_raw, write_samples, write_vllm_style
 
 PAST = time.time() - 3600
 CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+
 
 @pytest.fixture(scope="module")
 def holder() -> Iterator[LockHolder]:
@@ -51,13 +52,6 @@ def call(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, s
 
 def age(path: Path) -> None:
     os.utime(path, (PAST, PAST))
-
-
-def write_raw(path: Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-    layout = encode_header(tensors)
-    with open(path, "wb") as f:
-        f.write(layout.header)
-        f.write(b"\0" * (layout.file_size - layout.data_start))
 
 
 # Every state the tools know, and what they must report for it.

@@ -11,7 +11,6 @@ import logging
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,20 +21,8 @@ import pytest
 from hidden_state_reader import HiddenStateReader, LockTimeoutError
 from hidden_state_reader.format import WriterLock, write_sample
 
+from procs import hold_lock
 from samples import make_tensors, write_samples
-
-WRITER = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "writer.py")]
-
-
-def hold_lock(path: Path) -> subprocess.Popen[str]:
-    """A writer process holding ``path``'s lock until it is told to write (or killed)."""
-    proc = subprocess.Popen(
-        [*WRITER, "hold", str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    if proc.stdout is None or proc.stdout.readline().strip() != "locked":
-        proc.kill()
-        raise AssertionError(f"the lock holder did not start (exit {proc.wait()})")
-    return proc
 
 
 def release(proc: subprocess.Popen[str]) -> float:

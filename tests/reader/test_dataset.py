@@ -22,6 +22,7 @@ from hidden_state_reader.dataset import HiddenStateDataset
 from hidden_state_reader.loader import HiddenStateLoader
 from hidden_state_reader.reader import HiddenStateReader
 
+from procs import run_ranks
 from samples import make_tensors, write_samples
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -108,18 +109,7 @@ def _rank_main(rank: int, root: str, store: str, queue: multiprocessing.Queue) -
 
 
 def test_ranks_of_a_process_group_agree_on_the_split(data: Path, tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, str(data), str(tmp_path / "store"), queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = run_ranks(_rank_main, lambda r: (r, str(data), str(tmp_path / "store")))
     assert [(r, w) for r, w, _ in results] == [(0, 2), (1, 2)]
     ref = HiddenStateDataset(data, shuffle=True, seed=5, rank=0, world_size=2)
     assert results[0][2] == ref.epoch_names()

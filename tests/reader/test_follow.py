@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import struct
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -14,9 +13,8 @@ import pytest
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import WriterLock
 
+from procs import WRITER, hold_lock
 from samples import write_samples
-
-WRITER = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "writer.py")]
 
 
 @pytest.mark.parametrize("watch", ["auto", "poll"])
@@ -143,21 +141,10 @@ def test_watcher_threads_leave_ctrl_c_to_the_main_thread(hs_dir: Path) -> None:
         source.close()
 
 
-def _hold_lock(path: Path) -> subprocess.Popen[str]:
-    """A writer process holding ``path``'s lock until it is told to write (or killed)."""
-    proc = subprocess.Popen(
-        [*WRITER, "hold", str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    if proc.stdout is None or proc.stdout.readline().strip() != "locked":
-        proc.kill()
-        raise AssertionError(f"the lock holder did not start (exit {proc.wait()})")
-    return proc
-
-
 def test_a_writer_that_dies_after_the_idle_timeout_held_up_nothing(hs_dir: Path) -> None:
     """A complete sample behind a busy writer is yielded at once; the reader ends on its
     idle timeout although that writer is still at work (a pending sample is no news)."""
-    proc = _hold_lock(hs_dir / "a.safetensors")
+    proc = hold_lock(hs_dir / "a.safetensors")
     try:
         write_samples(hs_dir, 1, prefix="b_")  # sorted after a, not queued behind it
         reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=0.5, lock_timeout=60)
@@ -175,7 +162,7 @@ def test_a_writer_stuck_past_lock_timeout_does_not_keep_the_reader_alive(
 ) -> None:
     # Each lock wait times out within the idle timeout (1 s) and the name is looked at
     # again later: neither the timeouts nor the name's return are news, so the reader ends.
-    proc = _hold_lock(hs_dir / "stuck.safetensors")
+    proc = hold_lock(hs_dir / "stuck.safetensors")
     reader = HiddenStateReader(hs_dir, follow=True, idle_timeout=1.0, lock_timeout=lock_timeout)
     try:
         t = threading.Thread(target=lambda: list(reader))

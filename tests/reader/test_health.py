@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_reader.format import LockState, WriterLock, encode_header, write_sample
+from hidden_state_reader.format import LockState, WriterLock, write_sample
 from hidden_state_reader.health import (
     DEFAULT_GRACE,
     PROBLEM_STATES,
@@ -25,9 +25,10 @@ from hidden_state_reader.health import (
 )
 
 from procs import LockHolder
-from samples import make_tensors, write_samples, write_vllm_style
+from samples import make_tensors, write_raw, write_samples, write_vllm_style
 
 PAST = time.time() - 3600
+
 
 # A separate process that holds locks on request: "lock PATH" takes a WriterLock (as a
 # writer does), "flock PATH" creates PATH and flocks it LOCK_EX (a lock file in the
@@ -41,14 +42,6 @@ def holder() -> Iterator[LockHolder]:
 
 def age(path: Path, when: float = PAST) -> None:
     os.utime(path, (when, when))
-
-
-def write_raw(path: Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-    """A file with a well-formed safetensors header for ``tensors`` and zeroed data."""
-    layout = encode_header(tensors)
-    with open(path, "wb") as f:
-        f.write(layout.header)
-        f.write(b"\0" * (layout.file_size - layout.data_start))
 
 
 # -- ready --------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 from hidden_state_reader import HiddenStateReader, WaitCancelledError
 from hidden_state_reader.format import SharedLock, WriterLock
 
-WRITER = [sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "writer.py")]
+from procs import WRITER
+
 SYS_FLOCK_X86_64 = 73
 
 

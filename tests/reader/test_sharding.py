@@ -21,6 +21,8 @@ from hidden_state_reader.sharding import (
     worker_chunks,
 )
 
+from procs import run_ranks
+
 NAMES = [f"hs_{i}.safetensors" for i in range(50)]
 
 
@@ -70,18 +72,7 @@ def test_context_prefers_initialized_process_group(
     # A stale launcher environment must lose against the real process group.
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("WORLD_SIZE", "8")
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_in_process_group, args=(r, str(tmp_path / "store"), queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = run_ranks(_rank_in_process_group, lambda r: (r, str(tmp_path / "store")))
     assert results == [(0, (0, 2)), (1, (1, 2))]
 
 
