@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.engine import local_handoff, order_channel
 from hidden_state_connector.engine.config import ConnectorConfig
@@ -67,58 +68,11 @@ def _scheduler(root: Path, **extra: Any) -> SchedulerSide:
     return SchedulerSide(config, _vllm_config(engine_id), BLOCK_SIZE, HS_GROUP, WriteStats(0))
 
 
-def _new(
-    req_id: str, prompt: list[int], hs_blocks: list[int], params: dict | None = None
-) -> SimpleNamespace:
-    """``NewRequestData``: first scheduling of a request."""
-    return SimpleNamespace(
-        req_id=req_id,
-        prompt_token_ids=prompt,
-        num_computed_tokens=0,
-        # Main model group first, hidden-state group second (different ids on purpose).
-        block_ids=([1000 + b for b in hs_blocks], list(hs_blocks)),
-        sampling_params=SimpleNamespace(
-            extra_args={"kv_transfer_params": params} if params is not None else None
-        ),
-    )
-
-
-def _step(
-    *,
-    new: tuple[SimpleNamespace, ...] = (),
-    cached: tuple[tuple[str, int, list[int] | None], ...] = (),
-    resumed: frozenset[str] = frozenset(),
-    scheduled: dict[str, int] | None = None,
-    preempted: frozenset[str] = frozenset(),
-) -> SimpleNamespace:
-    """``SchedulerOutput``; ``cached`` holds ``(req_id, computed_before, new hs blocks)``."""
-    return SimpleNamespace(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[c[0] for c in cached],
-            num_computed_tokens=[c[1] for c in cached],
-            new_block_ids=[
-                None if c[2] is None else ([1000 + b for b in c[2]], list(c[2])) for c in cached
-            ],
-            resumed_req_ids=set(resumed),
-        ),
-        num_scheduled_tokens=dict(scheduled or {}),
-        preempted_req_ids=set(preempted),
-    )
-
-
 def _finished(req_id: str, prompt: list[int], output: list[int]) -> SimpleNamespace:
-    """A ``Request`` that ended normally (length cap) with every token computed."""
+    """A ``Request`` that ended normally (length cap), with vLLM's own status value."""
     from vllm.v1.request import RequestStatus
 
-    tokens = prompt + output
-    return SimpleNamespace(
-        request_id=req_id,
-        prompt_token_ids=prompt,
-        all_token_ids=tokens,
-        num_computed_tokens=len(tokens) - 1,  # the last output token was never fed back
-        status=RequestStatus.FINISHED_LENGTH_CAPPED,
-    )
+    return finished_request(req_id, prompt, output, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 class _Handoff:
@@ -143,11 +97,13 @@ def test_prompt_in_two_chunks_is_ordered_once_in_the_step_that_completes_it(
     prompt = list(range(100, 110))  # 10 tokens: 3 blocks of 4
     path = str(tmp_path / "a.unit.safetensors")
 
-    first = sched.build_metadata(_step(new=(_new("a", prompt, [7, 3]),), scheduled={"a": 6}))
+    first = sched.build_metadata(
+        scheduler_output(new=(new_request("a", prompt, [7, 3]),), scheduled={"a": 6})
+    )
     assert [(n.req_id, n.path) for n in first.new_samples] == [("a", path)]
     assert first.saves == []  # 6 of 10 prompt tokens: not complete yet
 
-    second = sched.build_metadata(_step(cached=(("a", 6, [9]),), scheduled={"a": 4}))
+    second = sched.build_metadata(scheduler_output(cached=(("a", 6, [9]),), scheduled={"a": 4}))
     assert second.new_samples == []
     [order] = second.saves
     assert order.req_id == "a"
@@ -160,7 +116,9 @@ def test_prompt_in_two_chunks_is_ordered_once_in_the_step_that_completes_it(
 
     # Decoding goes on (a new block, more tokens): no second order.
     for computed, blocks in ((10, [11]), (11, None), (12, None)):
-        meta = sched.build_metadata(_step(cached=(("a", computed, blocks),), scheduled={"a": 1}))
+        meta = sched.build_metadata(
+            scheduler_output(cached=(("a", computed, blocks),), scheduled={"a": 1})
+        )
         assert meta.saves == [] and meta.new_samples == []
 
     with _Handoff(sched.engine_key) as handoff:
@@ -168,7 +126,7 @@ def test_prompt_in_two_chunks_is_ordered_once_in_the_step_that_completes_it(
     assert keep is True  # blocks stay held until the worker has copied them
     assert params == {PATH_PARAM: path}
     assert handoff.orders == []  # nothing delivered at finish time ...
-    assert sched.build_metadata(_step()).saves == []  # ... nor in the next metadata
+    assert sched.build_metadata(scheduler_output()).saves == []  # ... nor in the next metadata
 
 
 def test_preempted_request_with_an_ordered_save_is_listed_for_the_worker(
@@ -177,22 +135,24 @@ def test_preempted_request_with_an_ordered_save_is_listed_for_the_worker(
     sched = _scheduler(tmp_path)
     done_prompt, long_prompt = list(range(6)), list(range(50, 70))
     first = sched.build_metadata(
-        _step(
-            new=(_new("done", done_prompt, [0, 1]), _new("mid", long_prompt, [2, 3])),
+        scheduler_output(
+            new=(new_request("done", done_prompt, [0, 1]), new_request("mid", long_prompt, [2, 3])),
             scheduled={"done": 6, "mid": 8},  # "mid" is still in its prefill
         )
     )
     assert [o.req_id for o in first.saves] == ["done"]
 
     # Both are preempted (their blocks are freed for reuse), and one id we never saw.
-    second = sched.build_metadata(_step(preempted=frozenset({"done", "mid", "stranger"})))
+    second = sched.build_metadata(
+        scheduler_output(preempted=frozenset({"done", "mid", "stranger"}))
+    )
     assert second.preempted == ["done"]  # only the one whose copy may be in flight
     assert second.saves == []
 
     # Resumed with a new block table: no second order for "done"; "mid" restarts its
     # prefill from scratch on the new table and is ordered once complete.
     third = sched.build_metadata(
-        _step(
+        scheduler_output(
             cached=(("done", 0, [8, 9]), ("mid", 0, [4, 5, 6, 10, 12])),
             resumed=frozenset({"done", "mid"}),
             scheduled={"done": 7, "mid": 20},
@@ -210,15 +170,18 @@ def test_include_output_tokens_is_ordered_at_finish_by_handoff_else_in_next_meta
     prompt = list(range(30, 37))  # 7 tokens
     params = {"include_output_tokens": True}
     meta = sched.build_metadata(
-        _step(
-            new=(_new("h", prompt, [4, 5], params), _new("m", prompt, [6, 7], params)),
+        scheduler_output(
+            new=(
+                new_request("h", prompt, [4, 5], params),
+                new_request("m", prompt, [6, 7], params),
+            ),
             scheduled={"h": 7, "m": 7},
         )
     )
     assert {n.req_id for n in meta.new_samples} == {"h", "m"}
     assert meta.saves == []  # the prompt is complete, but the last tokens are not known
     meta = sched.build_metadata(
-        _step(cached=(("h", 7, [8]), ("m", 7, [9])), scheduled={"h": 1, "m": 1})
+        scheduler_output(cached=(("h", 7, [8]), ("m", 7, [9])), scheduled={"h": 1, "m": 1})
     )
     assert meta.saves == []
 
@@ -232,15 +195,15 @@ def test_include_output_tokens_is_ordered_at_finish_by_handoff_else_in_next_meta
     assert order.block_ids == [4, 5, 8]
     assert order.num_prompt_tokens == 7
     assert order.written_this_step is False and order.failure is None
-    assert sched.build_metadata(_step()).saves == []
+    assert sched.build_metadata(scheduler_output()).saves == []
 
     # No worker in this process and nobody on the order channel: the next metadata.
     keep, result = sched.request_finished(_finished("m", prompt, [93, 94]), [6, 7, 9])
     assert keep is True and ERROR_PARAM not in result
-    [queued] = sched.build_metadata(_step()).saves
+    [queued] = sched.build_metadata(scheduler_output()).saves
     assert queued.req_id == "m" and queued.token_ids == [*prompt, 93]
     assert queued.block_ids == [6, 7, 9] and queued.written_this_step is False
-    assert sched.build_metadata(_step()).saves == []  # delivered once
+    assert sched.build_metadata(scheduler_output()).saves == []  # delivered once
 
 
 def test_unusable_custom_directory_is_refused_when_scheduled(tmp_path: Path) -> None:
@@ -248,8 +211,8 @@ def test_unusable_custom_directory_is_refused_when_scheduled(tmp_path: Path) -> 
     (tmp_path / "blocker").write_text("a regular file where a directory is asked for")
     prompt = list(range(12))
     meta = sched.build_metadata(
-        _step(
-            new=(_new("r", prompt, [0, 1, 2], {PATH_PARAM: "blocker/s.safetensors"}),),
+        scheduler_output(
+            new=(new_request("r", prompt, [0, 1, 2], {PATH_PARAM: "blocker/s.safetensors"}),),
             scheduled={"r": 12},
         )
     )
@@ -261,7 +224,7 @@ def test_unusable_custom_directory_is_refused_when_scheduled(tmp_path: Path) -> 
     assert result is not None
     assert result[PATH_PARAM] == str(tmp_path / "blocker" / "s.safetensors")
     assert "not a directory" in result[ERROR_PARAM]
-    assert handoff.orders == [] and sched.build_metadata(_step()).saves == []
+    assert handoff.orders == [] and sched.build_metadata(scheduler_output()).saves == []
     assert sched.stats.total.refused_paths == 1
     assert not os.path.exists(lock_path(result[PATH_PARAM]))
 

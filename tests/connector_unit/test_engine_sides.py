@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
@@ -43,6 +44,7 @@ from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import (
     LockState,
     SampleFileWriter,
+    SharedLock,
     WriterLock,
     lock_path,
     probe,
@@ -84,45 +86,6 @@ def _gathered(cache: torch.Tensor, block_ids: list[int], n: int) -> torch.Tensor
     """What the file must hold: the first ``n`` token positions of these blocks."""
     view = cache if cache.shape[1] == BLOCK else cache.transpose(1, 2)
     return view[block_ids].reshape(-1, LAYERS, HIDDEN)[:n].clone()
-
-
-def _new_request(req_id: str, prompt: list[int], hs_blocks: list[int]) -> SimpleNamespace:
-    """``NewRequestData``: first scheduling of a request."""
-    return SimpleNamespace(
-        req_id=req_id,
-        prompt_token_ids=prompt,
-        num_computed_tokens=0,
-        block_ids=([100 + b for b in hs_blocks], list(hs_blocks)),  # main group first
-        sampling_params=SimpleNamespace(extra_args=None),
-    )
-
-
-def _scheduler_output(
-    new: tuple[SimpleNamespace, ...] = (),
-    scheduled: dict[str, int] | None = None,
-    preempted: frozenset[str] = frozenset(),
-) -> SimpleNamespace:
-    """``SchedulerOutput`` with new requests only (continuing ones are not needed here)."""
-    return SimpleNamespace(
-        scheduled_new_reqs=list(new),
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], num_computed_tokens=[], new_block_ids=[], resumed_req_ids=set()
-        ),
-        num_scheduled_tokens=dict(scheduled or {}),
-        preempted_req_ids=set(preempted),
-    )
-
-
-def _finished_request(req_id: str, prompt: list[int], output: list[int]) -> SimpleNamespace:
-    """A ``Request`` that ended normally; the last output token was never fed back."""
-    tokens = prompt + output
-    return SimpleNamespace(
-        request_id=req_id,
-        prompt_token_ids=prompt,
-        all_token_ids=tokens,
-        num_computed_tokens=len(tokens) - 1,
-        status="length_capped",
-    )
 
 
 class FakeEngine:
@@ -173,11 +136,9 @@ class FakeEngine:
 
     def idle_until_freed(self, req_id: str) -> None:
         """Empty steps until ``req_id`` is reported (its copies are done)."""
-        deadline = time.monotonic() + WAIT_S
-        while req_id not in self.step(_scheduler_output()):
-            assert time.monotonic() < deadline, f"{req_id} never reported"
-            self.announced.add(req_id)  # vLLM keeps it announced until reported
-            time.sleep(0.01)
+        assert self.worker.pipeline is not None
+        assert self.worker.pipeline.wait_copied(req_id, WAIT_S), f"{req_id} never copied"
+        assert req_id in self.step(scheduler_output()), f"{req_id} not reported"
 
     def close(self) -> None:
         """Shut both halves down (once): writer threads finish their jobs and stop."""
@@ -243,9 +204,9 @@ def test_a_finished_requests_save_publishes_a_complete_readable_file(
 ) -> None:
     engine = engine_factory(cache, include_output_tokens=include_output)
     prompt, output, blocks = list(range(10, 20)), [7, 8, 9], [5, 2, 9, 0]
-    request = _new_request("req-a", prompt, blocks)
-    assert engine.step(_scheduler_output((request,), {"req-a": len(prompt)})) == set()
-    params = engine.finish(_finished_request("req-a", prompt, output), blocks)
+    request = new_request("req-a", prompt, blocks)
+    assert engine.step(scheduler_output(new=(request,), scheduled={"req-a": len(prompt)})) == set()
+    params = engine.finish(finished_request("req-a", prompt, output), blocks)
     path = params[PATH_PARAM]
     assert ERROR_PARAM not in params and path.startswith(str(tmp_path))
 
@@ -268,11 +229,14 @@ def test_blocks_are_reported_freed_only_after_the_copy(
     disk = _StuckDisk(monkeypatch)
     engine = engine_factory(cache, include_output_tokens=True)
     prompt, output, blocks = list(range(12)), [1], [3, 4, 5]  # 3 chunks, 1 slab
-    assert engine.step(_scheduler_output((_new_request("r", prompt, blocks),), {"r": 12})) == set()
-    engine.finish(_finished_request("r", prompt, output), blocks)  # hand-off: copy starts
+    assert (
+        engine.step(scheduler_output(new=(new_request("r", prompt, blocks),), scheduled={"r": 12}))
+        == set()
+    )
+    engine.finish(finished_request("r", prompt, output), blocks)  # hand-off: copy starts
     assert disk.entered.wait(WAIT_S)  # the writer holds the only slab: chunks 2-3 wait
     for _ in range(3):  # announced finished, but its blocks still hold uncopied states
-        assert engine.step(_scheduler_output()) == set()
+        assert engine.step(scheduler_output()) == set()
         engine.announced.add("r")
     disk.release.set()
     engine.idle_until_freed("r")
@@ -286,14 +250,13 @@ def test_a_failed_write_records_why_in_the_lock_and_leaves_no_partial_file(
     disk = _StuckDisk(monkeypatch, error=OSError(errno.ENOSPC, "No space left on device"))
     engine = engine_factory(cache)
     prompt, blocks = list(range(9)), [1, 6, 11]
-    engine.step(_scheduler_output((_new_request("full", prompt, blocks),), {"full": 9}))
-    path = engine.finish(_finished_request("full", prompt, [0]), blocks)[PATH_PARAM]
+    engine.step(scheduler_output(new=(new_request("full", prompt, blocks),), scheduled={"full": 9}))
+    path = engine.finish(finished_request("full", prompt, [0]), blocks)[PATH_PARAM]
     assert disk.entered.wait(WAIT_S)
     engine.idle_until_freed("full")  # a failed sample still frees its blocks
-    deadline = time.monotonic() + WAIT_S
-    while probe(lock_path(path)) is not LockState.FREE:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    held = SharedLock.acquire(path, timeout=WAIT_S)  # sleeps until the writer lets go
+    assert held is not None and held.existed
+    held.release()
     status = read_status(lock_path(path))
     assert status.failed and "write failed" in status.reason and "No space" in status.reason
     assert not os.path.exists(path)
@@ -315,11 +278,13 @@ def test_a_preempted_requests_states_are_copied_out_before_the_next_forward_pass
     engine = engine_factory(cache)
     prompt, blocks = list(range(20)), [15, 3, 8, 0, 12]  # 5 chunks through 1 slab
     expected = _gathered(cache, blocks, len(prompt))
-    new = _new_request("pre", prompt, blocks)
-    engine.step(_scheduler_output((new,), {"pre": 20}))  # prompt complete: save started
+    new = new_request("pre", prompt, blocks)
+    engine.step(
+        scheduler_output(new=(new,), scheduled={"pre": 20})
+    )  # prompt complete: save started
     # Preempted before it finished: vLLM freed its blocks; this step may reuse them.
     engine.step(
-        _scheduler_output(preempted=frozenset({"pre"})),
+        scheduler_output(preempted=frozenset({"pre"})),
         after_preemption=lambda: cache.fill_(float("nan")),
     )
     path = engine.scheduler.default_path("pre")

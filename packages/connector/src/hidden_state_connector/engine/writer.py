@@ -205,6 +205,19 @@ class WritePipeline:
                 done.append(req_id)
         return done
 
+    def wait_copied(self, req_id: str, timeout: float) -> bool:
+        """Block until ``req_id``'s device-to-host copies are all issued, or ``timeout``.
+
+        For callers that step an idle engine until a request is reported (``finished``):
+        they sleep here instead of spinning. True if the copies are issued (or the job is
+        unknown: already reported).
+        """
+        with self._cond:
+            job = self._unreported.get(req_id)
+            if job is None:
+                return True
+            return self._cond.wait_for(lambda: job.produced_all, timeout)
+
     @property
     def in_flight(self) -> int:
         """Samples whose blocks are still held (not yet reported finished)."""
