@@ -31,10 +31,11 @@ if TYPE_CHECKING:
         WaitCancelledError,
     )
     from hidden_state_reader.format import read_header, write_sample
+    from hidden_state_reader.load_options import LoadOptions
     from hidden_state_reader.loader import HiddenStateLoader
     from hidden_state_reader.reader import HiddenStateReader
     from hidden_state_reader.sample import Sample
-    from hidden_state_reader.sample_load import LoadOptions, load_sample
+    from hidden_state_reader.sample_load import load_sample
     from hidden_state_reader.sharding import distributed_context
     from hidden_state_reader.stats import ReaderStats
 
@@ -49,7 +50,7 @@ _EXPORTS = {
     "HiddenStateLoader": "hidden_state_reader.loader",
     "HiddenStateReader": "hidden_state_reader.reader",
     "IncompleteSampleError": "hidden_state_reader.errors",
-    "LoadOptions": "hidden_state_reader.sample_load",
+    "LoadOptions": "hidden_state_reader.load_options",
     "LockTimeoutError": "hidden_state_reader.errors",
     "PackCollate": "hidden_state_reader.collate",
     "PadCollate": "hidden_state_reader.collate",

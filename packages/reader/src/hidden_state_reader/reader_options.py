@@ -13,21 +13,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from hidden_state_reader.load_options import LoadOptions
 from hidden_state_reader.states import GRACE
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 OnError = Literal["skip", "raise"]
 OnConsumed = Literal["keep", "delete", "move"]
 
 
 @dataclass(frozen=True)
-class ReaderOptions:
+class ReaderOptions(LoadOptions):
     """Keyword options of ``HiddenStateReader`` other than ``follow`` and ``claim``.
 
     Each attribute is the reader argument of the same name, with the same default;
-    see ``HiddenStateReader`` for what it does.
+    see ``HiddenStateReader`` for what it does. The ``LoadOptions`` fields (layers,
+    dtype, memory) are inherited.
     """
 
     idle_timeout: float | None = None
@@ -38,12 +40,6 @@ class ReaderOptions:
     on_error: OnError = "skip"
     lock_timeout: float | None = 600.0
     names: Sequence[str] | None = None
-    layers: Sequence[int] | None = None
-    layer_ids: Sequence[int] | None = None
-    dtype: torch.dtype | None = None
-    pin_memory: bool = False
-    verify_checksum: bool = False
-    mmap: bool = True
     watch: str = "auto"
     rescan_interval: float = 30.0
     poll_interval: float = 1.0

@@ -11,42 +11,16 @@ from __future__ import annotations
 import mmap
 import os
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
+from hidden_state_reader.load_options import LoadOptions
 from hidden_state_reader.sample import Sample
 
 MMAP_MIN_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How samples are turned into tensors.
-
-    Attributes:
-        layers: Positions along the layer axis to keep (e.g. ``[-1]`` for the last).
-        layer_ids: Captured layer ids to keep (needs ``layer_ids`` metadata).
-        dtype: Convert ``hidden_states`` to this dtype.
-        pin_memory: Read into page-locked memory (faster host-to-GPU copies).
-        verify_checksum: Check the writer's CRC32 when the file has one.
-        mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them.
-    """
-
-    layers: Sequence[int] | None = None
-    layer_ids: Sequence[int] | None = None
-    dtype: torch.dtype | None = None
-    pin_memory: bool = False
-    verify_checksum: bool = False
-    mmap: bool = True
-
-    def __post_init__(self) -> None:
-        if self.layers is not None and self.layer_ids is not None:
-            raise ValueError("pass either layers (positions) or layer_ids, not both")
 
 
 def _read_exact(fd: int, buffer: torch.Tensor, offset: int, path: str) -> None:
@@ -167,11 +141,5 @@ def load_sample(path: str | os.PathLike[str], options: LoadOptions | None = None
         OSError: It cannot be opened.
     """
     path = os.fspath(path)
-    try:
-        fd = open_regular(path)
-    except NotRegularFileError as exc:
-        raise CorruptSampleError(path, "not a regular file") from exc
-    try:
+    with open_sample(path) as fd:
         return load_fd(fd, path, options)
-    finally:
-        os.close(fd)

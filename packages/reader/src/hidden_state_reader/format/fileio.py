@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from hidden_state_reader.errors import CorruptSampleError
 
 
 class NotRegularFileError(OSError):
@@ -36,6 +40,24 @@ def open_regular(path: str) -> int:
         os.close(fd)
         raise NotRegularFileError(f"{path}: not a regular file")
     return fd
+
+
+@contextmanager
+def open_sample(path: str) -> Iterator[int]:
+    """A read-only descriptor of the sample file ``path``, closed when the block ends.
+
+    Raises:
+        CorruptSampleError: Something other than a regular file is there (named).
+        FileNotFoundError, OSError: It cannot be opened.
+    """
+    try:
+        fd = open_regular(path)
+    except NotRegularFileError as exc:
+        raise CorruptSampleError(path, "not a regular file") from exc
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def nearest_existing(path: str) -> str:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.format.fileio import open_sample
 
 FORMAT_VERSION = "1"
 HIDDEN_STATES = "hidden_states"
@@ -331,14 +331,8 @@ def read_header(path: str | os.PathLike[str]) -> SampleHeader:
         OSError: The file cannot be opened.
     """
     path = os.fspath(path)
-    try:
-        fd = open_regular(path)
-    except NotRegularFileError as exc:
-        raise CorruptSampleError(path, "not a regular file") from exc
-    try:
+    with open_sample(path) as fd:
         return read_header_fd(fd, path)
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True)
