@@ -155,7 +155,6 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, seed=1)
     llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
-    warm_paths = []
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, seed=2)
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if in_process:
@@ -167,6 +166,26 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.monotonic() - t0
     paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
     paths = [p for p in paths if p]
+    result = _throughput_row(args, paths, t0, elapsed, in_process)
+    if in_process:
+        torch.cuda.synchronize()
+        result["peak_extra_device_mb"] = (torch.cuda.max_memory_allocated() - base_alloc) / 2**20
+        pool = connector_pool_bytes()
+        if pool is not None:
+            result["pinned_pool_mb"] = pool / 2**20
+    if trace.exists():
+        result["stages_ms"] = stage_summary(trace, set(paths), t0 + elapsed)
+    if paths and args.check:
+        result["verified"] = _read_back(paths[:8])
+    print("RESULT " + json.dumps(result), flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def _throughput_row(
+    args: argparse.Namespace, paths: list[str], t0: float, elapsed: float, in_process: bool
+) -> dict[str, Any]:
+    """Throughput, lock release after ``generate()`` returned, and write rate of one run."""
     release = wait_released(paths, t0) if paths else []
     after_return = [max(0.0, r - elapsed) for r in release]
     drained = max(release) if release else elapsed
@@ -191,26 +210,16 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         total = sum(os.path.getsize(p) for p in paths if os.path.exists(p))
         result["bytes"] = total
         result["write_gb_s"] = total / drained / 1e9
-    if in_process:
-        torch.cuda.synchronize()
-        result["peak_extra_device_mb"] = (torch.cuda.max_memory_allocated() - base_alloc) / 2**20
-        pool = connector_pool_bytes()
-        if pool is not None:
-            result["pinned_pool_mb"] = pool / 2**20
-    if trace.exists():
-        result["stages_ms"] = stage_summary(trace, set(paths), t0 + elapsed)
-    if paths and args.check:
-        from hidden_state_reader import HiddenStateReader
-
-        names = [os.path.basename(p) for p in paths[:8]]
-        n = sum(
-            1 for _ in HiddenStateReader(os.path.dirname(paths[0]), names=names, on_error="raise")
-        )
-        result["verified"] = n
-    del warm_paths
-    print("RESULT " + json.dumps(result), flush=True)
-    shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+def _read_back(paths: list[str]) -> int:
+    """How many of these files the reader yields (it raises on any bad one)."""
+    from hidden_state_reader import HiddenStateReader
+
+    names = [os.path.basename(p) for p in paths]
+    reader = HiddenStateReader(os.path.dirname(paths[0]), names=names, on_error="raise")
+    return sum(1 for _ in reader)
 
 
 def spawn_one(
@@ -248,25 +257,53 @@ def spawn_one(
 
 def validate(args: argparse.Namespace) -> int:
     """Values on CUDA vs HF transformers, chunked prefill, prefix caching, output tokens."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
-
     from hidden_state_connector.demo.tiny_model import build_tiny_model
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
     from hidden_state_reader import HiddenStateReader
 
-    dtype = args.dtype
     # In-process engine: the path users of notebooks and offline scripts run, and no
     # fork after this process's own CPU torch work (building the model below): a forked
     # engine core hung in an OpenMP barrier at start-up once (bf16, 2026-11-30).
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    model_dir = build_tiny_model(Path(args.work) / f"tiny-{dtype}", dtype=dtype)
+    model_dir = build_tiny_model(Path(args.work) / f"tiny-{args.dtype}", dtype=args.dtype)
     out = tempfile.mkdtemp(prefix="hs-val-", dir=args.storage)
-    layers = [4, 1, 2, 0]
-    llm = LLM(
+    outs = _validation_outputs(_validation_engine(args, model_dir, out))
+    names = [os.path.basename(o.kv_transfer_params["hidden_states_path"]) for o in outs]
+    samples = list(HiddenStateReader(out, names=names, on_error="raise", verify_checksum=True))
+    assert len(samples) == len(outs)
+    tol = 3e-3 if args.dtype == "float32" else 3e-2  # TF32 matmuls in HF on CUDA
+    worst, layer0_worst, failures = _compare_with_hf(model_dir, outs, samples, tol)
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "kind": "validate",
+        "tp": args.tp,
+        "dtype": args.dtype,
+        "graphs": args.graphs,
+        "samples": len(samples),
+        "tolerance": tol,
+        "worst_rel_err": worst,
+        "layer0_rel_err": layer0_worst,
+        "layer_ids": samples[0].layer_ids,
+        "failures": failures[:10],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 1 if failures else 0
+
+
+def _validation_engine(args: argparse.Namespace, model_dir: Path, out: str) -> Any:
+    """The tiny model with prefix caching and small prefill chunks, capturing 4 layers."""
+    from vllm import LLM
+
+    from hidden_state_connector.server import kv_transfer_config, speculative_config
+
+    settings = {
+        "chunk_bytes": 65536,
+        "host_buffer_bytes": 1 << 20,
+        "checksum": True,
+        "stats_interval": 0,
+    }
+    return LLM(
         model=str(model_dir),
-        dtype=dtype,
+        dtype=args.dtype,
         max_model_len=4096,
         enforce_eager=not args.graphs,
         attention_backend="TRITON_ATTN",
@@ -275,25 +312,19 @@ def validate(args: argparse.Namespace) -> int:
         enable_prefix_caching=True,
         max_num_batched_tokens=256,
         seed=0,
-        speculative_config=speculative_config(layers),
+        speculative_config=speculative_config([4, 1, 2, 0]),
         kv_transfer_config={
-            **kv_transfer_config(
-                out,
-                {
-                    "chunk_bytes": 65536,
-                    "host_buffer_bytes": 1 << 20,
-                    "checksum": True,
-                    "stats_interval": 0,
-                },
-            ),
+            **kv_transfer_config(out, settings),
             "kv_connector_module_path": "hidden_state_connector.connector",
         },
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    last: dict[str, torch.Tensor] = {}
-    hf.model.layers[-1].register_forward_hook(
-        lambda m, i, o: last.__setitem__("x", o[0] if isinstance(o, tuple) else o)
-    )
+
+
+def _validation_outputs(llm: Any) -> list[Any]:
+    """Prompts of many lengths, two groups sharing a cached prefix, one with output tokens."""
+    import torch
+    from vllm import SamplingParams
+
     gen = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 250, (96,), generator=gen).tolist()
     prompts = [
@@ -313,13 +344,24 @@ def validate(args: argparse.Namespace) -> int:
         extra_args={"kv_transfer_params": {"include_output_tokens": True}},
     )
     outs += llm.generate([{"prompt_token_ids": prompts[4]}], sp_out, use_tqdm=False)
-    tol = 3e-3 if dtype == "float32" else 3e-2  # TF32 matmuls in HF on CUDA
+    return list(outs)
+
+
+def _compare_with_hf(
+    model_dir: Path, outs: list[Any], samples: list[Any], tol: float
+) -> tuple[float, float, list[str]]:
+    """Worst relative error vs HF (layers > 0), layer 0's worst, and what failed."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    last: dict[str, torch.Tensor] = {}
+    hf.model.layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("x", o[0] if isinstance(o, tuple) else o)
+    )
     worst = 0.0
     layer0_worst = 0.0  # vLLM's fused add-RMSNorm updates it in place on CUDA (documented)
     failures = []
-    names = [os.path.basename(o.kv_transfer_params["hidden_states_path"]) for o in outs]
-    samples = list(HiddenStateReader(out, names=names, on_error="raise", verify_checksum=True))
-    assert len(samples) == len(outs)
     for o, s in zip(outs, samples, strict=True):
         expect_tokens = list(o.prompt_token_ids)
         if len(o.outputs[0].token_ids) > 1:
@@ -339,21 +381,7 @@ def validate(args: argparse.Namespace) -> int:
             worst = max(worst, err)
             if not err < tol:
                 failures.append(f"{os.path.basename(s.path)} layer {lid}: rel err {err:.2e}")
-    result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "kind": "validate",
-        "tp": args.tp,
-        "dtype": dtype,
-        "graphs": args.graphs,
-        "samples": len(samples),
-        "tolerance": tol,
-        "worst_rel_err": worst,
-        "layer0_rel_err": layer0_worst,
-        "layer_ids": samples[0].layer_ids,
-        "failures": failures[:10],
-    }
-    print("RESULT " + json.dumps(result), flush=True)
-    return 1 if failures else 0
+    return worst, layer0_worst, failures
 
 
 # --------------------------------------------------------------------------- suites
@@ -425,7 +453,8 @@ def suite_long(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (an argparse table)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -455,7 +484,11 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/hs-bench")
     parser.add_argument("--json", default="")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per engine run")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     args.graph_modes = [m == "graphs" for m in args.graph_modes.split(",")]
     args.storages = args.storages.split(",")
     args.kinds = args.kinds.split(",")
@@ -471,33 +504,28 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     if args.command in ("throughput", "all"):
         rows += suite_throughput(args)
-        print(
-            table(
-                rows,
-                [
-                    "kind",
-                    "storage",
-                    "graphs",
-                    "tok_s",
-                    "write_gb_s",
-                    "release_after_return_p50_ms",
-                    "release_after_return_p99_ms",
-                    "all_written_s",
-                    "files",
-                ],
-            )
-        )
+        print(table(rows, THROUGHPUT_COLUMNS))
     if args.command in ("long", "all"):
         long_rows = suite_long(args)
-        print(
-            table(
-                long_rows, ["kind", "prompt_len", "tok_s", "peak_extra_device_mb", "pinned_pool_mb"]
-            )
-        )
+        print(table(long_rows, LONG_COLUMNS))
         rows += long_rows
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+THROUGHPUT_COLUMNS = [
+    "kind",
+    "storage",
+    "graphs",
+    "tok_s",
+    "write_gb_s",
+    "release_after_return_p50_ms",
+    "release_after_return_p99_ms",
+    "all_written_s",
+    "files",
+]
+LONG_COLUMNS = ["kind", "prompt_len", "tok_s", "peak_extra_device_mb", "pinned_pool_mb"]
 
 
 if __name__ == "__main__":
