@@ -206,12 +206,7 @@ class WritePipeline:
         return done
 
     def wait_copied(self, req_id: str, timeout: float) -> bool:
-        """Block until ``req_id``'s device-to-host copies are all issued, or ``timeout``.
-
-        For callers that step an idle engine until a request is reported (``finished``):
-        they sleep here instead of spinning. True if the copies are issued (or the job is
-        unknown: already reported).
-        """
+        """Sleep until ``req_id``'s copies are issued (True; also if unknown) or ``timeout``."""
         with self._cond:
             job = self._unreported.get(req_id)
             if job is None:
