@@ -18,7 +18,7 @@ import os
 import struct
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from hidden_state_reader.cli.table import format_bytes as format_bytes  # one home: table.py
 from hidden_state_reader.format.names import DATA_SUFFIX, Kind, classify
@@ -110,37 +110,35 @@ def add_grace_argument(parser: argparse.ArgumentParser, default: float) -> None:
     )
 
 
+_N = TypeVar("_N", int, float)
+
+
+def _parse_number(
+    text: str, cast: Callable[[str], _N], kind: str, ok: Callable[[_N], bool], rule: str
+) -> _N:
+    """``cast(text)`` if it parses and satisfies ``ok``, else an argparse error."""
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+    if not ok(value):  # comparisons are False for NaN: it is rejected too
+        raise argparse.ArgumentTypeError(f"must be {rule}: {text!r}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """``argparse`` type: a number of seconds, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be 0 or more: {text!r}")
-    return value
+    return _parse_number(text, float, "a number", lambda v: v >= 0, "0 or more")
 
 
 def positive_int(text: str) -> int:
     """``argparse`` type: an integer of 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more: {text!r}")
-    return value
+    return _parse_number(text, int, "an integer", lambda v: v >= 1, "1 or more")
 
 
 def positive_float(text: str) -> float:
     """``argparse`` type: a number greater than 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
-    return value
+    return _parse_number(text, float, "a number", lambda v: v > 0, "positive")
 
 
 def require_dir(path: str) -> str:
