@@ -237,6 +237,11 @@ class WorkerSide:
             ),
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
+            loss_mask=(
+                None
+                if order.loss_mask is None
+                else torch.tensor(order.loss_mask, dtype=torch.uint8)
+            ),
         )
         self._unreported.add(order.req_id)
         if failure is not None:
