@@ -115,6 +115,12 @@ def expected_ids(tok: Any, record: dict[str, Any]) -> list[int]:
     return list(tok(record["text"])["input_ids"])
 
 
+def mask_of(out: Path, index: int) -> list[int]:
+    [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
+    assert sample.loss_mask is not None
+    return sample.loss_mask.int().tolist()
+
+
 def write_valid_sample(path: Path, token_ids: list[int], layers: list[int] = LAYERS) -> None:
     write_sample(
         path,
@@ -527,6 +533,9 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
         {"token_ids": [1, 2, 5000]},  # out of vocabulary
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
         "",
+        {"messages": [*MULTI_TURN[1:3], {"role": "user", "content": "And?"}]},
+        {"input_ids": list(range(60, 72)), "loss_mask": [0] * 5 + [1] * 7},  # speculators'
+        {"input_ids": list(range(60, 72)), "loss_mask": [1] * 11},
     ]
     data = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
@@ -546,22 +555,32 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
-    assert "extract: 8/8 (100.0%), 4 failed" in result.stderr  # the final progress line
-    ok = {0: records[0], 1: records[1], 2: records[2], 6: None}
+    assert "extract: 11/11 (100.0%), 5 failed" in result.stderr  # the final progress line
+    sharegpt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chats = {1: records[1]["messages"], 6: sharegpt, 8: records[8]["messages"]}
+    ok = {0, 1, 2, 6, 8, 9}
     for index in ok:
         [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
-        if index == 6:
-            chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-            want = expected_ids(tokenizer, {"messages": chat})
+        mask = None
+        if index in chats:  # the assistant mask as transformers computes it from tags
+            want, mask = oracle_mask(tokenizer, PLAIN_TAGGED, chats[index])
+            assert want == expected_ids(tokenizer, {"messages": chats[index]})
+        elif index == 9:
+            want, mask = records[9]["input_ids"], records[9]["loss_mask"]
         else:
             want = expected_ids(tokenizer, records[index])
         assert sample.token_ids.tolist() == want, index
         assert sample.hidden_states.shape == (len(want), 2, 128)
         assert sample.layer_ids == LAYERS
+        got = None if sample.loss_mask is None else sample.loss_mask.int().tolist()
+        assert got == mask, index
+    assert sum(mask_of(out, 8)) == len("Rayleigh scattering.")  # a reply mid-conversation
+    assert sum(mask_of(out, 1)) == 0  # a chat without a reply yet: nothing to learn
     state = Manifest(str(out)).samples
-    assert {i for i, r in state.items() if r.ok} == set(ok)
+    assert {i for i, r in state.items() if r.ok} == ok
     reasons = {i: r.error or "" for i, r in state.items() if not r.ok}
-    assert set(reasons) == {3, 4, 5, 7}
+    assert set(reasons) == {3, 4, 5, 7, 10}
+    assert reasons[10] == "'loss_mask' has 11 entries for 12 token ids"
     assert reasons[3].startswith("invalid JSON")
     assert reasons[4] == "prompt has 200 tokens, more than max_model_len - 1 = 127"
     assert "out of vocabulary" in reasons[5]
@@ -569,7 +588,7 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
     for index, reason in reasons.items():
         assert f"#{index}: {reason}" in result.stdout
         assert not (out / f"hs_{index}.safetensors").exists()
-    assert "failed samples (4):" in result.stdout
+    assert "failed samples (5):" in result.stdout
     assert temp_files(out) == []
     print(f"mixed input run: {elapsed:.1f}s")
 
