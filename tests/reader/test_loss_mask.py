@@ -189,3 +189,18 @@ def test_plain_pairs_have_no_mask_and_bad_sample_masks_are_named() -> None:
     twos = Sample(ids, hidden, "y.safetensors", loss_mask=torch.tensor([1, 2, 0]))
     with pytest.raises(ValueError, match=r"y\.safetensors: loss_mask must be bool or hold only"):
         pad_collate([twos])
+
+
+def test_inspect_shows_how_many_tokens_the_mask_trains(
+    hs_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hidden_state_reader.cli import main as cli_main
+
+    path = _write(hs_dir / "a.safetensors", MASK)
+    assert cli_main.main(["inspect", path, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "loss mask:   5 of 10 tokens trained" in out and "loss_mask" in out
+    ids, hidden = make_tensors(0, 4, 2, 8)
+    plain = write_sample(hs_dir / "b.safetensors", ids, hidden)
+    assert cli_main.main(["inspect", plain]) == 0
+    assert "loss mask:   none" in capsys.readouterr().out
