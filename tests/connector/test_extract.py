@@ -118,6 +118,12 @@ def expected_ids(tok: Any, record: dict[str, Any]) -> list[int]:
     return list(tok(record["text"])["input_ids"])
 
 
+def mask_of(out: Path, index: int) -> list[int]:
+    [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
+    assert sample.loss_mask is not None
+    return sample.loss_mask.int().tolist()
+
+
 def write_valid_sample(path: Path, token_ids: list[int], layers: list[int] = LAYERS) -> None:
     write_sample(
         path,
@@ -199,6 +205,135 @@ def test_records_of_every_kind_and_bad_ones(tmp_path: Path, tokenizer: Any) -> N
     assert "'text' is empty" in errors[8]
     assert "negative" in errors[9] and "empty" in errors[10]
     assert "keys: other" in errors[11] and "role" in errors[12] and "int" in errors[13]
+
+
+# Chat templates for the mask tests, each with an oracle twin that marks the assistant
+# turns with {% generation %} (the newlines are expressions: HF's Jinja trims the ones
+# after block tags).
+NL = "{{ '\\n' }}"
+PLAIN = (  # the tiny model's own template: no end-of-turn token
+    "{% for m in messages %}<|{{ m['role'] }}|>" + NL + "{{ m['content'] }}" + NL + "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>" + NL + "{% endif %}"
+)
+PLAIN_TAGGED = (
+    "{% for m in messages %}<|{{ m['role'] }}|>" + NL + "{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}"
+    "{% endif %}" + NL + "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>" + NL + "{% endif %}"
+)
+CHATML = (  # an end-of-turn marker after every message
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    + NL
+    + "{{ m['content'] }}<|im_end|>"
+    + NL
+    + "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant"
+    + NL
+    + "{% endif %}"
+)
+CHATML_TAGGED = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}" + NL + "{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}"
+    "{{ m['content'] }}<|im_end|>{% endif %}" + NL + "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant" + NL + "{% endif %}"
+)
+MULTI_TURN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Why is the sky blue?"},
+    {"role": "assistant", "content": "Rayleigh scattering."},
+    {"role": "user", "content": "And sunsets?"},
+    {"role": "assistant", "content": "Longer path, so red light."},
+]
+
+
+def with_template(tok: Any, template: str) -> Any:
+    import copy
+
+    twin = copy.deepcopy(tok)
+    twin.chat_template = template
+    return twin
+
+
+def oracle_mask(tok: Any, tagged: str, chat: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """``(ids, assistant mask)`` as transformers computes them from a tagged template."""
+    encoded = with_template(tok, tagged).apply_chat_template(
+        chat,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        add_generation_prompt=chat[-1]["role"] != "assistant",
+    )
+    return list(encoded["input_ids"]), list(encoded["assistant_masks"])
+
+
+@pytest.mark.parametrize(("template", "tagged"), [(PLAIN, PLAIN_TAGGED), (CHATML, CHATML_TAGGED)])
+def test_chat_masks_mark_assistant_turns_as_generation_tags_would(
+    tokenizer: Any, template: str, tagged: str
+) -> None:
+    chats = [MULTI_TURN, MULTI_TURN[:4], MULTI_TURN[1:3]]  # ends with a reply or a question
+    items = [(i, {"messages": chat}, None) for i, chat in enumerate(chats)]
+    derived = PromptEncoder(with_template(tokenizer, template)).encode(items)
+    from_tags = PromptEncoder(with_template(tokenizer, tagged)).encode(items)
+    for chat, prompt, tagged_prompt in zip(chats, derived, from_tags, strict=True):
+        ids, mask = oracle_mask(tokenizer, tagged, chat)
+        assert prompt.error is None and prompt.token_ids == ids
+        assert prompt.loss_mask == mask and tagged_prompt.loss_mask == mask
+        replies = [m["content"] for m in chat if m["role"] == "assistant"]
+        marked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        eot = "<|im_end|>" if template == CHATML else ""
+        assert marked == "".join(r + eot for r in replies)
+
+
+def test_pre_tokenized_masks_are_kept_and_bad_ones_fail_the_record(tokenizer: Any) -> None:
+    records: list[Any] = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        {"token_ids": [5, 6], "loss_mask": [True, False]},
+        {"input_ids": [5, 6, 7]},
+        [5, 6, 7],
+        {"text": "plain"},
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1]},
+        {"input_ids": [5, 6], "loss_mask": [0, 2]},
+        {"input_ids": [5, 6], "loss_mask": "01"},
+    ]
+    prompts = PromptEncoder(tokenizer).encode([(i, r, None) for i, r in enumerate(records)])
+    assert [p.loss_mask for p in prompts[:5]] == [[0, 1, 1], [1, 0], None, None, None]
+    assert [p.error for p in prompts[:5]] == [None] * 5
+    assert prompts[5].error == "'loss_mask' has 2 entries for 3 token ids"
+    assert prompts[6].error == "'loss_mask[1]' is 2; every entry must be 0 or 1"
+    assert prompts[7].error == "'loss_mask' must be a list of 0/1"
+
+
+def test_a_template_that_rewrites_earlier_turns_fails_the_chat_not_the_run(
+    tokenizer: Any,
+) -> None:
+    # Hides earlier replies once the conversation goes on (as reasoning templates do).
+    hiding = CHATML.replace(
+        "{{ m['content'] }}",
+        "{% if m['role'] == 'assistant' and not loop.last %}...{% else %}"
+        "{{ m['content'] }}{% endif %}",
+    )
+    items = [(0, {"messages": MULTI_TURN}, None), (1, {"messages": MULTI_TURN[1:3]}, None)]
+    bad, good = PromptEncoder(with_template(tokenizer, hiding)).encode(items)
+    assert bad.token_ids is None and bad.error is not None
+    assert "cannot mark assistant tokens" in bad.error and "turn 2" in bad.error
+    assert good.error is None and good.loss_mask is not None and sum(good.loss_mask) > 0
+
+
+def test_verify_file_checks_the_stored_mask(tmp_path: Path) -> None:
+    from hidden_state_connector.offline.sample_check import verify_file
+
+    path = tmp_path / "hs_0.safetensors"
+    ids = list(range(10, 16))
+    write_sample(path, torch.tensor(ids), torch.randn(6, 2, 4), loss_mask=[0, 0, 1, 1, 1, 1])
+    check = {"layer_ids": LAYERS, "include_output": True}
+    assert verify_file(str(path), ids[:4], loss_mask=[0, 0, 1, 1], **check)[0] == 6
+    with pytest.raises(ValueError, match="loss_mask differs"):
+        verify_file(str(path), ids[:4], loss_mask=[0, 1, 1, 1], **check)
+    with pytest.raises(ValueError, match="holds a loss_mask, but the record has none"):
+        verify_file(str(path), ids[:4], **check)
+    plain = tmp_path / "hs_1.safetensors"
+    write_sample(plain, torch.tensor(ids), torch.randn(6, 2, 4))
+    with pytest.raises(ValueError, match="holds no loss_mask, but the record has one"):
+        verify_file(str(plain), ids, layer_ids=LAYERS, include_output=False, loss_mask=[1] * 6)
 
 
 def test_json_array_gzip_and_limit(tmp_path: Path) -> None:
@@ -302,7 +437,7 @@ class FakeLLM:
 
 
 def test_engine_maps_outputs_back_to_indices_and_reports_rejections() -> None:
-    engine = VllmEngine(FakeLLM(bad=99), lambda index: index)
+    engine = VllmEngine(FakeLLM(bad=99), lambda index, _mask: index)
     assert engine.submit(10, [1]) is None
     assert engine.submit(11, [2]) is None
     assert engine.submit(12, [99]) == "vLLM rejected the prompt: Token id is out of vocabulary"
@@ -321,7 +456,7 @@ def test_engine_without_enqueue_isolates_a_bad_prompt_of_a_batch() -> None:
                 raise ValueError("bad prompt")
             return [SimpleNamespace(ids=p["prompt_token_ids"]) for p in prompts]
 
-    engine = VllmEngine(OldLLM(), lambda index: index)
+    engine = VllmEngine(OldLLM(), lambda index, _mask: index)
     for index, ids in ((0, [1]), (1, [9]), (2, [3])):
         engine.submit(index, ids)
     results = {i: (o.ids if o else err) for i, o, err in engine.step()}
@@ -401,6 +536,9 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
         {"token_ids": [1, 2, 5000]},  # out of vocabulary
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
         "",
+        {"messages": [*MULTI_TURN[1:3], {"role": "user", "content": "And?"}]},
+        {"input_ids": list(range(60, 72)), "loss_mask": [0] * 5 + [1] * 7},  # speculators'
+        {"input_ids": list(range(60, 72)), "loss_mask": [1] * 11},
     ]
     data = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
@@ -420,22 +558,32 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
-    assert "extract: 8/8 (100.0%), 4 failed" in result.stderr  # the final progress line
-    ok = {0: records[0], 1: records[1], 2: records[2], 6: None}
+    assert "extract: 11/11 (100.0%), 5 failed" in result.stderr  # the final progress line
+    sharegpt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chats = {1: records[1]["messages"], 6: sharegpt, 8: records[8]["messages"]}
+    ok = {0, 1, 2, 6, 8, 9}
     for index in ok:
         [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
-        if index == 6:
-            chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-            want = expected_ids(tokenizer, {"messages": chat})
+        mask = None
+        if index in chats:  # the assistant mask as transformers computes it from tags
+            want, mask = oracle_mask(tokenizer, PLAIN_TAGGED, chats[index])
+            assert want == expected_ids(tokenizer, {"messages": chats[index]})
+        elif index == 9:
+            want, mask = records[9]["input_ids"], records[9]["loss_mask"]
         else:
             want = expected_ids(tokenizer, records[index])
         assert sample.token_ids.tolist() == want, index
         assert sample.hidden_states.shape == (len(want), 2, 128)
         assert sample.layer_ids == LAYERS
+        got = None if sample.loss_mask is None else sample.loss_mask.int().tolist()
+        assert got == mask, index
+    assert sum(mask_of(out, 8)) == len("Rayleigh scattering.")  # a reply mid-conversation
+    assert sum(mask_of(out, 1)) == 0  # a chat without a reply yet: nothing to learn
     state = Manifest(str(out)).samples
-    assert {i for i, r in state.items() if r.ok} == set(ok)
+    assert {i for i, r in state.items() if r.ok} == ok
     reasons = {i: r.error or "" for i, r in state.items() if not r.ok}
-    assert set(reasons) == {3, 4, 5, 7}
+    assert set(reasons) == {3, 4, 5, 7, 10}
+    assert reasons[10] == "'loss_mask' has 11 entries for 12 token ids"
     assert reasons[3].startswith("invalid JSON")
     assert reasons[4] == "prompt has 200 tokens, more than max_model_len - 1 = 127"
     assert "out of vocabulary" in reasons[5]
@@ -443,7 +591,7 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
     for index, reason in reasons.items():
         assert f"#{index}: {reason}" in result.stdout
         assert not (out / f"hs_{index}.safetensors").exists()
-    assert "failed samples (4):" in result.stdout
+    assert "failed samples (5):" in result.stdout
     assert temp_files(out) == []
     print(f"mixed input run: {elapsed:.1f}s")
 

@@ -166,6 +166,44 @@ def test_unusable_custom_directory_is_refused_with_hidden_states_error(engine: E
     assert read(good["hidden_states_path"]).num_tokens == 12
 
 
+def test_loss_masks_sent_online_come_back_exactly_and_a_bad_one_is_refused(
+    engine: Engine,
+) -> None:
+    from vllm import SamplingParams
+
+    from hidden_state_reader.collate import pad_collate
+
+    prompts = [prompt(12, 21), prompt(20, 22), prompt(10, 23)]
+    listed = [0] * 5 + [1] * 4 + [0, 1, 1]
+    requests = [
+        ({"loss_mask": listed}, 1),
+        ({"loss_mask_spans": [[15, 20], [2, 4]], "include_output_tokens": True}, 4),
+        ({"loss_mask": [1] * 9}, 1),  # one short of the prompt
+    ]
+    sampling = [
+        SamplingParams(
+            max_tokens=n, temperature=0.0, detokenize=False, extra_args={"kv_transfer_params": kv}
+        )
+        for kv, n in requests
+    ]
+    outputs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
+    masked, spans, bad = (dict(o.kv_transfer_params or {}) for o in outputs)
+    assert "hidden_states_error" not in masked and "hidden_states_error" not in spans
+    first, second = read(masked["hidden_states_path"]), read(spans["hidden_states_path"])
+    assert first.loss_mask is not None and first.loss_mask.int().tolist() == listed
+    generated = list(outputs[1].outputs[0].token_ids)
+    assert second.token_ids.tolist() == prompts[1] + generated[:-1]
+    expected = [0, 0, 1, 1] + [0] * 11 + [1] * 5 + [1] * 3  # generated tokens count
+    assert second.loss_mask is not None and second.loss_mask.int().tolist() == expected
+    batch = pad_collate([first, second])
+    assert batch["loss_mask"].int().tolist() == [listed + [0] * 11, expected]
+    assert batch["has_loss_mask"].tolist() == [True, True]
+    assert "loss_mask has 9 entries" in bad["hidden_states_error"]
+    assert "the prompt's 10" in bad["hidden_states_error"]
+    assert not os.path.lexists(bad["hidden_states_path"])
+    assert not os.path.lexists(lock_path(bad["hidden_states_path"]))
+
+
 @pytest.mark.parametrize(
     "hostile",
     [

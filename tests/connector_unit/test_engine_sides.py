@@ -293,6 +293,83 @@ def test_a_preempted_requests_states_are_copied_out_before_the_next_forward_pass
     assert sample.metadata["nonfinite"] == "0"
 
 
+# -- loss masks (kv_transfer_params) -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("include_output", "params", "expected"),
+    [
+        (False, {"loss_mask": [0] * 4 + [1] * 6}, [0] * 4 + [1] * 6),
+        (False, {"loss_mask_spans": [[7, 10], [2, 4]]}, [0, 0, 1, 1, 0, 0, 0, 1, 1, 1]),
+        # Generated tokens are stored too: a prompt-length mask marks them 1 ...
+        (True, {"loss_mask_spans": [[8, 10]]}, [0] * 8 + [1] * 4),
+        # ... a full-length one is taken exactly.
+        (True, {"loss_mask": [1] * 10 + [0, 1]}, [1] * 10 + [0, 1]),
+    ],
+    ids=["prompt-list", "prompt-spans", "output-spans", "output-full-list"],
+)
+def test_a_clients_loss_mask_is_stored_with_the_sample(
+    cache: torch.Tensor,
+    engine_factory: Any,
+    include_output: bool,
+    params: dict[str, Any],
+    expected: list[int],
+) -> None:
+    engine = engine_factory(cache, include_output_tokens=include_output)
+    prompt, output, blocks = list(range(10, 20)), [7, 8, 9], [5, 2, 9, 0]
+    request = new_request("m", prompt, blocks, params)
+    engine.step(scheduler_output(new=(request,), scheduled={"m": len(prompt)}))
+    result = engine.finish(finished_request("m", prompt, output), blocks)
+    assert ERROR_PARAM not in result
+    sample = _read(result[PATH_PARAM])
+    assert sample.loss_mask is not None and sample.loss_mask.int().tolist() == expected
+    assert len(expected) == sample.num_tokens
+
+
+@pytest.mark.parametrize(
+    ("params", "reason"),
+    [
+        ({"loss_mask": [1] * 9}, "loss_mask has 9 entries; expected one per stored token"),
+        ({"loss_mask": [1] * 9 + [2]}, "loss_mask[9] is 2; every entry must be 0 or 1"),
+        ({"loss_mask": "1111111111"}, "loss_mask must be a list of 0/1, got str"),
+        ({"loss_mask_spans": [[3, 11]]}, "loss_mask_spans[0] is [3, 11]; need 0 <= start"),
+        ({"loss_mask": [1] * 10, "loss_mask_spans": []}, "send either loss_mask or"),
+    ],
+    ids=["short", "two", "string", "span-past-end", "both"],
+)
+def test_a_bad_loss_mask_is_refused_on_arrival_and_the_engine_keeps_writing(
+    cache: torch.Tensor, engine_factory: Any, params: dict[str, Any], reason: str
+) -> None:
+    engine = engine_factory(cache)
+    prompt, blocks = list(range(10)), [1, 6, 11]
+    bad = new_request("bad", prompt, blocks, params)
+    good = new_request("good", prompt, [2, 3, 4], {"loss_mask": [1] * 10})
+    engine.step(scheduler_output(new=(bad, good), scheduled={"bad": 10, "good": 10}))
+    keep, result = engine.scheduler.request_finished(finished_request("bad", prompt, [0]), blocks)
+    assert keep is False and result is not None  # nothing held: blocks freed at once
+    assert reason in result[ERROR_PARAM]
+    assert not os.path.lexists(result[PATH_PARAM])
+    assert not os.path.lexists(lock_path(result[PATH_PARAM]))  # refused before any lock
+    path = engine.finish(finished_request("good", prompt, [0]), [2, 3, 4])[PATH_PARAM]
+    sample = _read(path)
+    assert sample.loss_mask is not None and bool(sample.loss_mask.all())
+
+
+def test_a_full_length_mask_that_misses_the_generated_count_fails_at_the_end(
+    cache: torch.Tensor, engine_factory: Any
+) -> None:
+    engine = engine_factory(cache, include_output_tokens=True)
+    prompt, blocks = list(range(10)), [1, 6, 11, 3]
+    request = new_request("long", prompt, blocks, {"loss_mask": [1] * 13})
+    engine.step(scheduler_output(new=(request,), scheduled={"long": 10}))
+    result = engine.finish(finished_request("long", prompt, [5, 6, 7]), blocks)  # 12 stored
+    assert "loss_mask has 13 entries but 12 tokens are stored" in result[ERROR_PARAM]
+    engine.idle_until_freed("long")  # the failed sample still frees its blocks
+    status = read_status(lock_path(result[PATH_PARAM]))
+    assert status.failed and "13 entries" in status.reason
+    assert not os.path.exists(result[PATH_PARAM])
+
+
 # -- write pipeline ------------------------------------------------------------------
 
 

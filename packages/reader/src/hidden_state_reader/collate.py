@@ -7,6 +7,13 @@ the samples fit together (naming the files when they do not), and return a dict.
 * ``PackCollate``: all tokens in one ``[1, N]`` row with ``cu_seqlens`` and restarting
   ``position_ids``, for FlashAttention's varlen kernels and SDPA with document masks:
   no compute is spent on padding.
+
+Both always return ``loss_mask`` (bool, the tokens the loss counts) and
+``has_loss_mask`` (``[B]`` bool, which samples brought a mask of their own): a sample
+without one (no ``loss_mask`` in its file, or a plain pair) counts all its tokens, so its
+row equals its attention mask, and padding is always False. A batch that mixes masked
+and unmasked samples therefore trains on the masked tokens of the ones and every token
+of the others; trainers that want only masked data check ``has_loss_mask``.
 """
 
 from __future__ import annotations
@@ -26,13 +33,45 @@ log = logging.getLogger(__name__)
 class _Item:
     """One validated batch element."""
 
-    __slots__ = ("hidden_states", "label", "path", "token_ids")
+    __slots__ = ("hidden_states", "label", "loss_mask", "path", "token_ids")
 
-    def __init__(self, token_ids: torch.Tensor, hidden_states: torch.Tensor, path: str, label: str):
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        path: str,
+        label: str,
+        loss_mask: torch.Tensor | None,
+    ):
         self.token_ids = token_ids
         self.hidden_states = hidden_states
         self.path = path
         self.label = label
+        self.loss_mask = loss_mask
+
+    def trained(self, n: int) -> torch.Tensor:
+        """The first ``n`` entries of the loss mask (all True without a mask)."""
+        if self.loss_mask is None:
+            return torch.ones(n, dtype=torch.bool)
+        return self.loss_mask[:n]
+
+
+def _checked_mask(mask: Any, num_tokens: int, label: str) -> torch.Tensor | None:
+    """A sample's loss mask as ``[num_tokens]`` bool (None stays None)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 1 or mask.shape[0] != num_tokens:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"{label}: loss_mask must be a [{num_tokens}] tensor, got {shape}")
+    if mask.dtype == torch.bool:
+        return mask
+    if (
+        mask.is_floating_point()
+        or mask.is_complex()
+        or (mask.numel() and (int(mask.min()) < 0 or int(mask.max()) > 1))
+    ):
+        raise ValueError(f"{label}: loss_mask must be bool or hold only 0 and 1")
+    return mask.to(torch.bool)
 
 
 def _items(batch: Sequence[Any]) -> list[_Item]:
@@ -41,8 +80,10 @@ def _items(batch: Sequence[Any]) -> list[_Item]:
         raise ValueError("cannot collate an empty batch")
     items = []
     for index, element in enumerate(batch):
+        mask = None
         if isinstance(element, Sample):
             tokens, hidden, path = element.token_ids, element.hidden_states, element.path
+            mask = element.loss_mask
         elif isinstance(element, (tuple, list)) and len(element) == 2:
             (tokens, hidden), path = element, ""
         else:
@@ -67,7 +108,8 @@ def _items(batch: Sequence[Any]) -> list[_Item]:
             raise ValueError(
                 f"{label}: {tokens.shape[0]} token ids but {hidden.shape[0]} hidden states"
             )
-        items.append(_Item(tokens, hidden, path, label))
+        mask = _checked_mask(mask, tokens.shape[0], label)
+        items.append(_Item(tokens, hidden, path, label, mask))
     first = items[0]
     for item in items[1:]:
         if item.hidden_states.shape[1:] != first.hidden_states.shape[1:]:
@@ -91,8 +133,9 @@ class PadCollate:
 
     Returns a dict with ``input_ids`` ``[B, T]`` int64 (filled with ``pad_token_id``),
     ``hidden_states`` ``[B, T, L, H]`` (zeros past each sequence's end, the samples'
-    dtype), ``attention_mask`` ``[B, T]`` bool, ``lengths`` ``[B]`` int64 and ``paths``
-    (the source files; ``""`` for plain pairs).
+    dtype), ``attention_mask`` ``[B, T]`` bool, ``loss_mask`` ``[B, T]`` bool and
+    ``has_loss_mask`` ``[B]`` bool (see the module docstring), ``lengths`` ``[B]`` int64
+    and ``paths`` (the source files; ``""`` for plain pairs).
 
     Args:
         pad_token_id: Token id written into padding positions.
@@ -132,14 +175,18 @@ class PadCollate:
         input_ids = torch.full((size, width), self.pad_token_id, dtype=torch.int64)
         hidden = torch.zeros((size, width, *hidden0.shape[1:]), dtype=hidden0.dtype)
         mask = torch.zeros((size, width), dtype=torch.bool)
+        loss_mask = torch.zeros((size, width), dtype=torch.bool)
         for row, (item, n) in enumerate(zip(items, lengths, strict=True)):
             input_ids[row, :n] = item.token_ids[:n]
             hidden[row, :n] = item.hidden_states[:n]
             mask[row, :n] = True
+            loss_mask[row, :n] = item.trained(n)
         return {
             "input_ids": input_ids,
             "hidden_states": hidden,
             "attention_mask": mask,
+            "loss_mask": loss_mask,
+            "has_loss_mask": _has_mask(items),
             "lengths": torch.tensor(lengths, dtype=torch.int64),
             "paths": [item.path for item in items],
         }
@@ -158,7 +205,8 @@ class PackCollate:
     ``[1, N, L, H]``, ``position_ids`` ``[1, N]`` (restarting at 0 for each sequence),
     ``cu_seqlens`` ``[B + 1]`` int32 (sequence boundaries, as FlashAttention's varlen
     functions take them), ``max_seqlen`` (int), ``seq_ids`` ``[1, N]`` int64 (the batch
-    index each token comes from), ``lengths`` ``[B]`` int64 and ``paths``.
+    index each token comes from), ``loss_mask`` ``[1, N]`` bool and ``has_loss_mask``
+    ``[B]`` bool (see the module docstring), ``lengths`` ``[B]`` int64 and ``paths``.
 
     Args:
         max_tokens: Token budget of the pack. Sequences are packed in batch order; the
@@ -200,12 +248,20 @@ class PackCollate:
             "cu_seqlens": cu_seqlens,
             "max_seqlen": max(lengths),
             "seq_ids": torch.repeat_interleave(torch.arange(len(items)), counts).unsqueeze(0),
+            "loss_mask": torch.cat(
+                [i.trained(n) for i, n in zip(items, lengths, strict=True)]
+            ).unsqueeze(0),
+            "has_loss_mask": _has_mask(items),
             "lengths": counts,
             "paths": [item.path for item in items],
         }
 
     def __repr__(self) -> str:
         return f"PackCollate(max_tokens={self.max_tokens})"
+
+
+def _has_mask(items: Sequence[_Item]) -> torch.Tensor:
+    return torch.tensor([item.loss_mask is not None for item in items], dtype=torch.bool)
 
 
 def _cap(n: int, limit: int | None) -> int:

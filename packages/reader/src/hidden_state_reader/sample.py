@@ -21,6 +21,8 @@ class Sample:
         path: The file it was read from.
         metadata: The writer's ``__metadata__`` map (empty for vLLM-written files).
         layer_ids: Captured layer ids of the layer axis, when known.
+        loss_mask: ``[tokens]`` ``torch.bool``, True where the loss counts the token
+            (assistant or generated tokens), or None when the file has no mask.
     """
 
     token_ids: torch.Tensor
@@ -28,6 +30,7 @@ class Sample:
     path: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict)
     layer_ids: list[int] | None = None
+    loss_mask: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         yield self.token_ids
@@ -47,13 +50,14 @@ class Sample:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data held by this sample."""
-        return (
-            self.token_ids.numel() * self.token_ids.element_size()
-            + self.hidden_states.numel() * self.hidden_states.element_size()
-        )
+        tensors = [self.token_ids, self.hidden_states]
+        if self.loss_mask is not None:
+            tensors.append(self.loss_mask)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def __repr__(self) -> str:
+        mask = "" if self.loss_mask is None else f", loss_mask={int(self.loss_mask.sum())} trained"
         return (
             f"Sample(path={self.path!r}, tokens={self.num_tokens}, "
-            f"hidden_states={tuple(self.hidden_states.shape)} {self.hidden_states.dtype})"
+            f"hidden_states={tuple(self.hidden_states.shape)} {self.hidden_states.dtype}{mask})"
         )

@@ -1,7 +1,7 @@
 """Load a complete sample file into tensors: one read, zero-copy views, validation.
 
 The file is read with a single ``preadv`` into one byte buffer (pinned if asked), and
-both tensors are views into it; layer selection and dtype conversion happen after. The
+every tensor is a view into it; layer selection and dtype conversion happen after. The
 header is validated first (``hidden_state_reader.format.header``), so a truncated or
 malformed file raises a typed error naming it instead of yielding garbage.
 """
@@ -17,6 +17,7 @@ import torch
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
+from hidden_state_reader.format.loss_mask import loss_mask_view
 from hidden_state_reader.load_options import LoadOptions
 from hidden_state_reader.sample import Sample
 
@@ -120,7 +121,12 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
             layer_ids = [layer_ids[p] for p in positions]
     if options.dtype is not None and hidden.dtype != options.dtype:
         hidden = hidden.to(options.dtype)
-    return Sample(token_ids, hidden, path, header.metadata, layer_ids)
+    mask_info = header.loss_mask
+    loss_mask = None
+    if mask_info is not None:  # a bool view of the stored bytes; layer/dtype options do not apply
+        raw = buffer[mask_info.begin : mask_info.end]
+        loss_mask = loss_mask_view(raw, path)
+    return Sample(token_ids, hidden, path, header.metadata, layer_ids, loss_mask)
 
 
 def load_sample(path: str | os.PathLike[str], options: LoadOptions | None = None) -> Sample:

@@ -34,13 +34,17 @@ low/middle/high choice; --include-last adds the last layer (pre-norm).
 
 Input (--input): a JSONL file (.gz allowed), a JSON array file, or a Hugging Face dataset
 folder saved with save_to_disk (needs the `datasets` package). Each record has one of:
-  {"token_ids": [1, 2, 3]}                      used as they are
+  {"token_ids": [1, 2, 3]}                      used as they are ("input_ids" too)
+  {"input_ids": [...], "loss_mask": [0, 1, ...]}
+                                                the same, stored with its loss mask
   {"messages": [{"role": "user", "content": ...}, ...]}
                                                 rendered with the model's chat template
-                                                (ShareGPT "conversations" also accepted)
+                                                (ShareGPT "conversations" also accepted);
+                                                its loss mask marks the assistant turns
   {"text": "..."}                               tokenized like a vLLM text prompt
 Prompts are tokenized here with the model's tokenizer; empty or invalid records and
-prompts longer than max_model_len - 1 are recorded as failed without being sent.
+prompts longer than max_model_len - 1 are recorded as failed without being sent. The
+loss mask is stored in each file (Sample.loss_mask; generated tokens count 1).
 
 Resumable: DIR/manifest.jsonl gets one line per sample once its file is final and
 verified. Rerun the same command after a crash or a kill and it continues where it

@@ -41,6 +41,7 @@ class SaveOrder:
             ``token_ids`` (a prompt whose prefill ends in it): the worker starts the
             save after that step's forward pass, without waiting for the request to
             finish. Otherwise every token was computed in earlier steps.
+        loss_mask: The client's 0/1 per token of ``token_ids`` (None: no mask).
     """
 
     req_id: str
@@ -50,6 +51,7 @@ class SaveOrder:
     num_prompt_tokens: int
     failure: str | None = None
     written_this_step: bool = False
+    loss_mask: list[int] | None = None
 
 
 @dataclass

@@ -89,8 +89,9 @@ def _open(job: SaveJob, extractor: Extractor, options: FileOptions) -> SampleFil
             record_nonfinite=options.check_nonfinite,
             fsync=options.fsync,
             dir_fd=job.dir_fd,
+            loss_mask=job.loss_mask,
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a mask that does not fit
         job.fail(f"cannot create file: {exc}")
         return None
 

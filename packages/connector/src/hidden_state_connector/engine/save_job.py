@@ -56,6 +56,7 @@ class SaveJob:
         metadata: Header metadata of the file.
         chunks: The gather plan.
         nbytes: Bytes of hidden states (what the queue bound counts).
+        loss_mask: ``[tokens]`` uint8 0/1 to store with the sample (None: no mask).
         state: Where the file stands.
         failure: Why the sample fails (the first reason given), None while it may succeed.
         next_chunk: Index of the next chunk to copy out.
@@ -75,6 +76,7 @@ class SaveJob:
     metadata: dict[str, str]
     chunks: list[Chunk]
     nbytes: int
+    loss_mask: torch.Tensor | None = None
     state: JobState = JobState.QUEUED
     failure: str | None = None
     next_chunk: int = 0

@@ -26,6 +26,7 @@ from typing import Any
 
 from hidden_state_connector.engine import compat, local_handoff
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.loss_mask_param import requested_mask, stored_mask
 from hidden_state_connector.engine.metadata import (
     HiddenStateConnectorMetadata,
     NewSample,
@@ -68,6 +69,7 @@ class _Tracked:
     ordered: bool = False  # a save order was sent before the request finished
     failure: str | None = None  # why the sample cannot be written
     refused: bool = False  # refused when scheduled: no lock, no order, nothing held
+    loss_mask: list[int] | None = None  # the client's mask, as far as checked on arrival
 
 
 class SchedulerSide:
@@ -177,6 +179,15 @@ class SchedulerSide:
                 tracked.failure = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
                 log.warning("request %s: %s", step.req_id, tracked.failure)
                 self.stats.refused_path()
+        if not tracked.refused:
+            prompt = step.prompt_token_ids
+            mask, problem = requested_mask(params, None if prompt is None else len(prompt), include)
+            tracked.loss_mask = mask
+            if problem is not None:
+                # Refused like an unusable path: a sample without its mask would
+                # silently train on every token.
+                tracked.refused, tracked.failure = True, problem
+                log.warning("request %s: %s; no sample is written", step.req_id, problem)
         self._requests[step.req_id] = tracked
         return tracked
 
@@ -191,12 +202,13 @@ class SchedulerSide:
             list(tracked.block_ids),
             len(tracked.prompt),
             written_this_step=True,
+            loss_mask=tracked.loss_mask,
         )
         if len(order.block_ids) * self.block_size < len(order.token_ids):
             tracked.failure = order.failure = (
                 f"{len(order.block_ids)} blocks cannot hold {len(order.token_ids)} tokens"
             )
-            order.token_ids, order.block_ids = [], []
+            order.token_ids, order.block_ids, order.loss_mask = [], [], None
         return order
 
     def request_finished(
@@ -250,6 +262,9 @@ class SchedulerSide:
             failure = f"only {request.num_computed_tokens} of {len(tokens)} tokens were computed"
         elif len(block_ids) * self.block_size < len(tokens):
             failure = f"{len(block_ids)} blocks cannot hold {len(tokens)} tokens"
+        mask = tracked.loss_mask
+        if failure is None and mask is not None:
+            mask, failure = stored_mask(mask, len(prompt), len(tokens))
         return SaveOrder(
             request.request_id,
             tracked.path,
@@ -257,4 +272,5 @@ class SchedulerSide:
             [] if failure else list(block_ids),
             len(prompt),
             failure,
+            loss_mask=None if failure else mask,
         )

@@ -237,6 +237,7 @@ class WorkerSide:
             ),
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
+            loss_mask=_mask_tensor(order.loss_mask),
         )
         self._unreported.add(order.req_id)
         if failure is not None:
@@ -269,3 +270,12 @@ class WorkerSide:
             total.failures,
             abandoned,
         )
+
+
+def _mask_tensor(mask: list[int] | None) -> torch.Tensor | None:
+    """A save order's 0/1 list as uint8 (bytearray packs it in C: 20x torch.tensor's speed)."""
+    if mask is None:
+        return None
+    if not mask:
+        return torch.zeros(0, dtype=torch.uint8)  # frombuffer refuses an empty buffer
+    return torch.frombuffer(bytearray(mask), dtype=torch.uint8)

@@ -28,11 +28,12 @@ from hidden_state_connector.offline.settings import ExtractOptions
 
 @dataclass
 class Job:
-    """A request in vLLM: sample ``index``, the file it must write, its prompt."""
+    """A request in vLLM: sample ``index``, the file it must write, its prompt and mask."""
 
     index: int
     path: str
     prompt: list[int]
+    loss_mask: list[int] | None = None
 
 
 def check_output(job: Job, output: Any, options: ExtractOptions) -> SampleRecord:
@@ -89,6 +90,7 @@ def check_output(job: Job, output: Any, options: ExtractOptions) -> SampleRecord
             layer_ids=options.captured_layers,
             include_output=options.include_output_tokens,
             expected=expected,
+            loss_mask=job.loss_mask,
         )
     finally:
         lock.release()

@@ -1,7 +1,8 @@
 """Offline vLLM for extraction: ``start_engine`` and the ``VllmEngine`` request feed.
 
 ``start_engine`` builds the ``vllm.LLM`` (speculative and kv-transfer configs from
-``settings``) with sampling parameters that ask the connector for ``hs_{index}`` files.
+``settings``) with sampling parameters that ask the connector for ``hs_{index}`` files
+(and hand it the sample's loss mask, when it has one).
 ``VllmEngine`` takes one request at a time and hands each output back as it finishes.
 """
 
@@ -30,7 +31,7 @@ class VllmEngine:
 
     Args:
         llm: The engine.
-        sampling_params: ``index -> SamplingParams``.
+        sampling_params: ``(index, loss_mask or None) -> SamplingParams``.
     """
 
     def __init__(self, llm: Any, sampling_params: Any) -> None:
@@ -39,7 +40,7 @@ class VllmEngine:
         self._streaming = hasattr(llm, "enqueue") and hasattr(llm, "llm_engine")
         self._ids: dict[str, int] = {}
         self._aliases: dict[str, str] = {}
-        self._buffer: list[tuple[int, list[int]]] = []
+        self._buffer: list[tuple[int, list[int], list[int] | None]] = []
 
     def _model_config(self) -> Any:
         return getattr(self.llm, "model_config", None) or getattr(
@@ -66,14 +67,16 @@ class VllmEngine:
         """Requests submitted and not yet returned."""
         return len(self._ids) if self._streaming else len(self._buffer)
 
-    def submit(self, index: int, token_ids: list[int]) -> str | None:
+    def submit(
+        self, index: int, token_ids: list[int], loss_mask: list[int] | None = None
+    ) -> str | None:
         """Add a request; returns the reason when vLLM rejects it at once."""
         if not self._streaming:
-            self._buffer.append((index, token_ids))
+            self._buffer.append((index, token_ids, loss_mask))
             return None
         try:
             [req_id] = self.llm.enqueue(
-                [{"prompt_token_ids": token_ids}], self._params(index), use_tqdm=False
+                [{"prompt_token_ids": token_ids}], self._params(index, loss_mask), use_tqdm=False
             )
         except Exception as exc:
             return f"vLLM rejected the prompt: {first_line(exc)}"
@@ -113,7 +116,7 @@ class VllmEngine:
             return []
         try:
             outputs = self._generate(batch)
-            return [(i, o, None) for (i, _), o in zip(batch, outputs, strict=True)]
+            return [(i, o, None) for (i, _, _), o in zip(batch, outputs, strict=True)]
         except Exception:
             if len(batch) == 1:
                 raise
@@ -126,9 +129,9 @@ class VllmEngine:
                 results.append((item[0], None, f"vLLM rejected the prompt: {first_line(exc)}"))
         return results
 
-    def _generate(self, batch: list[tuple[int, list[int]]]) -> list[Any]:
-        prompts = [{"prompt_token_ids": ids} for _, ids in batch]
-        params = [self._params(i) for i, _ in batch]
+    def _generate(self, batch: list[tuple[int, list[int], list[int] | None]]) -> list[Any]:
+        prompts = [{"prompt_token_ids": ids} for _, ids, _ in batch]
+        params = [self._params(i, mask) for i, _, mask in batch]
         return list(self.llm.generate(prompts, params, use_tqdm=False))
 
     def shutdown(self) -> None:
@@ -167,17 +170,18 @@ def start_engine(
     except Exception as exc:
         raise RuntimeError(f"cannot start vLLM: {first_line(exc)}") from exc
 
-    def params(index: int) -> Any:
+    def params(index: int, loss_mask: list[int] | None) -> Any:
+        transfer: dict[str, Any] = {
+            "hidden_states_path": sample_name(index),
+            "include_output_tokens": options.include_output_tokens,
+        }
+        if loss_mask is not None:  # the connector stores it (generated tokens get 1)
+            transfer["loss_mask"] = loss_mask
         return SamplingParams(
             max_tokens=options.max_tokens,
             temperature=0.0,
             detokenize=False,
-            extra_args={
-                "kv_transfer_params": {
-                    "hidden_states_path": sample_name(index),
-                    "include_output_tokens": options.include_output_tokens,
-                }
-            },
+            extra_args={"kv_transfer_params": transfer},
         )
 
     return VllmEngine(llm, params)

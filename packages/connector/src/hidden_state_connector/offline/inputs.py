@@ -10,12 +10,14 @@ Inputs:
 
 A record is an object with one of these fields (checked in this order):
 
-* ``token_ids`` (or ``input_ids``): the token ids, used as they are.
+* ``token_ids`` (or ``input_ids``): the token ids, used as they are, with an optional
+  ``loss_mask`` of one 0/1 per id (speculators' prepared-data layout), stored with them.
 * ``messages`` (or ShareGPT-style ``conversations`` with ``from``/``value``): a chat,
   rendered with the tokenizer's chat template (a generation prompt is added unless the
-  last message is the assistant's) and tokenized without extra special tokens.
+  last message is the assistant's) and tokenized without extra special tokens. Its
+  loss mask marks the assistant turns (``chat_mask``).
 * ``text`` (or ``prompt``): plain text, tokenized the way vLLM tokenizes text prompts
-  (with the tokenizer's special tokens).
+  (with the tokenizer's special tokens). No loss mask.
 
 A bare JSON string counts as ``text`` and a bare list of integers as ``token_ids``.
 """
@@ -30,9 +32,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from hidden_state_connector.offline.chat_mask import ChatMasker, record_mask
 from hidden_state_connector.offline.errors import UsageError, first_line
 
 TOKEN_FIELDS = ("token_ids", "input_ids")
+MASK_FIELD = "loss_mask"
 CHAT_FIELDS = ("messages", "conversations")
 TEXT_FIELDS = ("text", "prompt")
 SHAREGPT_ROLES = {
@@ -60,12 +64,14 @@ class Prompt:
         token_ids: The prompt's token ids.
         error: Why the sample cannot be sent (invalid line, empty prompt, ...).
         kind: ``"token_ids"``, ``"messages"`` or ``"text"`` (empty when unknown).
+        loss_mask: One 0/1 per token id (None: the record has none, as plain text).
     """
 
     index: int
     token_ids: list[int] | None
     error: str | None = None
     kind: str = ""
+    loss_mask: list[int] | None = None
 
 
 class InputSource:
@@ -360,22 +366,20 @@ class PromptEncoder:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.masker = ChatMasker(tokenizer)
+        # Offsets locate the assistant turns; slow tokenizers have none (ChatMasker says so).
+        self._offsets = self.masker.needs_offsets and bool(getattr(tokenizer, "is_fast", False))
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The chat as the model sees it (a generation prompt unless it ends with a reply)."""
-        rendered = self.tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=messages[-1].get("role") != "assistant",
+        return self.masker.render(
+            messages, generation_prompt=messages[-1].get("role") != "assistant"
         )
-        if not isinstance(rendered, str):
-            raise ValueError("the chat template did not render to text")
-        return rendered
 
     def encode(self, items: Sequence[RawItem]) -> list[Prompt]:
         """Tokenize a batch of raw items; every item gives exactly one ``Prompt``."""
         out: dict[int, Prompt] = {}
-        texts: list[tuple[int, str, str]] = []  # (position, kind, text)
+        texts: list[tuple[int, str, str, Any]] = []  # (position, kind, text, messages)
         for pos, (index, record, error) in enumerate(items):
             if error is not None:
                 out[pos] = Prompt(index, None, error)
@@ -383,38 +387,55 @@ class PromptEncoder:
             try:
                 kind, payload = interpret(record)
                 if kind == "token_ids":
-                    out[pos] = Prompt(index, payload, None, kind)
+                    mask = record.get(MASK_FIELD) if isinstance(record, Mapping) else None
+                    if mask is not None:
+                        mask = record_mask(mask, len(payload), MASK_FIELD)
+                    out[pos] = Prompt(index, payload, None, kind, mask)
                 elif kind == "messages":
-                    texts.append((pos, kind, self.render_chat(payload)))
+                    texts.append((pos, kind, self.render_chat(payload), payload))
                 else:
-                    texts.append((pos, kind, payload))
+                    texts.append((pos, kind, payload, None))
             except Exception as exc:
                 out[pos] = Prompt(index, None, first_line(exc))
         for special in (True, False):  # plain text with special tokens, chats without
             group = [t for t in texts if (t[1] == "text") == special]
             if group:
-                results = self._tokenize([t[2] for t in group], special)
-                for (pos, kind, _), result in zip(group, results, strict=True):
-                    index = items[pos][0]
-                    if isinstance(result, str):
-                        out[pos] = Prompt(index, None, result, kind)
-                    elif not result:
-                        out[pos] = Prompt(index, None, "prompt is empty after tokenization", kind)
-                    else:
-                        out[pos] = Prompt(index, result, None, kind)
+                offsets = self._offsets and not special
+                results = self._tokenize([t[2] for t in group], special, offsets)
+                for (pos, kind, text, chat), result in zip(group, results, strict=True):
+                    out[pos] = self._prompt(items[pos][0], kind, text, chat, result)
         return [out[pos] for pos in range(len(items))]
 
-    def _tokenize(self, texts: list[str], special: bool) -> list[list[int] | str]:
-        """Token ids per text, or an error string for a text that cannot be tokenized."""
+    def _prompt(self, index: int, kind: str, text: str, chat: Any, result: Any) -> Prompt:
+        """The ``Prompt`` of one tokenized text (a chat gets its assistant mask here)."""
+        if isinstance(result, str):
+            return Prompt(index, None, result, kind)
+        ids, offsets = result
+        if not ids:
+            return Prompt(index, None, "prompt is empty after tokenization", kind)
+        if chat is None:
+            return Prompt(index, ids, None, kind)
         try:
-            encoded = self.tokenizer(texts, add_special_tokens=special)["input_ids"]
-            return [list(ids) for ids in encoded]
+            mask = self.masker.mask(chat, text, ids, offsets)
+        except Exception as exc:
+            return Prompt(index, None, first_line(exc), kind)
+        return Prompt(index, ids, None, kind, mask)
+
+    def _tokenize(
+        self, texts: list[str], special: bool, offsets: bool
+    ) -> list[tuple[list[int], Any] | str]:
+        """``(ids, offsets or None)`` per text, or an error string for one that fails."""
+        options = {"add_special_tokens": special, "return_offsets_mapping": offsets}
+        try:
+            encoded = self.tokenizer(texts, **options)
+            spans = encoded["offset_mapping"] if offsets else [None] * len(texts)
+            return [(list(ids), s) for ids, s in zip(encoded["input_ids"], spans, strict=True)]
         except Exception:
-            results: list[list[int] | str] = []
+            results: list[tuple[list[int], Any] | str] = []
             for text in texts:  # find the culprit(s); keep the rest
                 try:
-                    ids = self.tokenizer(text, add_special_tokens=special)["input_ids"]
-                    results.append(list(ids))
+                    one = self.tokenizer(text, **options)
+                    results.append((list(one["input_ids"]), one.get("offset_mapping")))
                 except Exception as exc:
                     results.append(f"cannot tokenize: {first_line(exc)}")
             return results

@@ -118,7 +118,9 @@ class Pipeline:
             return
         path = os.path.join(self.out, sample_name(index))
         if os.path.lexists(path):
-            record = recover(index, path, prompt.token_ids, self.options, self.result)
+            record = recover(
+                index, path, prompt.token_ids, self.options, self.result, prompt.loss_mask
+            )
             if record is not None:
                 self.record(record, computed=False)
                 return
@@ -132,11 +134,11 @@ class Pipeline:
         if self.vocab_size is not None and top >= self.vocab_size:
             self._fail(index, f"token id {top} is out of vocabulary (size {self.vocab_size})")
             return
-        error = self.engine.submit(index, prompt.token_ids)
+        error = self.engine.submit(index, prompt.token_ids, prompt.loss_mask)
         if error is not None:
             self._fail(index, error)
             return
-        self._jobs[index] = Job(index, path, prompt.token_ids)
+        self._jobs[index] = Job(index, path, prompt.token_ids, prompt.loss_mask)
         while self.engine.in_flight >= self.options.batch_size:
             self._step()
 

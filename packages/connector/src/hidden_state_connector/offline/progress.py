@@ -154,5 +154,3 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
             self._dirty = False
-
-

@@ -61,7 +61,12 @@ def plan(manifest: Manifest, total: int, *, retry_failed: bool, result: ExtractR
 
 
 def recover(
-    index: int, path: str, prompt: list[int], options: ExtractOptions, result: ExtractResult
+    index: int,
+    path: str,
+    prompt: list[int],
+    options: ExtractOptions,
+    result: ExtractResult,
+    loss_mask: list[int] | None = None,
 ) -> SampleRecord | None:
     """Verify a file found on disk for an unrecorded sample; keep it or delete it.
 
@@ -71,6 +76,7 @@ def recover(
         prompt: Its prompt's token ids.
         options: The run's options (layers, output tokens).
         result: ``redone`` counts the files deleted here.
+        loss_mask: The mask the file must hold for the prompt (None: none).
 
     Returns:
         The sample's ok record, or None to redo it (a writer still holds the file, and
@@ -87,6 +93,7 @@ def recover(
             prompt,
             layer_ids=options.captured_layers,
             include_output=options.include_output_tokens,
+            loss_mask=loss_mask,
         )
     except Exception as exc:
         with contextlib.suppress(FileNotFoundError):

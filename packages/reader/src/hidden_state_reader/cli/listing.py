@@ -392,8 +392,22 @@ def _inspect_info(
         "crc32": meta.get(Meta.CRC32),
         "metadata": meta,
         "first_token_ids": read_token_ids(path, header, tokens),
+        "loss_mask_trained": _mask_trained(path, header),
     }
     return info
+
+
+def _mask_trained(path: str, header: SampleHeader) -> int | None:
+    """Tokens the optional ``loss_mask`` marks (non-zero bytes); None without a mask."""
+    info = header.loss_mask
+    if info is None:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        raw = os.pread(fd, info.nbytes, header.data_start + info.begin)
+    finally:
+        os.close(fd)
+    return len(raw) - raw.count(0)
 
 
 def _verify_data(path: str, info: dict[str, Any]) -> int:
@@ -442,6 +456,13 @@ def _print_inspect(info: dict[str, Any], layer_note: str, *, verified: bool, sho
         ("layer ids", layer_note or (layer_ids if layer_ids is not None else "not recorded")),
         ("hidden size", info["hidden"]),
         ("dtype", info["dtype"]),
+        (
+            "loss mask",
+            "none"
+            if info["loss_mask_trained"] is None
+            else f"{format_count(info['loss_mask_trained'])} of {format_count(info['tokens'])} "
+            "tokens trained",
+        ),
         ("nonfinite", nonfinite),
         ("crc32", crc),
     ]

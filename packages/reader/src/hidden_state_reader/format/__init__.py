@@ -24,6 +24,7 @@ from hidden_state_reader.format.lockfile import (
     probe,
     read_status,
 )
+from hidden_state_reader.format.loss_mask import LOSS_MASK
 from hidden_state_reader.format.names import (
     CLAIMS_DIR,
     DATA_SUFFIX,
@@ -52,6 +53,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HIDDEN_STATES",
     "LOCK_SUFFIX",
+    "LOSS_MASK",
     "QUARANTINE_DIR",
     "TOKEN_IDS",
     "Kind",

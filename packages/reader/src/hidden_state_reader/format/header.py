@@ -1,10 +1,11 @@
 """The safetensors header of a v1 sample: encode, decode, and prove completeness.
 
 A sample holds two tensors, ``hidden_states`` ``[tokens, layers, hidden]`` (model
-dtype) and ``token_ids`` ``[tokens]`` (int64), plus an optional ``__metadata__`` string
-map. The file layout is plain safetensors: an 8-byte little-endian header length, the
-JSON header (space-padded), then the tensor bytes, which must cover the rest of the
-file exactly. That last rule is what tells a complete file from a truncated one.
+dtype) and ``token_ids`` ``[tokens]`` (int64), optionally a ``loss_mask`` ``[tokens]``
+(``format/loss_mask.py``), plus an optional ``__metadata__`` string map. The file
+layout is plain safetensors: an 8-byte little-endian header length, the JSON header
+(space-padded), then the tensor bytes, which must cover the rest of the file exactly.
+That last rule is what tells a complete file from a truncated one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.fileio import open_sample
+from hidden_state_reader.format.loss_mask import LOSS_MASK, check_loss_mask
 
 FORMAT_VERSION = "1"
 HIDDEN_STATES = "hidden_states"
@@ -56,6 +58,7 @@ class Meta:
 # Element size of every dtype this format accepts. The format itself needs no torch, so
 # importing it imports no torch either; the torch dtypes are looked up on first use.
 DTYPE_SIZES: dict[str, int] = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4}
+DTYPE_SIZES.update({"U8": 1, "BOOL": 1})  # loss_mask (format/loss_mask.py)
 HIDDEN_DTYPES = frozenset({"BF16", "F16", "F32"})
 TOKEN_DTYPES = frozenset({"I64", "I32"})
 
@@ -71,6 +74,8 @@ def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
         "F64": torch.float64,
         "I64": torch.int64,
         "I32": torch.int32,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
     }
     return by_name, {v: k for k, v in by_name.items()}
 
@@ -126,6 +131,11 @@ class SampleHeader:
         return self.tensors[TOKEN_IDS]
 
     @property
+    def loss_mask(self) -> TensorInfo | None:
+        """The optional ``loss_mask`` tensor."""
+        return self.tensors.get(LOSS_MASK)
+
+    @property
     def num_tokens(self) -> int:
         """Sequence length."""
         return self.hidden.shape[0]
@@ -179,7 +189,8 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
 
     This is the executable rule of what a complete sample file is: a JSON object of
     well-formed tensor entries (``_parse_tensor``) and a string map, holding the two
-    tensors of a sample with consistent shapes (``_check_sample_tensors``), whose data
+    tensors of a sample with consistent shapes (``_check_sample_tensors``) and, when
+    present, a ``loss_mask`` of one entry per token id (``check_loss_mask``), whose data
     tiles the rest of the file exactly (``_check_data_size``), and, when recorded,
     layer ids matching the layer axis.
 
@@ -199,6 +210,7 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     entries, metadata = _parse_json(path, header_bytes)
     tensors = {name: _parse_tensor(path, name, spec) for name, spec in entries.items()}
     _check_sample_tensors(path, tensors)
+    check_loss_mask(path, tensors, tensors[TOKEN_IDS].shape[0])
     data_start = 8 + len(header_bytes)
     _check_data_size(path, tensors, data_start, file_size)
     header = SampleHeader(path, data_start, file_size, tensors, metadata)

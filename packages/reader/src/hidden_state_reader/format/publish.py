@@ -1,10 +1,11 @@
 """Atomic publication of one sample: temp file, ``os.replace``, then release the lock.
 
 ``SampleFileWriter`` streams a sample to ``NAME.safetensors.tmp.<unique>`` (the header
-and ``token_ids`` first, then ``hidden_states`` in as many chunks as the caller likes),
-patches the fixed-width metadata that is only known at the end (CRC32, non-finite
-flag), optionally fsyncs, renames the file to its final name and only then releases the
-writer's lock. A crash at any point leaves either no final file or a complete one.
+and ``token_ids`` first, then ``hidden_states`` in as many chunks as the caller likes,
+then the optional ``loss_mask``), patches the fixed-width metadata that is only known
+at the end (CRC32, non-finite flag), optionally fsyncs, renames the file to its final
+name and only then releases the writer's lock. A crash at any point leaves either no
+final file or a complete one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from hidden_state_reader.format.header import (
     encode_header,
 )
 from hidden_state_reader.format.lockfile import WriterLock
+from hidden_state_reader.format.loss_mask import LOSS_MASK, as_mask_tensor
 from hidden_state_reader.format.names import temp_path
 
 if TYPE_CHECKING:
@@ -107,6 +109,8 @@ class SampleFileWriter:
         fsync: Make the file and its directory entry durable before releasing the lock.
         dir_fd: A descriptor of the target directory (the writer duplicates it): the file
             is created and renamed there, whatever its path leads to by then.
+        loss_mask: Optional ``[tokens]`` 0/1 (bool or integer tensor, or a sequence),
+            stored as ``loss_mask`` (U8) after ``hidden_states``.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class SampleFileWriter:
         record_nonfinite: bool = False,
         fsync: bool = False,
         dir_fd: int | None = None,
+        loss_mask: torch.Tensor | Sequence[int] | None = None,
     ) -> None:
         import torch
 
@@ -140,7 +145,16 @@ class SampleFileWriter:
             TOKEN_IDS: (torch.int64, (hidden_shape[0],)),
             HIDDEN_STATES: (hidden_dtype, tuple(hidden_shape)),
         }
+        self._mask: torch.Tensor | None = None
+        if loss_mask is not None:
+            self._mask = as_mask_tensor(loss_mask, hidden_shape[0], final_path)
+            self._tensors[LOSS_MASK] = (torch.uint8, (hidden_shape[0],))
         self._layout = encode_header(self._tensors, self._meta)
+        if self._mask is not None and self._layout.offsets[LOSS_MASK][1] != (
+            self._layout.file_size - self._layout.data_start
+        ):
+            # One-byte elements sort last; publish() relies on writing the mask last.
+            raise AssertionError("loss_mask is not the last tensor of the layout")
         self._encoded_meta = dict(self._meta)
         begin, end = self._layout.offsets[HIDDEN_STATES]
         self._hidden_remaining = end - begin
@@ -231,6 +245,8 @@ class SampleFileWriter:
         try:
             fd = self._fd
             assert fd is not None
+            if self._mask is not None:
+                self._write(tensor_bytes(self._mask))
             if self._crc is not None:
                 self._meta[Meta.CRC32] = f"{self._crc & 0xFFFFFFFF:08x}"
             if self._meta != self._encoded_meta:
@@ -286,6 +302,7 @@ def write_sample(
     use_lock: bool = True,
     checksum: bool = False,
     fsync: bool = False,
+    loss_mask: torch.Tensor | Sequence[int] | None = None,
 ) -> str:
     """Write one complete sample atomically (lock, temp file, rename, unlock).
 
@@ -297,6 +314,7 @@ def write_sample(
         use_lock: Create and hold the companion lock while writing.
         checksum: Record a CRC32 of the tensor bytes.
         fsync: Make the file durable before publishing.
+        loss_mask: Optional ``[tokens]`` 0/1 per token id (1: the loss counts it).
 
     Returns:
         The final path.
@@ -319,6 +337,7 @@ def write_sample(
             checksum=checksum,
             record_nonfinite=True,
             fsync=fsync,
+            loss_mask=loss_mask,
         )
     except BaseException as exc:
         if lock is not None:
