@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from hidden_state_reader import CorruptSampleError, load_sample
+from hidden_state_reader.cli import main as cli_main
 from hidden_state_reader.export.masks import DefaultMask, MaskSource, loss_mask
 from hidden_state_reader.export.speculators import export_speculators
 from hidden_state_reader.format import lock_path, sample_metadata, write_sample
@@ -76,6 +77,14 @@ def export(*args: object, spec_env: bool = True) -> subprocess.CompletedProcess[
         timeout=300,
         env=env() if spec_env else None,
     )
+
+
+def call(capsys: pytest.CaptureFixture[str], *args: object) -> SimpleNamespace:
+    """``hidden-state export ...`` in this process (a subprocess costs seconds of imports)."""
+    capsys.readouterr()
+    rc = cli_main.main(["export", *map(str, args)])
+    out, err = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
 def write(path: Path, index: int, tokens: int, prompt: int | None = None) -> Sample:
@@ -275,7 +284,11 @@ def test_token_freq_equals_speculators_own_count(
 
 
 def test_held_failed_and_broken_samples_are_skipped_and_reported(
-    spec: SimpleNamespace, hs_dir: Path, tmp_path: Path, holder: LockHolder
+    spec: SimpleNamespace,
+    capsys: pytest.CaptureFixture[str],
+    hs_dir: Path,
+    tmp_path: Path,
+    holder: LockHolder,
 ) -> None:
     write_samples(hs_dir, 4, tokens=8, layers=LAYERS, hidden=HIDDEN)
     holder.lock(hs_dir / "hs_1.safetensors")  # still being written
@@ -285,7 +298,7 @@ def test_held_failed_and_broken_samples_are_skipped_and_reported(
     for p in hs_dir.iterdir():
         os.utime(p, (PAST, PAST))
     try:
-        proc = export("--format", "speculators", hs_dir, tmp_path / "spec")
+        proc = call(capsys, "--format", "speculators", hs_dir, tmp_path / "spec")
     finally:
         holder.release(hs_dir / "hs_1.safetensors")
     assert proc.returncode == 0, proc.stderr
@@ -315,12 +328,14 @@ def test_wait_includes_a_sample_whose_writer_finishes(
     assert [len(done[0].rows), done[0].skipped] == [2, []]
 
 
-def test_other_filesystem_is_copied_and_reported(spec: SimpleNamespace, hs_dir: Path) -> None:
+def test_other_filesystem_is_copied_and_reported(
+    spec: SimpleNamespace, capsys: pytest.CaptureFixture[str], hs_dir: Path
+) -> None:
     write_samples(hs_dir, 2, tokens=8, layers=LAYERS, hidden=HIDDEN)
     assert os.stat("/dev/shm").st_dev != hs_dir.stat().st_dev  # tmpfs: another filesystem
     shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
     try:
-        proc = export("--format", "speculators", hs_dir, shm / "spec")
+        proc = call(capsys, "--format", "speculators", hs_dir, shm / "spec")
         assert proc.returncode == 0, proc.stderr
         assert "0 hard-linked, 2 copied; 2 copied because SRC and DST are on different" in (
             proc.stdout
@@ -333,11 +348,13 @@ def test_other_filesystem_is_copied_and_reported(spec: SimpleNamespace, hs_dir: 
         shutil.rmtree(shm)
 
 
-def test_int32_token_ids_are_rewritten_as_int64(spec: SimpleNamespace, hs_dir: Path) -> None:
+def test_int32_token_ids_are_rewritten_as_int64(
+    spec: SimpleNamespace, capsys: pytest.CaptureFixture[str], hs_dir: Path
+) -> None:
     ids, hidden = make_tensors(0, 9, LAYERS, HIDDEN)
     save_file({"token_ids": ids.to(torch.int32), "hidden_states": hidden}, hs_dir / "a.safetensors")
     dst = hs_dir.parent / "spec"
-    assert export("--format", "speculators", hs_dir, dst).returncode == 0
+    assert call(capsys, "--format", "speculators", hs_dir, dst).returncode == 0
     [row] = mapping(dst)
     assert row["placed"] == "copy" and "int64" in row["why_copy"]
     item = spec.ArrowDataset(max_len=16, datapath=dst, on_missing="raise")[0]
@@ -346,20 +363,24 @@ def test_int32_token_ids_are_rewritten_as_int64(spec: SimpleNamespace, hs_dir: P
 
 
 def test_refusals_name_the_path_and_create_nothing(
-    spec: SimpleNamespace, hs_dir: Path, tmp_path: Path, holder: LockHolder
+    spec: SimpleNamespace,
+    capsys: pytest.CaptureFixture[str],
+    hs_dir: Path,
+    tmp_path: Path,
+    holder: LockHolder,
 ) -> None:
     write_samples(hs_dir, 1, tokens=8, layers=LAYERS, hidden=HIDDEN)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    proc = export("--format", "speculators", hs_dir, busy)
+    proc = call(capsys, "--format", "speculators", hs_dir, busy)
     assert proc.returncode == 2 and f"{busy}: exists and is not empty" in proc.stderr
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
-    proc = export("--format", "speculators", tmp_path / "nope", tmp_path / "out")
+    proc = call(capsys, "--format", "speculators", tmp_path / "nope", tmp_path / "out")
     assert proc.returncode == 2 and f"{tmp_path / 'nope'}: no such directory" in proc.stderr
     holder.lock(hs_dir / "hs_0.safetensors")
     try:
-        proc = export("--format", "speculators", hs_dir, tmp_path / "out")
+        proc = call(capsys, "--format", "speculators", hs_dir, tmp_path / "out")
     finally:
         holder.release(hs_dir / "hs_0.safetensors")
     assert proc.returncode == 1 and "no sample could be exported (1 skipped: 1 pending)" in (

@@ -41,7 +41,7 @@ from hidden_state_reader.errors import HiddenStateError, SampleError
 from hidden_state_reader.export.masks import DefaultMask, loss_mask
 from hidden_state_reader.export.outcome import ExportResult, Geometry, Row, Skipped
 from hidden_state_reader.export.placement import Placement, place
-from hidden_state_reader.export.rows import RowWriter
+from hidden_state_reader.export.rows import RowWriter, require_datasets
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header_fd
 from hidden_state_reader.format.lockfile import SharedLock
@@ -99,6 +99,7 @@ def export_speculators(
     """
     src, dst = _check_paths(os.fspath(source), os.fspath(target))
     rule = DefaultMask(default_mask)
+    require_datasets()  # before anything is created
     staging = _make_staging(dst)
     try:
         result = _Export(src, staging, rule, copy=copy, wait=wait).run(grace, progress)
