@@ -226,8 +226,10 @@ def test_speculators_reads_the_connector_files_and_their_export(
     online = FileTransfer(engine.out).get_generated(r1)
     check_hidden_states(online, p1)
     assert torch.equal(online["hidden_states"], read(r1["hidden_states_path"]).hidden_states)
-    # Offline: export the folder, then the trainer's dataset reads it.
-    result = export_speculators(engine.out / "spec", tmp_path / "spec")
+    # Offline: export the folder, then the trainer's dataset reads it. b's writer may still
+    # hold its lock when generate() returns: the export waits for it.
+    result = export_speculators(engine.out / "spec", tmp_path / "spec", wait=60)
+    assert result.skipped == []
     assert [r.source for r in result.rows] == [r1["hidden_states_path"], r2["hidden_states_path"]]
     dataset = ArrowDataset(max_len=64, datapath=tmp_path / "spec", on_missing="raise")
     expected = [(p1, [1] * 9), (tokens2, [0] * 24 + [1] * 3)]  # prompt-only: all tokens
