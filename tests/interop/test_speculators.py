@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -442,3 +443,60 @@ def test_mask_rules() -> None:
         loss_mask(own, DefaultMask.ALL)
     with pytest.raises(CorruptSampleError, match=r"num_prompt_tokens=11 is outside 0\.\.10"):
         loss_mask(sample(11), DefaultMask.GENERATED)
+
+
+# -- docs/training.md: the speculators section runs as written -----------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "training.md"
+
+
+def doc_blocks(heading: str) -> dict[str, list[str]]:
+    """The fenced blocks of one section of the doc, by language."""
+    text = DOC.read_text()
+    section = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    blocks: dict[str, list[str]] = {}
+    for chunk in section.split("```")[1::2]:
+        lang, _, body = chunk.partition("\n")
+        blocks.setdefault(lang.strip(), []).append(body)
+    return blocks
+
+
+def shell_commands(block: str) -> list[list[str]]:
+    """Commands of a bash block: comments dropped, continuation lines joined."""
+    lines = [line.split("#", 1)[0].rstrip() for line in block.splitlines()]
+    joined = " ".join(line[:-1] if line.endswith("\\") else line + "\n" for line in lines)
+    return [shlex.split(cmd) for cmd in joined.splitlines() if cmd.strip()]
+
+
+def test_training_doc_speculators_workflow_runs_as_written(
+    spec: SimpleNamespace, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from speculators.train.config import TrainConfig
+
+    blocks = doc_blocks("How do I train a drafter with speculators?")
+    [bash], [python] = blocks["bash"], blocks["python"]
+    src, dst = tmp_path / "hs", tmp_path / "spec"
+    src.mkdir()
+    for i in range(3):  # Llama-3.1-8B's layers: EAGLE-3's 2, 16, 29 and the last, 32
+        ids, hidden = make_tensors(i, 12, LAYERS, HIDDEN)
+        write_sample(src / f"hs_{i}.safetensors", ids, hidden, metadata=sample_metadata(
+            layer_ids=[2, 16, 29, 32], num_prompt_tokens=4))  # fmt: skip
+    commands = shell_commands(bash.replace("/data/hs", str(src)).replace("/data/spec", str(dst)))
+    assert [c[:2] for c in commands] == [
+        ["hidden-state", "extract"],
+        ["hidden-state", "serve"],
+        ["hidden-state", "export"],
+        ["speculators", "train"],
+    ]
+    parser = cli_main.build_parser()
+    for argv in commands[:2]:  # real options of the real commands (not run: no model here)
+        assert parser.parse_args(argv[1:]).include_last
+    rc = cli_main.main(commands[2][1:])
+    out = capsys.readouterr().out
+    assert rc == 0 and "exported 3 samples" in out
+    train = commands[3]
+    aux = train[train.index("--target-layer-ids") + 1 : train.index("--on-missing")]
+    assert f"--target-layer-ids {' '.join(aux)}" in out  # what export told the user to pass
+    cfg = TrainConfig.resolve(train[2:])  # speculators' own parsing of the command line
+    assert cfg.data.data_path == str(dst) and cfg.speculator_type == "eagle3"
+    exec(compile(python.replace("/data/spec", str(dst)), str(DOC), "exec"), {})
