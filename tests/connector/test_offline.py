@@ -16,6 +16,7 @@ from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.format import LockState, lock_path, probe
 
 from conftest import HFReference, assert_matches_reference
+from speculators_env import use_speculators
 
 pytestmark = pytest.mark.vllm
 
@@ -238,6 +239,44 @@ def test_vllm_load_hidden_states_reads_our_files(engine: Engine) -> None:
     ours = read(result["hidden_states_path"])
     assert torch.equal(theirs["token_ids"], ours.token_ids)
     assert torch.equal(theirs["hidden_states"], ours.hidden_states)
+
+
+def test_speculators_reads_the_connector_files_and_their_export(
+    engine: Engine, tmp_path: Path
+) -> None:
+    use_speculators()  # speculators 0.9.0's own code, as its users import it
+    from hs_connectors import FileTransfer
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.train.data import ArrowDataset
+
+    from hidden_state_reader.export.speculators import export_speculators
+
+    p1, p2 = prompt(9, seed=901), prompt(24, seed=902)
+    [r1] = generate(engine, [p1], params={"hidden_states_path": "spec/a.safetensors"})
+    [r2] = generate(
+        engine,
+        [p2],
+        max_tokens=4,
+        params={"hidden_states_path": "spec/b.safetensors", "include_output_tokens": True},
+    )
+    tokens2 = p2 + r2["output"][:-1]  # the last generated token has no hidden state
+    # Online, speculators loads a response's file through its kv_transfer_params.
+    online = FileTransfer(engine.out).get_generated(r1)
+    check_hidden_states(online, p1)
+    assert torch.equal(online["hidden_states"], read(r1["hidden_states_path"]).hidden_states)
+    # Offline: export the folder, then the trainer's dataset reads it. b's writer may still
+    # hold its lock when generate() returns: the export waits for it.
+    result = export_speculators(engine.out / "spec", tmp_path / "spec", wait=60)
+    assert result.skipped == []
+    assert [r.source for r in result.rows] == [r1["hidden_states_path"], r2["hidden_states_path"]]
+    dataset = ArrowDataset(max_len=64, datapath=tmp_path / "spec", on_missing="raise")
+    expected = [(p1, [1] * 9), (tokens2, [0] * 24 + [1] * 3)]  # prompt-only: all tokens
+    for i, (tokens, mask) in enumerate(expected):
+        item, ours = dataset[i], read(result.rows[i].source)
+        assert item["input_ids"].tolist() == tokens and item["loss_mask"].tolist() == mask
+        assert torch.equal(item["hidden_states"], ours.hidden_states[:, :-1].flatten(1))
+        assert torch.equal(item["verifier_last_hidden_states"], ours.hidden_states[:, -1])
+        check_hidden_states(FileTransfer(tmp_path / "spec" / "hidden_states").get_cached(i), tokens)
 
 
 def _open_files_under(root: Path) -> list[str]:

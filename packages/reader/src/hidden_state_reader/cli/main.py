@@ -1,7 +1,7 @@
 """Entry point of the ``hidden-state`` command: argument parsing, plugins, exit codes.
 
 Built-in subcommands: ``ls``, ``stats``, ``inspect`` (``cli.listing``), ``verify``,
-``clean`` (``cli.verify``) and ``tail`` (``cli.tail``).
+``clean`` (``cli.verify``), ``tail`` (``cli.tail``) and ``export`` (``cli.export``).
 
 Plugins: another installed distribution adds subcommands through the entry-point group
 ``hidden_state.cli``. Each entry point names a callable ``register(subparsers) -> None``
@@ -38,7 +38,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from hidden_state_reader import __version__
-from hidden_state_reader.cli import listing, tail, verify
+from hidden_state_reader.cli import export, listing, tail, verify
 from hidden_state_reader.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_PROBLEMS,
@@ -57,12 +57,13 @@ BUILTIN_COMMANDS: tuple[Callable[[Any], None], ...] = (
     listing.register,
     verify.register,
     tail.register,
+    export.register,
 )
 
 log = logging.getLogger("hidden_state_reader.cli")
 
 _DESCRIPTION = """\
-Inspect, verify and follow directories of LLM hidden-state samples
+Inspect, verify, follow and export directories of LLM hidden-state samples
 (NAME.safetensors + NAME.safetensors.lock, format v1).
 """
 
@@ -74,6 +75,7 @@ examples:
   hidden-state verify /data/hs --checksums
   hidden-state clean /data/hs --dry-run
   hidden-state tail /data/hs --idle-timeout 60
+  hidden-state export --format speculators /data/hs /data/spec
 
 Run `hidden-state COMMAND --help` for the options of each command.
 exit status: 0 ok, 1 problems found or runtime failure, 2 bad usage or input.
