@@ -44,6 +44,7 @@ class ReaderOptions:
     pin_memory: bool = False
     verify_checksum: bool = False
     mmap: bool = True
+    raw_fp8: bool = False
     watch: str = "auto"
     rescan_interval: float = 30.0
     poll_interval: float = 1.0

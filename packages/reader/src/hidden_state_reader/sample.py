@@ -21,6 +21,9 @@ class Sample:
         path: The file it was read from.
         metadata: The writer's ``__metadata__`` map (empty for vLLM-written files).
         layer_ids: Captured layer ids of the layer axis, when known.
+        hidden_states_scales: float32 fp8 scales (``[tokens, layers, 1]`` or
+            ``[tokens, 1, 1]``) when ``hidden_states`` is raw fp8 (``raw_fp8=True``),
+            else None.
     """
 
     token_ids: torch.Tensor
@@ -28,6 +31,7 @@ class Sample:
     path: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict)
     layer_ids: list[int] | None = None
+    hidden_states_scales: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         yield self.token_ids
@@ -47,9 +51,11 @@ class Sample:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data held by this sample."""
+        scales = self.hidden_states_scales
         return (
             self.token_ids.numel() * self.token_ids.element_size()
             + self.hidden_states.numel() * self.hidden_states.element_size()
+            + (0 if scales is None else scales.numel() * scales.element_size())
         )
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
 from hidden_state_reader.sample import Sample
@@ -35,6 +36,11 @@ class LoadOptions:
         pin_memory: Read into page-locked memory (faster host-to-GPU copies).
         verify_checksum: Check the writer's CRC32 when the file has one.
         mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them.
+        raw_fp8: Give fp8 files' ``hidden_states`` as stored (float8_e4m3fn) with
+            ``Sample.hidden_states_scales``, to dequantize later (e.g. on the GPU with
+            ``format.fp8.dequantize``); ``dtype`` then applies to other files only. By
+            default fp8 files are dequantized on read (on the CPU) to ``dtype``, else
+            to the ``model_dtype`` the writer recorded.
     """
 
     layers: Sequence[int] | None = None
@@ -43,6 +49,7 @@ class LoadOptions:
     pin_memory: bool = False
     verify_checksum: bool = False
     mmap: bool = True
+    raw_fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.layers is not None and self.layer_ids is not None:
@@ -138,15 +145,24 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     if token_ids.dtype != torch.int64:
         token_ids = token_ids.to(torch.int64)
     hidden = _view(buffer, header.hidden, path)
+    scales_info = header.tensors.get(fp8.SCALES)
+    scales = None if scales_info is None else _view(buffer, scales_info, path)
     layer_ids = header.layer_ids
     positions = _layer_positions(header, options)
     if positions is not None:
         hidden = hidden[:, positions]
+        if scales is not None and scales.shape[1] != 1:  # per-layer scales follow their rows
+            scales = scales[:, positions]
         if layer_ids is not None:
             layer_ids = [layer_ids[p] for p in positions]
-    if options.dtype is not None and hidden.dtype != options.dtype:
+    if scales is not None and not options.raw_fp8:
+        target = options.dtype or fp8.model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
+        hidden, scales = fp8.dequantize(hidden, scales, target, pin_memory=options.pin_memory), None
+    elif scales is None and options.dtype is not None and hidden.dtype != options.dtype:
         hidden = hidden.to(options.dtype)
-    return Sample(token_ids, hidden, path, header.metadata, layer_ids)
+    return Sample(
+        token_ids, hidden, path, header.metadata, layer_ids, hidden_states_scales=scales
+    )
 
 
 def load_sample(path: str | os.PathLike[str], options: LoadOptions | None = None) -> Sample:
