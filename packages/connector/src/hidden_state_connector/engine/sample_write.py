@@ -89,6 +89,7 @@ def _open(job: SaveJob, extractor: Extractor, options: FileOptions) -> SampleFil
             record_nonfinite=options.check_nonfinite,
             fsync=options.fsync,
             dir_fd=job.dir_fd,
+            storage=extractor.storage,
         )
     except OSError as exc:
         job.fail(f"cannot create file: {exc}")
@@ -114,7 +115,10 @@ def _write_chunks(
             if writer is not None and job.failure is None:
                 if check_nonfinite:
                     writer.note_nonfinite(extractor.chunk_nonfinite(slab, chunk))
-                writer.write_hidden(extractor.chunk_bytes(slab, chunk))
+                data, scales = extractor.chunk_payload(slab, chunk)
+                if scales is not None:
+                    writer.write_scales(scales)
+                writer.write_hidden(data)
         except Exception as exc:
             job.fail(f"write failed: {exc}")
         finally:

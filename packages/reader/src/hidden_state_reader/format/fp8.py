@@ -208,5 +208,7 @@ def model_dtype(name: str | None, path: str) -> torch.dtype:
     if name is None:
         return torch.bfloat16
     if name not in known:
-        raise CorruptSampleError(path, f"metadata model_dtype {name!r} is not one of {sorted(known)}")
+        raise CorruptSampleError(
+            path, f"metadata model_dtype {name!r} is not one of {sorted(known)}"
+        )
     return known[name]
