@@ -160,9 +160,7 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
         hidden, scales = fp8.dequantize(hidden, scales, target, pin_memory=options.pin_memory), None
     elif scales is None and options.dtype is not None and hidden.dtype != options.dtype:
         hidden = hidden.to(options.dtype)
-    return Sample(
-        token_ids, hidden, path, header.metadata, layer_ids, hidden_states_scales=scales
-    )
+    return Sample(token_ids, hidden, path, header.metadata, layer_ids, hidden_states_scales=scales)
 
 
 def load_sample(path: str | os.PathLike[str], options: LoadOptions | None = None) -> Sample:
