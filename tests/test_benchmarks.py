@@ -26,6 +26,7 @@ BENCHMARKS = (
     "dataloader",
     "completion_order",
     "release",
+    "fp8",
 )
 SECTIONS = (
     "## Machine",
@@ -38,6 +39,7 @@ SECTIONS = (
     "## 6. DataLoader",
     "## 7. Completion order",
     "## 8. Lock release",
+    "## 9. fp8 storage",
     "## GPU (NVIDIA H200)",
 )
 

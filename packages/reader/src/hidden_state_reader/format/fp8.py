@@ -43,9 +43,10 @@ STORAGE_FP8 = "fp8_e4m3"
 """Store hidden states as float8_e4m3fn with per-token, per-layer float32 scales."""
 STORAGE_DTYPES = (STORAGE_MODEL, STORAGE_FP8)
 
-# Rows converted per step on the CPU: a float32 scratch block of this many rows stays in
-# cache, where converting whole tensors at once runs several times slower.
-_BLOCK_ELEMS = 1 << 18
+# Elements converted per step on the CPU: bounds the float32 scratch (16 MiB) whatever
+# the sample's size, while keeping the steps (each a torch parallel region, whose barrier
+# is costly on a loaded machine) few.
+_BLOCK_ELEMS = 1 << 22
 
 
 def check_storage(value: str, what: str = "storage_dtype") -> str:
