@@ -227,3 +227,17 @@ def test_format_and_fp8_module_import_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_reader_docs_fp8_example_runs_and_matches_the_default_read(hs_dir: Path) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reader.md").read_text()
+    block = doc.split("<!-- fp8-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    x = residual_like(tokens=16)
+    fp8_path = write_sample(hs_dir / "a.safetensors", torch.arange(16), x, storage="fp8_e4m3")
+    write_sample(hs_dir / "b.safetensors", torch.arange(16), x)
+    seen = {}
+    namespace = {"path": hs_dir, "device": "cpu", "torch": torch}
+    exec(compile(block.replace("hidden = ", "hidden = seen[sample.path] = "), "reader.md", "exec"),
+         {**namespace, "seen": seen})  # fmt: skip
+    assert torch.equal(seen[fp8_path], load_sample(fp8_path).hidden_states)
+    assert torch.equal(seen[str(hs_dir / "b.safetensors")], x)
