@@ -16,5 +16,6 @@ BENCHMARKS = (
     "dataloader",
     "completion_order",
     "release",
+    "fp8",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

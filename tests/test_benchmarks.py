@@ -30,6 +30,7 @@ SECTIONS = (
     "## 6. DataLoader",
     "## 7. Completion order",
     "## 8. Lock release",
+    "## 9. fp8 storage",
     "## GPU (NVIDIA H200)",
 )
 

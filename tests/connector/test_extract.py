@@ -32,8 +32,10 @@ from hidden_state_connector.offline.extract import VllmEngine, remove_stale_temp
 from hidden_state_connector.offline.inputs import PromptEncoder, open_input
 from hidden_state_connector.offline.manifest import MANIFEST_NAME, Manifest, SampleRecord
 from hidden_state_connector.offline.progress import Progress, format_duration
-from hidden_state_reader import HiddenStateReader
+from hidden_state_reader import HiddenStateReader, read_header
 from hidden_state_reader.format import sample_metadata, write_sample
+
+from conftest import HFReference, assert_matches_reference
 
 # The CLI framework's stand-in: exactly what `hidden-state extract ...` does.
 RUNNER = (
@@ -679,8 +681,9 @@ def test_resume_after_sigkill_records_every_index_once(
 
 @pytest.mark.vllm
 def test_include_output_tokens_stores_prompt_and_generated_tokens(
-    tmp_path: Path, tiny_model_fp32: Path, tokenizer: Any
+    tmp_path: Path, tiny_model_fp32: Path, tokenizer: Any, hf_fp32: HFReference
 ) -> None:
+    # Also the suite's real-vLLM round trip of fp8 storage (no engine of its own).
     records = [{"text": "Once upon a time"}, {"token_ids": list(range(50, 90))}]
     data = write_jsonl(tmp_path / "in.jsonl", records)
     out = tmp_path / "out"
@@ -695,6 +698,10 @@ def test_include_output_tokens_stores_prompt_and_generated_tokens(
         "--max-tokens",
         "4",
         "--include-output-tokens",
+        "--storage-dtype",
+        "fp8_e4m3",
+        "--dtype",
+        "float32",  # vLLM equals HF here to 1e-4: the rest of the error is fp8's
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     state = Manifest(str(out)).samples
@@ -705,3 +712,7 @@ def test_include_output_tokens_stores_prompt_and_generated_tokens(
         assert sample.token_ids[: len(prompt)].tolist() == prompt
         assert sample.metadata["num_prompt_tokens"] == str(len(prompt))
         assert (state[index].tokens, state[index].prompt_tokens) == (len(prompt) + 3, len(prompt))
+        header = read_header(sample.path)
+        assert header.hidden.dtype == "F8_E4M3" and header.metadata["model_dtype"] == "F32"
+        assert sample.hidden_states.dtype == torch.float32  # dequantized to the model's dtype
+        assert_matches_reference(sample, hf_fp32, rtol=2**-4)  # the documented fp8 bound

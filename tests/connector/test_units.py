@@ -43,6 +43,7 @@ def test_config_accepts_vllm_keys_and_sizes() -> None:
         ({"when_full": "explode"}, "when_full"),
         ({"chunk_bytes": "2GiB", "host_buffer_bytes": "1GiB"}, "chunk_bytes"),
         ({"shared_storage_path": ""}, "shared_storage_path"),
+        ({"storage_dtype": "bf16"}, "storage_dtype"),
     ],
 )
 def test_bad_config_values_name_the_key(extra: dict, key: str) -> None:

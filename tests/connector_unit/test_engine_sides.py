@@ -40,9 +40,10 @@ from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
 from hidden_state_connector.engine.writer import WritePipeline
-from hidden_state_reader import HiddenStateReader
+from hidden_state_reader import HiddenStateReader, LoadOptions, load_sample, read_header
 from hidden_state_reader.format import (
     LockState,
+    Meta,
     SampleFileWriter,
     SharedLock,
     WriterLock,
@@ -51,6 +52,7 @@ from hidden_state_reader.format import (
     read_status,
     sample_metadata,
 )
+from hidden_state_reader.format.fp8 import quantize
 
 BLOCK, LAYERS, HIDDEN, NUM_BLOCKS = 4, 3, 8, 16
 HS_GROUP = 1  # the hidden-state group is the second KV-cache group in these fakes
@@ -448,3 +450,87 @@ def test_shutdown_fails_unwritten_jobs_with_the_reason_in_their_locks(
         assert status.failed and "shut down" in status.reason
         assert not os.path.exists(job.path)
     assert _temp_files(tmp_path) == []
+
+
+# -- fp8 storage ----------------------------------------------------------------------
+
+
+def _fp8_bound(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """docs/format.md's per-element bound of a dequantized value (before output rounding)."""
+    return 2**-4 * x.abs() + 2**-10 * scales
+
+
+def test_fp8_storage_writes_each_chunks_quantized_rows_and_their_scales(
+    cache: torch.Tensor, engine_factory: Any
+) -> None:
+    engine = engine_factory(cache, storage_dtype="fp8_e4m3")
+    prompt, blocks = list(range(10, 24)), [5, 2, 9, 0]  # 14 tokens: 4 chunks, the last partial
+    engine.step(scheduler_output(new=(new_request("q", prompt, blocks),), scheduled={"q": 14}))
+    path = engine.finish(finished_request("q", prompt, [0]), blocks)[PATH_PARAM]
+    sample = _read(path)  # checksum verified: the scales are covered, in file order
+    expected = _gathered(cache, blocks, len(prompt))
+    header = read_header(path)
+    assert header.hidden.dtype == "F8_E4M3" and header.metadata[Meta.MODEL_DTYPE] == "F32"
+    assert sample.hidden_states.dtype == torch.float32  # the fake cache's (model) dtype
+    raw = load_sample(path, LoadOptions(raw_fp8=True))
+    q, scales = quantize(expected)  # rows are independent: chunking changes nothing
+    assert torch.equal(raw.hidden_states.view(torch.uint8), q.view(torch.uint8))
+    assert raw.hidden_states_scales is not None and torch.equal(raw.hidden_states_scales, scales)
+    err = (sample.hidden_states - expected).abs()
+    assert bool((err <= _fp8_bound(expected, scales)).all())
+    engine.idle_until_freed("q")
+
+
+def test_bad_storage_dtype_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="storage_dtype: must be one of model, fp8_e4m3"):
+        ConnectorConfig.from_extra_config(
+            {"shared_storage_path": str(tmp_path), "storage_dtype": "fp8"}
+        )
+
+
+@pytest.fixture(scope="module")
+def captured_states(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+    """Hidden states of the suite's tiny Llama (HF transformers, bf16), layers LAYER_IDS."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from hidden_state_connector.demo.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    text = b"The quick brown fox jumps over the lazy dog; fp8 halves the bytes on disk."
+    tokens = torch.tensor(list(text[: NUM_BLOCKS * BLOCK]))
+    with torch.no_grad():
+        out = model(tokens[None], output_hidden_states=True)
+    return torch.stack([out.hidden_states[i][0] for i in LAYER_IDS], dim=1)  # [T, L, 128]
+
+
+def test_fp8_round_trip_of_real_captured_states_is_within_the_bound(
+    captured_states: torch.Tensor, engine_factory: Any
+) -> None:
+    states = captured_states
+    hidden = states.shape[-1]
+    cache = states.reshape(NUM_BLOCKS, BLOCK, LAYERS, hidden).contiguous()  # blocks 0..15
+    block_bytes = BLOCK * LAYERS * hidden * 2
+    engine = engine_factory(
+        cache, storage_dtype="fp8_e4m3", chunk_bytes=block_bytes, host_buffer_bytes=block_bytes
+    )
+    blocks = list(range(NUM_BLOCKS))
+    prompt = list(range(NUM_BLOCKS * BLOCK - 1))  # the last position is a generated token
+    engine.step(
+        scheduler_output(
+            new=(new_request("real", prompt, blocks),), scheduled={"real": len(prompt)}
+        )
+    )
+    path = engine.finish(finished_request("real", prompt, [0]), blocks)[PATH_PARAM]
+    sample = _read(path)
+    expected = states[: len(prompt)].float()
+    assert sample.hidden_states.dtype == torch.bfloat16  # the model's dtype, recorded
+    got = sample.hidden_states.float()
+    scales = load_sample(path, LoadOptions(raw_fp8=True)).hidden_states_scales
+    assert scales is not None
+    limit = _fp8_bound(expected, scales) + 2**-8 * got.abs()  # + bf16 rounding of the result
+    assert bool(((got - expected).abs() <= limit).all())
+    per_layer = (got - expected).norm(dim=(0, 2)) / expected.norm(dim=(0, 2))
+    assert bool((per_layer < 2**-4).all()), per_layer.tolist()
+    engine.idle_until_freed("real")

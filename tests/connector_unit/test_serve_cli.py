@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -169,3 +170,44 @@ def test_start_up_imports_no_torch_or_vllm(argv: list[str]) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     heavy = [line for line in proc.stdout.splitlines() if line.startswith("HEAVY")]
     assert heavy == ["HEAVY []"], (proc.stdout, proc.stderr)
+
+
+def test_storage_dtype_flag_reaches_the_connector_config(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
+    out = tmp_path / "out"
+    proc = hidden_state(
+        "serve", str(model), "--out", str(out), "--dry-run", "--storage-dtype", "fp8_e4m3",
+        "--connector-config", '{"storage_dtype": "model", "fsync": true}',
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    marker = "--kv-transfer-config "
+    start = proc.stdout.index(marker) + len(marker)
+    config = json.loads(shlex.split(proc.stdout[start:])[0])["kv_connector_extra_config"]
+    assert config["storage_dtype"] == "fp8_e4m3" and config["fsync"] is True  # the flag wins
+    bad = hidden_state("serve", str(model), "--out", str(out), "--storage-dtype", "fp8")
+    assert bad.returncode == 2 and "invalid choice: 'fp8'" in bad.stderr
+    assert not out.exists()
+
+
+def test_extract_storage_dtype_flag_reaches_the_validated_connector_settings(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    from hidden_state_connector.cli.extract import _options, add_extract_arguments
+    from hidden_state_connector.offline.settings import connector_settings
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "one two three four five six seven eight"}\n')
+    parser = argparse.ArgumentParser()
+    add_extract_arguments(parser)
+    argv = [str(model), "--input", str(data), "--out", str(tmp_path / "out")]
+    options = _options(parser.parse_args([*argv, "--storage-dtype", "fp8_e4m3"]))
+    settings = connector_settings(options.connector_config, str(tmp_path / "out"))
+    assert settings["storage_dtype"] == "fp8_e4m3"
+    assert "storage_dtype" not in _options(parser.parse_args(argv)).connector_config

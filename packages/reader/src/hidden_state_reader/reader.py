@@ -70,6 +70,9 @@ class HiddenStateReader:
         mmap: Map files of 1 MiB or more instead of copying them (faster; the tensors stay
             valid after the file is deleted). Turn off if your writer rewrites published
             files in place.
+        raw_fp8: Yield files stored in fp8 as stored (``hidden_states`` float8_e4m3fn
+            plus ``Sample.hidden_states_scales``) instead of dequantizing them on the
+            CPU; dequantize on the GPU with ``hidden_state_reader.format.fp8.dequantize``.
         watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
         rescan_interval: Safety rescan period in follow mode, seconds.
         poll_interval: Rescan period with ``watch="poll"``, seconds.
@@ -104,6 +107,7 @@ class HiddenStateReader:
         pin_memory: bool = False,
         verify_checksum: bool = False,
         mmap: bool = True,
+        raw_fp8: bool = False,
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
@@ -128,7 +132,9 @@ class HiddenStateReader:
         self._watch = watch
         self._rescan_interval = rescan_interval
         self._poll_interval = poll_interval
-        self._load = LoadOptions(layers, layer_ids, dtype, pin_memory, verify_checksum, mmap)
+        self._load = LoadOptions(
+            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8
+        )
         self._claims = ClaimStore(self.root, claim_group) if claim else None
         # Files are the reader's to tidy up when it consumes them exclusively.
         self._owns_files = claim or on_consumed != "keep"

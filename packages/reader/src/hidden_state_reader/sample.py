@@ -23,6 +23,9 @@ class Sample:
         layer_ids: Captured layer ids of the layer axis, when known.
         loss_mask: ``[tokens]`` ``torch.bool``, True where the loss counts the token
             (assistant or generated tokens), or None when the file has no mask.
+        hidden_states_scales: float32 fp8 scales (``[tokens, layers, 1]`` or
+            ``[tokens, 1, 1]``) when ``hidden_states`` is raw fp8 (``raw_fp8=True``),
+            else None.
     """
 
     token_ids: torch.Tensor
@@ -31,6 +34,7 @@ class Sample:
     metadata: Mapping[str, str] = field(default_factory=dict)
     layer_ids: list[int] | None = None
     loss_mask: torch.Tensor | None = None
+    hidden_states_scales: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         yield self.token_ids
@@ -51,8 +55,9 @@ class Sample:
     def nbytes(self) -> int:
         """Bytes of tensor data held by this sample."""
         tensors = [self.token_ids, self.hidden_states]
-        if self.loss_mask is not None:
-            tensors.append(self.loss_mask)
+        for extra in (self.loss_mask, self.hidden_states_scales):
+            if extra is not None:
+                tensors.append(extra)
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def __repr__(self) -> str:

@@ -15,6 +15,7 @@ import zlib
 import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
 from hidden_state_reader.format.loss_mask import loss_mask_view
@@ -113,20 +114,35 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     if token_ids.dtype != torch.int64:
         token_ids = token_ids.to(torch.int64)
     hidden = _view(buffer, header.hidden, path)
+    scales_info = header.tensors.get(fp8.SCALES)
+    scales = None if scales_info is None else _view(buffer, scales_info, path)
     layer_ids = header.layer_ids
     positions = _layer_positions(header, options)
     if positions is not None:
         hidden = hidden[:, positions]
+        if scales is not None and scales.shape[1] != 1:  # per-layer scales follow their rows
+            scales = scales[:, positions]
         if layer_ids is not None:
             layer_ids = [layer_ids[p] for p in positions]
-    if options.dtype is not None and hidden.dtype != options.dtype:
+    if scales is not None and not options.raw_fp8:
+        target = options.dtype or fp8.model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
+        hidden, scales = fp8.dequantize(hidden, scales, target, pin_memory=options.pin_memory), None
+    elif scales is None and options.dtype is not None and hidden.dtype != options.dtype:
         hidden = hidden.to(options.dtype)
     mask_info = header.loss_mask
     loss_mask = None
     if mask_info is not None:  # a bool view of the stored bytes; layer/dtype options do not apply
         raw = buffer[mask_info.begin : mask_info.end]
         loss_mask = loss_mask_view(raw, path)
-    return Sample(token_ids, hidden, path, header.metadata, layer_ids, loss_mask)
+    return Sample(
+        token_ids,
+        hidden,
+        path,
+        header.metadata,
+        layer_ids,
+        loss_mask=loss_mask,
+        hidden_states_scales=scales,
+    )
 
 
 def load_sample(path: str | os.PathLike[str], options: LoadOptions | None = None) -> Sample:

@@ -11,12 +11,14 @@ from typing import Any
 
 from hidden_state_connector.server import ServeOptions, default_layer_ids, server_argv
 from hidden_state_reader.cli.common import CliError, add_command
+from hidden_state_reader.format.fp8 import STORAGE_DTYPES
 
 EXAMPLES = """\
 hidden-state serve meta-llama/Llama-3.1-8B-Instruct --out /data/hs   # a Hugging Face hub id
 hidden-state serve ./my-model --out /data/hs --layers 2,16,29 --include-last \\
     --vllm-args --max-model-len 8192
 hidden-state serve ./my-model --out /data/hs --dry-run     # print the vllm command only
+hidden-state serve ./my-model --out /data/hs --storage-dtype fp8_e4m3  # half the disk of bf16
 """
 
 
@@ -162,6 +164,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_storage_argument(parser: argparse.ArgumentParser) -> None:
+    """``--storage-dtype``: the connector's ``storage_dtype`` key (serve and extract)."""
+    parser.add_argument(
+        "--storage-dtype",
+        choices=STORAGE_DTYPES,
+        help="how hidden states are stored: model (the model's dtype, default) or fp8_e4m3 "
+        "(float8 with per-token, per-layer scales: about half the bytes of bf16; readers "
+        "dequantize); sets storage_dtype in the connector config",
+    )
+
+
+def with_storage(connector: dict[str, Any], storage_dtype: str | None) -> dict[str, Any]:
+    """The connector config with ``--storage-dtype`` applied (it wins over the JSON)."""
+    return connector if storage_dtype is None else {**connector, "storage_dtype": storage_dtype}
+
+
 def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
     parser = add_command(
@@ -178,6 +196,7 @@ def register(subparsers: Any) -> None:
     )
     add_arguments(parser)
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    add_storage_argument(parser)
     parser.add_argument(
         "--connector-config",
         type=json.loads,
@@ -209,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=os.path.abspath(args.out),
         layer_ids=layers,
         port=args.port,
-        connector=args.connector_config,
+        connector=with_storage(args.connector_config, args.storage_dtype),
         vllm_args=list(args.vllm_args),
     )
     if args.dry_run:

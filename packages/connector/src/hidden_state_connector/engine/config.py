@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hidden_state_connector.logs import get_logger
+from hidden_state_reader.format import fp8
 
 log = get_logger(__name__)
 
@@ -69,6 +70,9 @@ class ConnectorConfig:
             ranks, restarts) from colliding; default: derived from vLLM's engine id.
         shutdown_timeout: Seconds to drain queued writes at shutdown.
         stats_interval: Seconds between progress log lines (0 disables them).
+        storage_dtype: ``"model"`` (default): hidden states in the model's dtype;
+            ``"fp8_e4m3"``: float8_e4m3fn with per-token, per-layer float32 scales
+            (about half the bytes of bf16; readers dequantize, see ``docs/format.md``).
     """
 
     shared_storage_path: str = "/tmp"
@@ -86,6 +90,7 @@ class ConnectorConfig:
     instance_id: str | None = None
     shutdown_timeout: float = 60.0
     stats_interval: float = 30.0
+    storage_dtype: str = fp8.STORAGE_MODEL
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -133,6 +138,7 @@ class ConnectorConfig:
             )
         if self.shutdown_timeout < 0 or self.stats_interval < 0:
             raise ValueError("shutdown_timeout and stats_interval must be >= 0")
+        fp8.check_storage(self.storage_dtype)
 
 
 def _coerce(key: str, annotation: object, raw: Any) -> Any:

@@ -6,6 +6,10 @@ request length), copied asynchronously into a pinned host slab, and an event mar
 copy done; the model's stream is never synchronised. On CPU the gather writes straight
 into the host slab with numpy (one thread, no OpenMP team: writer threads gather too,
 beside the engine's own OpenMP work).
+
+With fp8 storage (``storage="fp8_e4m3"``) a CUDA chunk is quantized on the side stream
+and the slab receives the fp8 bytes and their scales (half the copy of bf16); a CPU
+chunk is quantized by the writer thread that writes it (``chunk_payload``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.buffers import Slab
 from hidden_state_connector.engine.layout import CacheLayout
-from hidden_state_reader.format import has_nonfinite
+from hidden_state_reader.format import fp8, has_nonfinite
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Extractor:
         layout: Its axis order (``compat.probe_layout``).
         blocks_per_chunk: Blocks per chunk; bounds the staging buffer.
         check_nonfinite: Compute a NaN/inf flag per chunk on the device.
+        storage: ``"model"`` or ``"fp8_e4m3"`` (``ConnectorConfig.storage_dtype``).
     """
 
     def __init__(
@@ -70,8 +75,10 @@ class Extractor:
         blocks_per_chunk: int,
         *,
         check_nonfinite: bool,
+        storage: str = fp8.STORAGE_MODEL,
     ) -> None:
         self.layout = layout
+        self.storage = fp8.check_storage(storage)
         self.view = layout.blocks_tokens_layers(kv_cache)  # [blocks, block_size, layers, hidden]
         self.dtype = kv_cache.dtype
         self.device = kv_cache.device
@@ -85,6 +92,12 @@ class Extractor:
         self._step_event: torch.cuda.Event | None = None
         self._raw_dtype = _SAME_SIZE_INT[self.dtype.itemsize]
         self._cpu_view = None if self.on_cuda else self.view.view(self._raw_dtype).numpy()
+        # On CUDA an fp8 slab holds the chunk's fp8 bytes, then its scales from here on.
+        rows = blocks_per_chunk * layout.block_size * layout.num_layers
+        self._scales_offset = -(-rows * layout.hidden_size // 16) * 16
+        self.device_fp8 = self.on_cuda and self.storage == fp8.STORAGE_FP8
+        if self.device_fp8 and self._scales_offset + rows * 4 > self.slab_bytes:
+            raise ValueError(f"hidden size {layout.hidden_size} is too small for fp8 storage")
 
     @property
     def staging_bytes(self) -> int:
@@ -154,7 +167,10 @@ class Extractor:
             with compat.host_sync_allowed():
                 ids_dev = ids.to(self.device, non_blocking=True)
             torch.index_select(self.view, 0, ids_dev, out=staging)
-            host.copy_(staging, non_blocking=True)
+            if self.device_fp8:
+                self._copy_fp8(staging, chunk, slab)
+            else:
+                host.copy_(staging, non_blocking=True)
             if self.check_nonfinite:
                 valid = staging.reshape(-1, self.layout.num_layers, self.layout.hidden_size)
                 bad = ~torch.isfinite(valid[: chunk.num_tokens]).all()
@@ -166,6 +182,36 @@ class Extractor:
             slab.event.record(stream)
             # The staging buffer is reused by the next chunk on this same stream, so
             # stream order alone keeps it safe.
+
+    def _copy_fp8(self, staging: torch.Tensor, chunk: Chunk, slab: Slab) -> None:
+        """Quantize a gathered chunk on the device and copy fp8 and scales to the slab.
+
+        Runs on the side stream; the temporaries are freed into the allocator on that
+        same stream, so their reuse is ordered after these copies.
+        """
+        n, layers, hidden = chunk.num_tokens, self.layout.num_layers, self.layout.hidden_size
+        q, scales = fp8.quantize(staging.reshape(-1, layers, hidden)[:n])
+        slab.data[: n * layers * hidden].view(q.shape).copy_(q.view(torch.uint8), non_blocking=True)
+        begin = self._scales_offset
+        host_scales = slab.data[begin : begin + n * layers * 4].view(torch.float32)
+        host_scales.view(scales.shape).copy_(scales, non_blocking=True)
+
+    def chunk_payload(self, slab: Slab, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the file gets for a chunk: its bytes, and its fp8 scales (None unless fp8).
+
+        Called by the writer thread after the copy completed. With fp8 storage on the
+        CPU the chunk is quantized here, off the engine's thread.
+        """
+        if self.storage != fp8.STORAGE_FP8:
+            return self.chunk_bytes(slab, chunk), None
+        n, layers, hidden = chunk.num_tokens, self.layout.num_layers, self.layout.hidden_size
+        if self.device_fp8:
+            begin = self._scales_offset
+            scales = slab.data[begin : begin + n * layers * 4].view(torch.float32)
+            return slab.data[: n * layers * hidden], scales.view(n, layers, 1)
+        rows = self._host_view(slab, chunk.count).reshape(-1, layers, hidden)[:n]
+        with torch.inference_mode():
+            return fp8.quantize(rows)
 
     def order_before_compute(self) -> None:
         """Make the model's later work wait for every copy issued so far (CUDA)."""

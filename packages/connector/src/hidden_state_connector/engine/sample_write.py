@@ -90,6 +90,7 @@ def _open(job: SaveJob, extractor: Extractor, options: FileOptions) -> SampleFil
             fsync=options.fsync,
             dir_fd=job.dir_fd,
             loss_mask=job.loss_mask,
+            storage=extractor.storage,
         )
     except (OSError, ValueError) as exc:  # ValueError: a mask that does not fit
         job.fail(f"cannot create file: {exc}")
@@ -115,7 +116,10 @@ def _write_chunks(
             if writer is not None and job.failure is None:
                 if check_nonfinite:
                     writer.note_nonfinite(extractor.chunk_nonfinite(slab, chunk))
-                writer.write_hidden(extractor.chunk_bytes(slab, chunk))
+                data, scales = extractor.chunk_payload(slab, chunk)
+                if scales is not None:
+                    writer.write_scales(scales)
+                writer.write_hidden(data)
         except Exception as exc:
             job.fail(f"write failed: {exc}")
         finally:

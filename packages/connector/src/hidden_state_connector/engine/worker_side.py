@@ -101,7 +101,11 @@ class WorkerSide:
         block_bytes = layout.block_size * token_bytes
         blocks_per_chunk = max(1, self.config.chunk_bytes // block_bytes)
         extractor = Extractor(
-            kv_cache, layout, blocks_per_chunk, check_nonfinite=self.config.check_nonfinite
+            kv_cache,
+            layout,
+            blocks_per_chunk,
+            check_nonfinite=self.config.check_nonfinite,
+            storage=self.config.storage_dtype,
         )
         log.info(
             "HiddenStateConnector: %s, layers %s, hidden %d, %s; cache %s (token axis %d), "
@@ -109,7 +113,7 @@ class WorkerSide:
             kv_cache.device,
             self.layer_ids,
             layout.hidden_size,
-            kv_cache.dtype,
+            f"{kv_cache.dtype} stored as {extractor.storage}",
             tuple(kv_cache.shape),
             layout.token_axis,
             blocks_per_chunk,

@@ -2,10 +2,12 @@
 
 A sample holds two tensors, ``hidden_states`` ``[tokens, layers, hidden]`` (model
 dtype) and ``token_ids`` ``[tokens]`` (int64), optionally a ``loss_mask`` ``[tokens]``
-(``format/loss_mask.py``), plus an optional ``__metadata__`` string map. The file
-layout is plain safetensors: an 8-byte little-endian header length, the JSON header
-(space-padded), then the tensor bytes, which must cover the rest of the file exactly.
-That last rule is what tells a complete file from a truncated one.
+(``format/loss_mask.py``), plus an optional ``__metadata__`` string map. fp8 storage
+(``fp8.py``) stores ``hidden_states`` as ``F8_E4M3`` and adds its
+``hidden_states_scales``. The file layout is plain safetensors: an 8-byte little-endian
+header length, the JSON header (space-padded), then the tensor bytes, which must cover
+the rest of the file exactly. That last rule is what tells a complete file from a
+truncated one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.loss_mask import LOSS_MASK, check_loss_mask
 
@@ -53,13 +56,18 @@ class Meta:
     PRODUCER = "producer"  # "name/version"
     NONFINITE = "nonfinite"  # "0" or "1": any NaN/inf in hidden_states
     CRC32 = "crc32"  # 8 hex digits over the tensor bytes, in file order
+    MODEL_DTYPE = "model_dtype"  # dtype before fp8 storage (e.g. "BF16"); see fp8.py
 
 
 # Element size of every dtype this format accepts. The format itself needs no torch, so
 # importing it imports no torch either; the torch dtypes are looked up on first use.
-DTYPE_SIZES: dict[str, int] = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4}
-DTYPE_SIZES.update({"U8": 1, "BOOL": 1})  # loss_mask (format/loss_mask.py)
-HIDDEN_DTYPES = frozenset({"BF16", "F16", "F32"})
+DTYPE_SIZES: dict[str, int] = {
+    **{"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4},
+    "U8": 1,  # loss_mask (format/loss_mask.py)
+    "BOOL": 1,
+    fp8.FP8_DTYPE: 1,
+}
+HIDDEN_DTYPES = frozenset({"BF16", "F16", "F32", fp8.FP8_DTYPE})
 TOKEN_DTYPES = frozenset({"I64", "I32"})
 
 
@@ -76,6 +84,7 @@ def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
         "I32": torch.int32,
         "U8": torch.uint8,
         "BOOL": torch.bool,
+        fp8.FP8_DTYPE: torch.float8_e4m3fn,
     }
     return by_name, {v: k for k, v in by_name.items()}
 
@@ -276,6 +285,10 @@ def _check_sample_tensors(path: str, tensors: Mapping[str, TensorInfo]) -> None:
         raise CorruptSampleError(path, f"hidden_states must be 3-D, got shape {hidden.shape}")
     if hidden.dtype not in HIDDEN_DTYPES:
         raise CorruptSampleError(path, f"hidden_states has dtype {hidden.dtype}")
+    scales = tensors.get(fp8.SCALES)
+    fp8.check_scales(
+        path, hidden.dtype, hidden.shape, None if scales is None else (scales.dtype, scales.shape)
+    )
     if len(tokens.shape) != 1 or tokens.dtype not in TOKEN_DTYPES:
         raise CorruptSampleError(
             path, f"token_ids must be a 1-D integer tensor, got {tokens.dtype} {tokens.shape}"
@@ -368,6 +381,7 @@ class HeaderLayout:
 def encode_header(
     tensors: Mapping[str, tuple[torch.dtype, Sequence[int]]],
     metadata: Mapping[str, str] | None = None,
+    trailing: Sequence[str] = (),
 ) -> HeaderLayout:
     """Lay out tensors and encode the safetensors header for them.
 
@@ -377,11 +391,16 @@ def encode_header(
     Args:
         tensors: name -> (dtype, shape) for every tensor in the file.
         metadata: The ``__metadata__`` string map.
+        trailing: Names placed after all the others, in this order (fp8 scales follow
+            ``hidden_states``, so a writer streaming it can append them last).
 
     Returns:
         The header bytes and each tensor's data offsets.
     """
-    order = sorted(tensors, key=lambda n: (-tensors[n][0].itemsize, n))
+    order = sorted(
+        (n for n in tensors if n not in trailing), key=lambda n: (-tensors[n][0].itemsize, n)
+    )
+    order += [n for n in trailing if n in tensors]
     doc: dict[str, Any] = {}
     if metadata:
         doc["__metadata__"] = dict(metadata)

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from hidden_state_reader.format import fp8
 from hidden_state_reader.format.header import (
     FORMAT_VERSION,
     HIDDEN_STATES,
@@ -27,6 +28,10 @@ from hidden_state_reader.format.header import (
 from hidden_state_reader.format.lockfile import WriterLock
 from hidden_state_reader.format.loss_mask import LOSS_MASK, as_mask_tensor
 from hidden_state_reader.format.names import temp_path
+
+# Tensors written after hidden_states, in this order, when a file has them: the fp8
+# scales (collected while the hidden states stream in) and the loss mask.
+TRAILING = (fp8.SCALES, LOSS_MASK)
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +105,7 @@ class SampleFileWriter:
         final_path: Where the sample must appear, ``NAME.safetensors``.
         token_ids: 1-D integer tensor (stored as int64).
         hidden_shape: ``(tokens, layers, hidden)``.
-        hidden_dtype: dtype of ``hidden_states``.
+        hidden_dtype: dtype of ``hidden_states`` (the model's, also with fp8 storage).
         metadata: The ``__metadata__`` map.
         lock: The writer's lock, released after publication (or failure).
         checksum: Record a CRC32 of the tensor bytes in the metadata.
@@ -111,6 +116,9 @@ class SampleFileWriter:
             is created and renamed there, whatever its path leads to by then.
         loss_mask: Optional ``[tokens]`` 0/1 (bool or integer tensor, or a sequence),
             stored as ``loss_mask`` (U8) after ``hidden_states``.
+        storage: ``"model"``, or ``"fp8_e4m3"``: ``write_hidden`` then takes fp8 bytes
+            (``fp8.quantize``) and ``write_scales`` their scales; ``hidden_dtype`` is
+            recorded as ``model_dtype``.
     """
 
     def __init__(
@@ -127,9 +135,16 @@ class SampleFileWriter:
         fsync: bool = False,
         dir_fd: int | None = None,
         loss_mask: torch.Tensor | Sequence[int] | None = None,
+        storage: str = fp8.STORAGE_MODEL,
     ) -> None:
         import torch
 
+        fp8.check_storage(storage, "storage")
+        if hidden_dtype == torch.float8_e4m3fn:
+            raise ValueError(
+                f"{final_path}: pass the model's dtype as hidden_dtype and storage='fp8_e4m3' "
+                "(fp8 hidden states need their scales)"
+            )
         self.final_path = final_path
         self.lock = lock
         self._fsync = fsync
@@ -149,17 +164,30 @@ class SampleFileWriter:
         if loss_mask is not None:
             self._mask = as_mask_tensor(loss_mask, hidden_shape[0], final_path)
             self._tensors[LOSS_MASK] = (torch.uint8, (hidden_shape[0],))
-        self._layout = encode_header(self._tensors, self._meta)
+        self._scales: list[memoryview] | None = None
+        if storage == fp8.STORAGE_FP8:
+            self._use_fp8(hidden_dtype, hidden_shape)
+        self._layout = encode_header(self._tensors, self._meta, trailing=TRAILING)
         if self._mask is not None and self._layout.offsets[LOSS_MASK][1] != (
             self._layout.file_size - self._layout.data_start
         ):
-            # One-byte elements sort last; publish() relies on writing the mask last.
             raise AssertionError("loss_mask is not the last tensor of the layout")
         self._encoded_meta = dict(self._meta)
         begin, end = self._layout.offsets[HIDDEN_STATES]
         self._hidden_remaining = end - begin
         self.tmp_path = temp_path(final_path)
         self._open_temp(dir_fd)
+
+    def _use_fp8(self, model_dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+        """Store ``hidden_states`` as fp8, its scales last (they are appended at publish)."""
+        import torch
+
+        from hidden_state_reader.format.header import DTYPE_NAMES
+
+        self._meta[Meta.MODEL_DTYPE] = DTYPE_NAMES[model_dtype]
+        self._tensors[HIDDEN_STATES] = (torch.float8_e4m3fn, shape)
+        self._tensors[fp8.SCALES] = (torch.float32, (shape[0], shape[1], 1))
+        self._scales = []
 
     def _open_temp(self, dir_fd: int | None) -> None:
         """Create the temp file and write the header and ``token_ids`` into it."""
@@ -223,6 +251,30 @@ class SampleFileWriter:
         self._write(data)
         self._hidden_remaining -= n
 
+    def write_scales(self, scales: torch.Tensor) -> None:
+        """Add the fp8 scales of the rows written so far (float32 ``[rows, layers, 1]``).
+
+        They are kept in memory (4 bytes per token and layer) and written after
+        ``hidden_states`` when the file is published.
+        """
+        import torch
+
+        if self._scales is None:
+            raise ValueError(f"{self.final_path}: scales given for a file not stored as fp8")
+        # A copy: the caller's buffer (a reused host slab) may change before publish.
+        self._scales.append(tensor_bytes(scales.detach().to("cpu", torch.float32, copy=True)))
+
+    def _write_scales(self) -> None:
+        """Append the collected scales; they must cover the scales tensor exactly."""
+        if self._scales is None:
+            return
+        begin, end = self._layout.offsets[fp8.SCALES]
+        got = sum(view.nbytes for view in self._scales)
+        if got != end - begin:
+            raise ValueError(f"{self.final_path}: {got} bytes of scales, {end - begin} expected")
+        for view in self._scales:
+            self._write(view)
+
     def note_nonfinite(self, found: bool) -> None:
         """Record that ``hidden_states`` contains NaN or inf values."""
         if found and Meta.NONFINITE in self._meta:
@@ -243,6 +295,7 @@ class SampleFileWriter:
             self.abort(f"{self._hidden_remaining} hidden-state bytes were never written")
             raise ValueError(f"{self.final_path}: incomplete hidden_states")
         try:
+            self._write_scales()
             fd = self._fd
             assert fd is not None
             if self._mask is not None:
@@ -250,7 +303,7 @@ class SampleFileWriter:
             if self._crc is not None:
                 self._meta[Meta.CRC32] = f"{self._crc & 0xFFFFFFFF:08x}"
             if self._meta != self._encoded_meta:
-                patched = encode_header(self._tensors, self._meta)
+                patched = encode_header(self._tensors, self._meta, trailing=TRAILING)
                 if len(patched.header) != len(self._layout.header):
                     raise AssertionError("fixed-width metadata changed the header size")
                 os.pwrite(fd, patched.header, 0)
@@ -303,6 +356,7 @@ def write_sample(
     checksum: bool = False,
     fsync: bool = False,
     loss_mask: torch.Tensor | Sequence[int] | None = None,
+    storage: str = fp8.STORAGE_MODEL,
 ) -> str:
     """Write one complete sample atomically (lock, temp file, rename, unlock).
 
@@ -315,6 +369,7 @@ def write_sample(
         checksum: Record a CRC32 of the tensor bytes.
         fsync: Make the file durable before publishing.
         loss_mask: Optional ``[tokens]`` 0/1 per token id (1: the loss counts it).
+        storage: ``"model"`` (as given) or ``"fp8_e4m3"`` (quantized, see ``fp8.py``).
 
     Returns:
         The final path.
@@ -338,6 +393,7 @@ def write_sample(
             record_nonfinite=True,
             fsync=fsync,
             loss_mask=loss_mask,
+            storage=storage,
         )
     except BaseException as exc:
         if lock is not None:
@@ -345,6 +401,9 @@ def write_sample(
         raise
     try:
         writer.note_nonfinite(bool(hidden.numel()) and not bool(torch.isfinite(hidden).all()))
+        if storage == fp8.STORAGE_FP8:
+            hidden, scales = fp8.quantize(hidden)
+            writer.write_scales(scales)
         writer.write_hidden(hidden)
     except BaseException as exc:
         writer.abort(f"write failed: {exc!r}")
