@@ -15,34 +15,59 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+from hidden_state_reader.format import sample_metadata, write_sample
 
 TESTS = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 MASTER_PORT = 50051
 MASTER = f"127.0.0.1:{MASTER_PORT}"
-URL = f"mooncake://{MASTER}/hs?hostname=127.0.0.1"
+
+
+def url(prefix: str) -> str:
+    """The reader URL of ``prefix`` in the test store."""
+    return f"mooncake://{MASTER}/{prefix}?hostname=127.0.0.1"
 
 
 def _unavailable() -> str | None:
     if importlib.util.find_spec("mooncake") is None:
         return "mooncake-transfer-engine(-non-cuda) is not installed (make test installs it)"
-    if not (BIN / "mooncake_master").exists() and not shutil.which("mooncake_master"):
+    if not _binary("mooncake_master"):
         return "mooncake_master is not installed"
     if not shutil.which("unshare") or not shutil.which("nsenter") or os.geteuid() != 0:
         return "needs root with unshare/nsenter for a loopback-only network namespace"
     return None
 
 
-_REASON = _unavailable()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
-
-
 def _binary(name: str) -> str:
-    return str(BIN / name) if (BIN / name).exists() else str(shutil.which(name))
+    return str(BIN / name) if (BIN / name).exists() else (shutil.which(name) or "")
+
+
+STORE_UNAVAILABLE = _unavailable()
+needs_store = pytest.mark.skipif(STORE_UNAVAILABLE is not None, reason=STORE_UNAVAILABLE or "")
+
+
+def write_store_samples(
+    root: Path, names: list[str], *, tokens: int = 8, layers: int = 3, hidden: int = 16
+) -> list[Path]:
+    """Sample files as the store backend writes them (CRC32 recorded), distinct values."""
+    root.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, name in enumerate(names):
+        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        hidden_states = torch.randn(tokens, layers, hidden, generator=gen).bfloat16()
+        meta = sample_metadata(layer_ids=list(range(layers)), request_id=f"req-{i}")
+        path = root / f"{name}.safetensors"
+        write_sample(path, torch.arange(tokens) + i, hidden_states, metadata=meta,
+                     use_lock=False, checksum=True)  # fmt: skip
+        paths.append(path)
+    return paths
 
 
 class LoopbackNet:
@@ -69,7 +94,8 @@ class LoopbackNet:
         return ["nsenter", "-t", str(self.holder.pid), "-n", "--", *argv]
 
     def popen(self, argv: list[str], **kwargs: object) -> subprocess.Popen[str]:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path}
         return subprocess.Popen(self.argv(argv), text=True, env=env, cwd=TESTS, **kwargs)  # type: ignore[call-overload]
 
     def close(self) -> None:
@@ -84,51 +110,59 @@ class StoreCluster:
     producers and readers contribute no memory, so killing them loses nothing stored.
     """
 
-    def __init__(self, net: LoopbackNet, logs: Path, segment: str = "256MB") -> None:
-        self.net = net
+    def __init__(self, logs: Path, segment: str = "256MB") -> None:
+        self.net = LoopbackNet()
         self.logs = logs
-        self.master = net.popen(
-            [_binary("mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={MASTER_PORT}",
-             "--metrics_port=9003", "--rpc_thread_num=4"],
-            stdout=open(logs / "master.log", "w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self.host = net.popen(
-            [_binary("mooncake_client"), f"--global_segment_size={segment}",
-             f"--master_server_address={MASTER}", "--metadata_server=P2PHANDSHAKE",
-             "--host=127.0.0.1", "--port=50060"],
-            stdout=open(logs / "segment_host.log", "w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        logs.mkdir(parents=True, exist_ok=True)
+        self.master = self._daemon("master", [
+            _binary("mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={MASTER_PORT}",
+            "--rpc_thread_num=4",
+        ])  # fmt: skip
+        self.host = self._daemon("segment_host", [
+            _binary("mooncake_client"), f"--global_segment_size={segment}",
+            f"--master_server_address={MASTER}", "--metadata_server=P2PHANDSHAKE",
+            "--host=127.0.0.1", "--port=50060",
+        ])  # fmt: skip
         # Ready once a put succeeds: the master answers and the segment is mounted.
-        self.role("probe", "--full-timeout", "20", timeout=40)
+        self.role("probe", "--full-timeout", "20", timeout=60)
 
-    def role(self, *args: str, timeout: float = 60) -> dict:
+    def _daemon(self, name: str, argv: list[str]) -> subprocess.Popen[str]:
+        with open(self.logs / f"{name}.log", "w") as log:
+            return self.net.popen(argv, stdout=log, stderr=subprocess.STDOUT)
+
+    def role(self, *args: str, timeout: float = 120) -> dict:
         """Run ``tools.store_role`` to completion; its JSON result."""
-        proc = self.start(*args)
-        out, _ = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, f"store_role {args} exited {proc.returncode}: see {self.logs}"
-        return json.loads(out.strip().splitlines()[-1])
+        return finish(self.start(*args), timeout)
 
     def start(self, *args: str) -> subprocess.Popen[str]:
         """Start ``tools.store_role`` (stdout piped, stderr to a log file)."""
-        log = open(self.logs / f"role-{time.monotonic_ns()}.log", "w")
-        return self.net.popen([sys.executable, "-m", "tools.store_role", *args],
-                              stdout=subprocess.PIPE, stderr=log)  # fmt: skip
+        with open(self.logs / f"{args[0]}-{time.monotonic_ns()}.log", "w") as log:
+            return self.net.popen([sys.executable, "-m", "tools.store_role", *args],
+                                  stdout=subprocess.PIPE, stderr=log)  # fmt: skip
 
     def close(self) -> None:
         for proc in (self.host, self.master):
             proc.kill()
             proc.wait()
+        self.net.close()
 
 
-@pytest.fixture()
-def net() -> Iterator[LoopbackNet]:
-    namespace = LoopbackNet()
-    yield namespace
-    namespace.close()
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> dict:
+    """Wait for a role process; its (last) JSON result line."""
+    return finish_all(proc, timeout)[-1]
 
 
-@pytest.fixture()
-def cluster(net: LoopbackNet, tmp_path: Path) -> Iterator[StoreCluster]:
-    store = StoreCluster(net, tmp_path)
+def finish_all(proc: subprocess.Popen[str], timeout: float = 120) -> list[dict]:
+    """Wait for a role process; all its JSON result lines."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}"
+    return [json.loads(line) for line in out.strip().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreCluster]:
+    if STORE_UNAVAILABLE:
+        pytest.skip(STORE_UNAVAILABLE)
+    store = StoreCluster(tmp_path_factory.mktemp("store-logs"))
     yield store
     store.close()

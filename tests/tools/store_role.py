@@ -1,12 +1,14 @@
 """One role in a Mooncake Store test, run as its own process inside the test's namespace.
 
-    python -m tools.store_role produce --master 127.0.0.1:50051 --count 20 ...
-    python -m tools.store_role read --url mooncake://127.0.0.1:50051/hs --follow ...
-    python -m tools.store_role tamper --master 127.0.0.1:50051
-    python -m tools.store_role probe --master 127.0.0.1:50051
+    python -m tools.store_role produce --files DIR [--fail NAME,...] [--hold BIG_FILE]
+    python -m tools.store_role read --files DIR [--follow --claim --delete --names ...]
+    python -m tools.store_role tamper --files DIR
+    python -m tools.store_role probe
 
-Each prints one JSON line on stdout when done (``produce --hold`` prints ``HOLDING`` and
-waits to be killed).
+The test writes the sample files (with the product's writer); producers publish them,
+readers check each sample they get against its file. Producers import no torch, so they
+start in a fraction of a second. Each role prints one JSON line on stdout when done
+(``produce --hold`` prints its line first, then waits in a put to be killed).
 """
 
 from __future__ import annotations
@@ -14,35 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from samples import make_tensors  # noqa: E402
-
-from hidden_state_reader.format import sample_metadata, write_sample  # noqa: E402
-from hidden_state_reader.format.store_keys import CommitRecord, data_key  # noqa: E402
-from hidden_state_reader.store.client import StoreClient, StoreSettings  # noqa: E402
-from hidden_state_reader.store.publish import StorePublisher, publish_file  # noqa: E402
-
-LAYERS, HIDDEN = 3, 16
-
-
-def sample_index(name: str) -> int:
-    """``p<slot>-<index>.safetensors`` -> a global index whose tensors are known."""
-    slot, index = name.split(".")[0][1:].split("-")
-    return int(slot) * 100_000 + int(index)
-
-
-def staged(index: int, tokens: int, hidden: int) -> str:
-    token_ids, hidden_states = make_tensors(index, tokens, LAYERS, hidden)
-    path = os.path.join(tempfile.mkdtemp(dir="/dev/shm"), f"s{index}.safetensors")
-    meta = sample_metadata(layer_ids=list(range(LAYERS)), request_id=f"req-{index}")
-    write_sample(path, token_ids, hidden_states, metadata=meta, use_lock=False, checksum=True)
-    return path
+from hidden_state_reader.format.store_keys import CommitRecord, data_key
+from hidden_state_reader.store.client import StoreClient, StoreSettings
+from hidden_state_reader.store.publish import StorePublisher, publish_file
 
 
 def settings(args: argparse.Namespace) -> StoreSettings:
@@ -52,40 +34,49 @@ def settings(args: argparse.Namespace) -> StoreSettings:
     )  # fmt: skip
 
 
+def publish_copy(publisher: StorePublisher, path: Path, name: str = "") -> None:
+    """Publish a copy of ``path`` as ``name`` (publish_file removes what it published)."""
+    staged = os.path.join(tempfile.mkdtemp(), path.name)
+    shutil.copyfile(path, staged)
+    publish_file(publisher, name or path.name, staged)
+
+
 def produce(args: argparse.Namespace) -> None:
     publisher = StorePublisher(StoreClient(settings(args)), full_timeout=args.full_timeout)
+    fail = set(filter(None, args.fail.split(",")))
     published, failed, waited = [], [], 0.0
-    for i in range(args.count):
-        name = f"p{publisher.slot}-{i}.safetensors"
-        if args.fail_every and i % args.fail_every == args.fail_every - 1:
-            publisher.fail(name, "injected failure")
-            failed.append(name)
+    for path in sorted(Path(args.files).glob("*.safetensors")):
+        if path.name in fail:
+            publisher.fail(path.name, "injected failure")
+            failed.append(path.name)
             continue
-        path = staged(sample_index(name), args.tokens, args.hidden)
         started = time.monotonic()
         try:
-            publish_file(publisher, name, path)
-            published.append(name)
+            publish_copy(publisher, path)
+            published.append(path.name)
         except Exception as exc:
-            publisher.fail(name, f"publish failed: {exc}")
-            failed.append(name)
+            publisher.fail(path.name, f"publish failed: {exc}")
+            failed.append(path.name)
         waited = max(waited, time.monotonic() - started)
-    if args.hold:
-        # The next sample's put is in flight when the test kills this process.
-        name = f"p{publisher.slot}-{args.count}.safetensors"
-        path = staged(sample_index(name), args.hold_tokens, args.hidden)
-        print(json.dumps({"holding": name, "published": published}), flush=True)
-        while True:
-            publish_file(publisher, name, path)
-            name = f"{name}.again"
-            path = staged(sample_index(name.split(".")[0] + ".x"), args.hold_tokens, args.hidden)
     result = {"slot": publisher.slot, "published": published, "failed": failed,
-              "max_publish_s": waited}  # fmt: skip
+              "max_publish_s": round(waited, 3)}  # fmt: skip
     print(json.dumps(result), flush=True)
+    for i in range(1_000_000) if args.hold else ():  # killed while a put is in flight
+        publish_copy(publisher, Path(args.hold), f"held-{i}.safetensors")
 
 
 def read(args: argparse.Namespace) -> None:
-    from hidden_state_reader import HiddenStateReader, SampleError
+    if args.each:  # one reader per name, in this process: each name's own outcome
+        names = args.names.split(",")
+        for name in names:
+            args.names = name
+            read_once(args)
+    else:
+        read_once(args)
+
+
+def read_once(args: argparse.Namespace) -> None:
+    from hidden_state_reader import HiddenStateReader, SampleError, load_sample
 
     kwargs = dict(follow=args.follow, idle_timeout=args.idle_timeout, claim=args.claim,
                   on_consumed="delete" if args.delete else "keep", on_error=args.on_error,
@@ -98,12 +89,13 @@ def read(args: argparse.Namespace) -> None:
         for sample in reader:
             name = sample.path.rsplit("/", 1)[1]
             names.append(name)
-            tokens, hidden = make_tensors(sample_index(name), sample.num_tokens, LAYERS,
-                                          sample.hidden_states.shape[2])  # fmt: skip
-            if not (sample.token_ids.equal(tokens) and sample.hidden_states.equal(hidden)):
+            held = name.startswith("held-")  # copies of --hold's file
+            expected = load_sample(Path(args.hold) if held else Path(args.files) / name)
+            if not (sample.token_ids.equal(expected.token_ids)
+                    and sample.hidden_states.equal(expected.hidden_states)):  # fmt: skip
                 wrong.append(name)
             if args.slow:
-                time.sleep(args.slow)  # a trainer step
+                time.sleep(args.slow)  # stands for a training step
     except SampleError as exc:
         error = {"type": type(exc).__name__, "message": str(exc)}
     out = {"names": names, "wrong": wrong, "stats": reader.stats.as_dict(), "error": error}
@@ -111,11 +103,12 @@ def read(args: argparse.Namespace) -> None:
 
 
 def tamper(args: argparse.Namespace) -> None:
-    """Three bad samples, each with a commit record: truncated, bit-flipped, size lie."""
+    """Bad objects, each announced by a commit record: truncated, bit-flipped, size lie."""
     client = StoreClient(settings(args))
     publisher = StorePublisher(client)
-    good = Path(staged(7, 8, HIDDEN)).read_bytes()
-    crc = json.loads(good[8 : 8 + int.from_bytes(good[:8], "little")])["__metadata__"]["crc32"]
+    good = (Path(args.files) / args.source).read_bytes()
+    header = json.loads(good[8 : 8 + int.from_bytes(good[:8], "little")])
+    crc = header["__metadata__"]["crc32"]
     flipped = bytearray(good)
     flipped[-3] ^= 0x40
     cases = {
@@ -143,13 +136,11 @@ def main() -> None:
     parser.add_argument("--master", default="127.0.0.1:50051")
     parser.add_argument("--prefix", default="hs")
     parser.add_argument("--buffer", type=int, default=64 << 20)
-    parser.add_argument("--count", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=HIDDEN)
-    parser.add_argument("--fail-every", type=int, default=0)
+    parser.add_argument("--files", default="")
+    parser.add_argument("--fail", default="")
     parser.add_argument("--full-timeout", type=float, default=10.0)
-    parser.add_argument("--hold", action="store_true")
-    parser.add_argument("--hold-tokens", type=int, default=8)
+    parser.add_argument("--hold", default="")
+    parser.add_argument("--source", default="")
     parser.add_argument("--url", default="mooncake://127.0.0.1:50051/hs?hostname=127.0.0.1")
     parser.add_argument("--follow", action="store_true")
     parser.add_argument("--idle-timeout", type=float, default=None)
@@ -159,9 +150,11 @@ def main() -> None:
     parser.add_argument("--lock-timeout", type=float, default=5.0)
     parser.add_argument("--names", default="")
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--each", action="store_true")
     args = parser.parse_args()
     {"produce": produce, "read": read, "tamper": tamper, "probe": probe}[args.role](args)
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
