@@ -156,7 +156,8 @@ def finish_all(proc: subprocess.Popen[str], timeout: float = 120) -> list[dict]:
     """Wait for a role process; all its JSON result lines."""
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}"
-    return [json.loads(line) for line in out.strip().splitlines()]
+    # Only the role's JSON lines (vLLM prints progress on stdout too).
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture(scope="module")
