@@ -1,7 +1,8 @@
 """Entry point of the ``hidden-state`` command: argument parsing, plugins, exit codes.
 
 Built-in subcommands: ``ls``, ``stats``, ``inspect`` (``cli.listing``), ``verify``,
-``clean`` (``cli.verify``) and ``tail`` (``cli.tail``).
+``clean`` (``cli.verify``), ``tail`` (``cli.tail``), ``store-master`` and ``store-host``
+(``cli.store``).
 
 Plugins: another installed distribution adds subcommands through the entry-point group
 ``hidden_state.cli``. Each entry point names a callable ``register(subparsers) -> None``
@@ -38,7 +39,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from hidden_state_reader import __version__
-from hidden_state_reader.cli import listing, tail, verify
+from hidden_state_reader.cli import listing, store, tail, verify
 from hidden_state_reader.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_PROBLEMS,
@@ -57,6 +58,7 @@ BUILTIN_COMMANDS: tuple[Callable[[Any], None], ...] = (
     listing.register,
     verify.register,
     tail.register,
+    store.register,
 )
 
 log = logging.getLogger("hidden_state_reader.cli")
