@@ -1,13 +1,22 @@
 """Two processes, no shared filesystem: a producer puts samples into a Mooncake Store,
 a trainer follows the store and consumes each sample once.
 
-    hidden-state store-master &                      # the store's directory
-    hidden-state store-host --size 1GB &             # memory, next to the trainer
+What it shows:
+
+* the trainer is plain ``HiddenStateReader`` on a ``mooncake://HOST:PORT/PREFIX`` URL:
+  ``follow=True`` reads every producer's commit log as samples arrive, ``claim=True``
+  gives each sample to one reader of the group, ``on_consumed="delete"`` frees its store
+  memory after use;
+* the producer stands in for vLLM with ``storage_backend="mooncake"``: it publishes
+  through the same ``StorePublisher`` the connector uses (data key, then commit record).
+
+Run it (needs a master and a segment host; see docs/scale-out.md)::
+
+    hidden-state store-master &
+    hidden-state store-host --size 1GB &
     python examples/store_two_process.py --master 127.0.0.1:50051
 
-The producer stands in for vLLM with ``storage_backend="mooncake"`` (it publishes
-through the same ``StorePublisher`` the connector uses); the trainer is plain
-``HiddenStateReader`` on a ``mooncake://`` URL. Prints one JSON line.
+Prints one JSON line: the samples consumed and the reader's counters.
 """
 
 from __future__ import annotations
@@ -50,7 +59,11 @@ def train(master: str, prefix: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description="Producer and trainer through a Mooncake Store (docs/scale-out.md).",
+        epilog="example:\n  python examples/store_two_process.py --master 127.0.0.1:50051",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--master", default="127.0.0.1:50051")
     parser.add_argument("--prefix", default="example")
     parser.add_argument("--count", type=int, default=20)

