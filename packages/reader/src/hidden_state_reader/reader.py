@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from hidden_state_reader.sample import Sample
 from hidden_state_reader.sample_load import LoadOptions
 from hidden_state_reader.states import GRACE
 from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.store.url import is_store_url
 from hidden_state_reader.stream import CompletionStream
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,8 @@ class HiddenStateReader:
     yielded.
 
     Args:
-        path: The storage directory (vLLM's ``shared_storage_path``).
+        path: The storage directory (vLLM's ``shared_storage_path``), or a
+            ``mooncake://HOST:PORT/PREFIX`` store URL (``store.reader.StoreReader``).
         follow: Keep following the directory as new samples appear (like ``tail -f``).
         idle_timeout: In follow mode, stop after this many seconds in which no sample
             became ready (a sample still being written is no news).
@@ -86,6 +89,14 @@ class HiddenStateReader:
         DirectoryNotWritableError: ``claim=True``, ``on_consumed="delete"`` or ``"move"``
             on a directory (or done folder) this process cannot write.
     """
+
+    def __new__(cls, path: str | os.PathLike[str], *args: Any, **kwargs: Any) -> HiddenStateReader:
+        """A ``mooncake://`` URL names a store, not a directory: build a ``StoreReader``."""
+        if cls is HiddenStateReader and is_store_url(path):
+            from hidden_state_reader.store.reader import StoreReader
+
+            return super().__new__(StoreReader)
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -73,6 +73,20 @@ class ConnectorConfig:
         storage_dtype: ``"model"`` (default): hidden states in the model's dtype;
             ``"fp8_e4m3"``: float8_e4m3fn with per-token, per-layer float32 scales
             (about half the bytes of bf16; readers dequantize, see ``docs/format.md``).
+        storage_backend: ``"files"`` (``shared_storage_path``) or ``"mooncake"`` (a
+            Mooncake Store; the ``mooncake_*`` keys, ``store_config``).
+        mooncake_master: ``host:port`` of ``mooncake_master`` (required for mooncake).
+        mooncake_prefix: Key namespace of this data set in the store.
+        mooncake_metadata_server: ``P2PHANDSHAKE``, ``http://...`` or ``etcd://...``.
+        mooncake_local_hostname: Address other store clients reach this engine at.
+        mooncake_protocol: ``tcp`` or ``rdma``.
+        mooncake_device_names: RDMA devices.
+        mooncake_segment_bytes: Store memory hosted by this engine (default 0: none, so
+            a vLLM restart loses nothing; run segment hosts next to the trainers).
+        mooncake_buffer_bytes: Transfer buffer: the largest sample this engine can put.
+        mooncake_full_timeout: Seconds a sample waits for room in a full store (writer
+            threads block: back-pressure) before it fails with a recorded reason.
+        mooncake_staging_dir: Where samples are assembled before the put (a tmpfs).
     """
 
     shared_storage_path: str = "/tmp"
@@ -91,6 +105,17 @@ class ConnectorConfig:
     shutdown_timeout: float = 60.0
     stats_interval: float = 30.0
     storage_dtype: str = fp8.STORAGE_MODEL
+    storage_backend: str = "files"
+    mooncake_master: str | None = None
+    mooncake_prefix: str = "hs"
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    mooncake_local_hostname: str = ""
+    mooncake_protocol: str = "tcp"
+    mooncake_device_names: str = ""
+    mooncake_segment_bytes: int = 0
+    mooncake_buffer_bytes: int = 256 * 1024**2
+    mooncake_full_timeout: float = 60.0
+    mooncake_staging_dir: str = "/dev/shm"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -117,7 +142,7 @@ class ConnectorConfig:
             values[f.name] = _coerce(f.name, f.type, raw)
         config = cls(**values)
         config._check()
-        if "shared_storage_path" not in extra:
+        if "shared_storage_path" not in extra and config.storage_backend == "files":
             log.warning(
                 "HiddenStateConnector: no shared_storage_path given; writing to %s",
                 config.shared_storage_path,
@@ -139,12 +164,16 @@ class ConnectorConfig:
         if self.shutdown_timeout < 0 or self.stats_interval < 0:
             raise ValueError("shutdown_timeout and stats_interval must be >= 0")
         fp8.check_storage(self.storage_dtype)
+        from hidden_state_connector.engine.store_config import check_store_keys
+
+        check_store_keys(self)
 
 
 def _coerce(key: str, annotation: object, raw: Any) -> Any:
     kind = str(annotation)
     if key.endswith("_bytes"):
-        return parse_size(key, raw)
+        # Hosting no store memory is the point of mooncake_segment_bytes' default.
+        return 0 if key == "mooncake_segment_bytes" and raw in (0, "0") else parse_size(key, raw)
     if kind == "bool":
         if isinstance(raw, bool):
             return raw

@@ -52,7 +52,8 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_connector_extra_config
         )
         refuse_sleep_mode(vllm_config)
-        if role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0:
+        files = self.config.storage_backend == "files"
+        if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
             # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
             check_storage_root(self.config.shared_storage_path)
         group = compat.hidden_state_group(kv_cache_config)

@@ -35,6 +35,7 @@ from hidden_state_connector.engine.metadata import (
 from hidden_state_connector.engine.order_channel import OrderSender
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.storage_check import usable_directory
+from hidden_state_connector.engine.store_backend import transfer_params
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
@@ -221,6 +222,7 @@ class SchedulerSide:
             return False, None  # never scheduled: no lock, nothing computed
         self._paths_in_use.discard(tracked.path)
         result: dict[str, Any] = {PATH_PARAM: tracked.path}
+        result |= transfer_params(self.config, self.root, tracked.path)  # store name, URL
         if tracked.refused:  # the worker holds nothing for it: free the blocks now
             return False, result | {ERROR_PARAM: tracked.failure}
         if tracked.ordered:

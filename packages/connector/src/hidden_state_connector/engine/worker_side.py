@@ -35,6 +35,7 @@ from hidden_state_connector.engine.order_channel import OrderListener
 from hidden_state_connector.engine.sample_target import SampleTarget, pin_sample
 from hidden_state_connector.engine.save_job import SaveJob
 from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.store_backend import StoreBackend
 from hidden_state_connector.engine.writer import WritePipeline
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
@@ -72,6 +73,7 @@ class WorkerSide:
         self.producer = f"hidden-state-connector/{__version__} vllm/{compat.vllm_version()}"
         self.is_writer = True
         self.pipeline: WritePipeline | None = None
+        self.store: StoreBackend | None = None  # storage_backend="mooncake"
         self._targets: dict[str, SampleTarget] = {}
         self._target_errors: dict[str, str] = {}
         # The step metadata whose locks exist: get_finished and wait_for_save both see
@@ -123,14 +125,18 @@ class WorkerSide:
         )
         if not self.is_writer:
             return
-        os.makedirs(self.root, exist_ok=True)
+        if self.config.storage_backend == "mooncake":
+            self.store = StoreBackend(self.config, self.root)  # raises: start-up fails
+        else:
+            os.makedirs(self.root, exist_ok=True)
         self.pipeline = WritePipeline(
             extractor,
             num_threads=self.config.num_writer_threads,
             host_budget=self.config.host_buffer_bytes,
             when_full=self.config.when_full,
             max_queued_bytes=self.config.max_queued_bytes,
-            checksum=self.config.checksum,
+            # Store samples always carry a CRC32: readers check every one.
+            checksum=self.config.checksum or self.store is not None,
             check_nonfinite=self.config.check_nonfinite,
             fsync=self.config.fsync,
             stats=self.stats,
@@ -183,6 +189,8 @@ class WorkerSide:
                 self._target_errors[new.req_id] = f"cannot create lock: {exc}"
 
     def _pin(self, req_id: str, path: str) -> SampleTarget:
+        if self.store is not None:
+            return self.store.target(req_id, path)
         return pin_sample(self.root, req_id, path, lock=self.config.use_synchronization_lock)
 
     def get_finished(
@@ -227,7 +235,7 @@ class WorkerSide:
         extractor = self.pipeline.extractor
         job = SaveJob(
             req_id=order.req_id,
-            path=order.path,
+            path=self.store.staged_path(order.path) if self.store else order.path,
             token_ids=token_ids,
             block_ids=order.block_ids,
             lock=target.lock if target is not None else None,
@@ -266,6 +274,8 @@ class WorkerSide:
         for target in self._targets.values():
             target.abandon("engine shut down before the request finished")
         self._targets.clear()
+        if self.store is not None:
+            self.store.close()
         total = self.stats.total
         log.info(
             "HiddenStateConnector shut down: %d files, %.2f GB, %d failed, %d abandoned",

@@ -1,7 +1,8 @@
 """Entry point of the ``hidden-state`` command: argument parsing, plugins, exit codes.
 
 Built-in subcommands: ``ls``, ``stats``, ``inspect`` (``cli.listing``), ``verify``,
-``clean`` (``cli.verify``), ``tail`` (``cli.tail``) and ``export`` (``cli.export``).
+``clean`` (``cli.verify``), ``tail`` (``cli.tail``), ``export`` (``cli.export``),
+``store-master`` and ``store-host`` (``cli.store``).
 
 Plugins: another installed distribution adds subcommands through the entry-point group
 ``hidden_state.cli``. Each entry point names a callable ``register(subparsers) -> None``
@@ -38,7 +39,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from hidden_state_reader import __version__
-from hidden_state_reader.cli import export, listing, tail, verify
+from hidden_state_reader.cli import export, listing, store, tail, verify
 from hidden_state_reader.cli.common import (
     EXIT_INTERRUPTED,
     EXIT_PROBLEMS,
@@ -58,6 +59,7 @@ BUILTIN_COMMANDS: tuple[Callable[[Any], None], ...] = (
     verify.register,
     tail.register,
     export.register,
+    store.register,
 )
 
 log = logging.getLogger("hidden_state_reader.cli")

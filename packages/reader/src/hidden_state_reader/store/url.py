@@ -1,0 +1,72 @@
+"""``mooncake://MASTER_HOST:PORT/PREFIX?option=value``: a store address as one string.
+
+Options (all optional): ``metadata`` (default ``P2PHANDSHAKE``), ``hostname`` (this
+process's address for other clients), ``protocol`` (``tcp``), ``devices`` (RDMA),
+``segment`` (memory this process contributes, e.g. ``4GiB``; default 0) and ``buffer``
+(the largest sample this process reads, default ``256MiB``).
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qs, urlsplit
+
+from hidden_state_reader.format.store_keys import check_prefix
+from hidden_state_reader.store.client import StoreSettings
+
+SCHEME = "mooncake://"
+_OPTIONS = {"metadata", "hostname", "protocol", "devices", "segment", "buffer"}
+_SIZE = re.compile(r"^(\d+)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
+_FACTORS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+            "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}  # fmt: skip
+
+
+def is_store_url(path: object) -> bool:
+    """Whether ``path`` names a store rather than a directory."""
+    return isinstance(path, str) and path.startswith(SCHEME)
+
+
+def parse_size(what: str, text: str) -> int:
+    """Bytes from ``"1073741824"``, ``"1GiB"``, ``"512MB"``."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise ValueError(f"{what}: expected a size such as 268435456 or '256MiB', got {text!r}")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(m.group(1)) * (_FACTORS[unit] if unit else 1)
+
+
+def parse_store_url(url: str) -> StoreSettings:
+    """The settings a ``mooncake://`` URL names.
+
+    Raises:
+        ValueError: Not a store URL, no master port, no prefix, or an unknown option;
+            the message quotes the URL.
+    """
+    if not is_store_url(url):
+        raise ValueError(f"{url!r}: a store URL starts with {SCHEME}")
+    parts = urlsplit(url)
+    if not parts.hostname or parts.port is None:
+        raise ValueError(f"{url!r}: name the master as {SCHEME}HOST:PORT/PREFIX")
+    try:
+        prefix = check_prefix(parts.path.strip("/"))
+    except ValueError as exc:
+        raise ValueError(f"{url!r}: {exc} (e.g. {SCHEME}{parts.netloc}/hs)") from None
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    unknown = sorted(set(query) - _OPTIONS)
+    if unknown:
+        raise ValueError(f"{url!r}: unknown option(s) {unknown} (known: {sorted(_OPTIONS)})")
+    return StoreSettings(
+        master=f"{parts.hostname}:{parts.port}",
+        prefix=prefix,
+        metadata_server=query.get("metadata", "P2PHANDSHAKE"),
+        local_hostname=query.get("hostname", ""),
+        protocol=query.get("protocol", "tcp"),
+        device_names=query.get("devices", ""),
+        segment_bytes=parse_size(f"{url}: segment", query.get("segment", "0")),
+        buffer_bytes=parse_size(f"{url}: buffer", query.get("buffer", "256MiB")),
+    )
+
+
+def store_url(settings: StoreSettings) -> str:
+    """The URL of ``settings`` (the inverse of ``parse_store_url``, for messages)."""
+    return f"{SCHEME}{settings.master}/{settings.prefix}"

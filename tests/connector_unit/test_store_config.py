@@ -1,0 +1,54 @@
+"""Start-up validation of the store keys, and store URLs: errors name what to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.store_backend import transfer_params
+from hidden_state_reader.store.url import parse_store_url
+
+
+def test_mooncake_keys_are_parsed() -> None:
+    config = ConnectorConfig.from_extra_config({
+        "storage_backend": "mooncake", "mooncake_master": "10.0.0.5:50051",
+        "mooncake_segment_bytes": 0, "mooncake_buffer_bytes": "64MiB",
+        "mooncake_full_timeout": "5",
+    })  # fmt: skip
+    assert config.mooncake_segment_bytes == 0 and config.mooncake_buffer_bytes == 64 << 20
+    assert config.mooncake_full_timeout == 5.0
+    params = transfer_params(config, "/data", "/data/req-1.x.safetensors")
+    assert params == {"hidden_states_key": "req-1.x.safetensors",
+                      "hidden_states_url": "mooncake://10.0.0.5:50051/hs/req-1.x.safetensors"}
+    assert transfer_params(ConnectorConfig(), "/data", "/data/a.safetensors") == {}
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"storage_backend": "redis"}, "storage_backend"),
+        ({"storage_backend": "mooncake"}, "mooncake_master"),
+        ({"storage_backend": "mooncake", "mooncake_master": "nohost"}, "mooncake_master"),
+        ({"storage_backend": "mooncake", "mooncake_master": "h:1", "mooncake_prefix": "/x"},
+         "mooncake_prefix"),
+        ({"storage_backend": "mooncake", "mooncake_master": "h:1", "mooncake_protocol": "udp"},
+         "mooncake_protocol"),
+        ({"storage_backend": "mooncake", "mooncake_master": "h:1", "mooncake_full_timeout": -1},
+         "mooncake_full_timeout"),
+        ({"mooncake_buffer_bytes": "lots"}, "mooncake_buffer_bytes"),
+    ],
+)  # fmt: skip
+def test_bad_store_keys_name_the_key(extra: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def test_store_urls() -> None:
+    s = parse_store_url("mooncake://10.0.0.5:50051/run-7?hostname=10.0.0.9&buffer=1GiB&segment=2GB")
+    assert (s.master, s.prefix, s.local_hostname) == ("10.0.0.5:50051", "run-7", "10.0.0.9")
+    assert s.buffer_bytes == 1 << 30 and s.segment_bytes == 2 * 10**9
+    for bad, why in [("mooncake://host/hs", "HOST:PORT"), ("mooncake://h:1/", "prefix"),
+                     ("mooncake://h:1/hs?colour=red", "unknown option"),
+                     ("mooncake://h:1/hs?buffer=big", "buffer")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            parse_store_url(bad)

@@ -1,0 +1,122 @@
+"""The store protocol with real processes: a master, a segment host, producers, readers.
+
+Each test uses its own key prefix in the module's store (``conftest.StoreCluster``),
+except the full-store test, which needs a store of its own.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from store_cluster import StoreCluster, finish, finish_all, needs_store, url, write_store_samples
+
+pytestmark = needs_store
+
+
+def test_many_readers_get_every_sample_exactly_once(cluster: StoreCluster, tmp_path: Path) -> None:
+    a = write_store_samples(tmp_path / "a", [f"a-{i:02d}" for i in range(30)])
+    b = write_store_samples(tmp_path / "b", [f"b-{i:02d}" for i in range(30)])
+    read = ["read", "--url", url("many"), "--files", str(tmp_path / "all"), "--follow",
+            "--claim", "--idle-timeout", "3", "--slow", "0.01"]  # fmt: skip
+    (tmp_path / "all").mkdir()
+    for path in a + b:
+        (tmp_path / "all" / path.name).symlink_to(path)
+    readers = [cluster.start(*read) for _ in range(3)]
+    failures = {"a": "a-07.safetensors,a-21.safetensors", "b": "b-13.safetensors"}
+    producers = [
+        cluster.start("produce", "--prefix", "many", "--files", str(tmp_path / d), "--fail", f)
+        for d, f in failures.items()
+    ]
+    produced = [finish(p) for p in producers]
+    results = [finish(r) for r in readers]
+    published = sorted(n for p in produced for n in p["published"])
+    assert len(published) == 57 and sorted(p["slot"] for p in produced) == [0, 1]
+    counts = Counter(n for r in results for n in r["names"])
+    assert sorted(counts) == published, "every published sample is delivered"
+    assert max(counts.values()) == 1, "and to exactly one reader"
+    assert all(r["wrong"] == [] and r["error"] is None for r in results)
+    # Failures are claimed like samples: each is reported by one reader.
+    assert sum(r["stats"]["failed"] for r in results) == 3
+
+
+def test_killed_producer_loses_nothing_it_published(cluster: StoreCluster, tmp_path: Path) -> None:
+    write_store_samples(tmp_path / "files", [f"s-{i}" for i in range(4)])
+    big = write_store_samples(tmp_path / "big", ["big"], tokens=2048, layers=3, hidden=2048)[0]
+    producer = cluster.start("produce", "--prefix", "kill", "--files", str(tmp_path / "files"),
+                             "--hold", str(big), "--buffer", str(128 << 20))  # fmt: skip
+    assert producer.stdout is not None
+    first = producer.stdout.readline()  # printed once its four samples are published
+    assert '"published"' in first
+    producer.send_signal(signal.SIGKILL)  # mid-way through putting copies of the 24 MB sample
+    producer.wait()
+    # A new producer (a restarted server) takes a new slot; the segment host kept it all.
+    later = write_store_samples(tmp_path / "later", [f"t-{i}" for i in range(3)])
+    restarted = cluster.role("produce", "--prefix", "kill", "--files", str(tmp_path / "later"))
+    assert restarted["slot"] == 1
+    for path in later:
+        (tmp_path / "files" / path.name).symlink_to(path)
+    got = cluster.role("read", "--url", url("kill") + "&buffer=128MiB", "--files",
+                       str(tmp_path / "files"), "--hold", str(big))  # fmt: skip
+    small = [n for n in got["names"] if not n.startswith("held-")]
+    assert small == [f"s-{i}.safetensors" for i in range(4)] + [p.name for p in later]
+    held = [n for n in got["names"] if n.startswith("held-")]
+    assert held == [f"held-{i}.safetensors" for i in range(len(held))], "committed in order"
+    assert got["wrong"] == [] and got["stats"]["corrupt"] == got["stats"]["incomplete"] == 0
+
+
+def test_missing_corrupt_and_truncated_samples_are_named(
+    cluster: StoreCluster, tmp_path: Path
+) -> None:
+    files = tmp_path / "files"
+    write_store_samples(files, ["good"])
+    cluster.role("tamper", "--prefix", "bad", "--files", str(files), "--source", "good.safetensors")
+    skipping = cluster.start("read", "--url", url("bad"), "--files", str(files))
+    pulling = cluster.start("read", "--url", url("bad"), "--files", str(files), "--each",
+                            "--names", "never.safetensors,flipped.safetensors",
+                            "--lock-timeout", "1", "--on-error", "raise")  # fmt: skip
+    skipped, (timed_out, mismatch) = finish(skipping), finish_all(pulling)
+    assert skipped["names"] == []
+    # Truncated, and shorter than its commit record says: both incomplete.
+    assert skipped["stats"]["incomplete"] == 2
+    assert skipped["stats"]["corrupt"] == 1  # a flipped bit: CRC32
+    assert timed_out["error"]["type"] == "LockTimeoutError"
+    assert "mooncake://127.0.0.1:50051/bad/never.safetensors" in timed_out["error"]["message"]
+    assert mismatch["error"]["type"] == "CorruptSampleError"
+    assert "CRC32 mismatch" in mismatch["error"]["message"]
+    assert "bad/flipped.safetensors" in mismatch["error"]["message"]
+
+
+@pytest.fixture()
+def small_store(tmp_path: Path) -> StoreCluster:
+    store = StoreCluster(tmp_path / "logs", segment="40MB")
+    yield store
+    store.close()
+
+
+def test_full_store_refuses_then_applies_back_pressure(
+    small_store: StoreCluster, tmp_path: Path
+) -> None:
+    # 12 samples of 8 MB into a 40 MB segment.
+    names = [f"f-{i:02d}" for i in range(12)]
+    write_store_samples(tmp_path / "files", names, tokens=1024, layers=2, hidden=2048)
+    files = str(tmp_path / "files")
+    # Nobody consumes: puts wait briefly, then the samples fail with a recorded reason.
+    refused = small_store.role("produce", "--prefix", "full", "--files", files,
+                               "--full-timeout", "0.3")  # fmt: skip
+    assert 3 <= len(refused["published"]) < 12 and refused["failed"]
+    # Nothing was evicted: every published sample is intact; each refusal is recorded.
+    first = small_store.role("read", "--url", url("full"), "--files", files, "--delete")
+    assert first["names"] == refused["published"] and first["wrong"] == []
+    assert first["stats"]["failed"] == len(refused["failed"])
+    # With a consumer that deletes what it used, a waiting producer gets through.
+    reader = small_store.start("read", "--url", url("wait"), "--files", files, "--follow",
+                               "--delete", "--idle-timeout", "8", "--slow", "0.2")  # fmt: skip
+    waited = small_store.role("produce", "--prefix", "wait", "--files", files,
+                              "--full-timeout", "60")  # fmt: skip
+    consumed = finish(reader)
+    assert waited["failed"] == [] and len(waited["published"]) == 12
+    assert waited["max_publish_s"] > 0.1, "some put had to wait for room"
+    assert consumed["names"] == waited["published"] and consumed["wrong"] == []

