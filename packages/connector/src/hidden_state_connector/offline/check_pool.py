@@ -36,6 +36,15 @@ class Job:
     loss_mask: list[int] | None = None
 
 
+def _wrong_path(job: Job, got: Any) -> str | None:
+    """Why the connector's answer does not name ``job``'s file, or None if it does."""
+    if not got:
+        return "vLLM returned no hidden_states_path (is the HiddenStateConnector active?)"
+    if os.path.realpath(str(got)) != os.path.realpath(job.path):
+        return f"the connector wrote {got}, not {job.path}"
+    return None
+
+
 def check_output(job: Job, output: Any, options: ExtractOptions) -> SampleRecord:
     """Wait until ``job``'s file is final (its lock released), then check it.
 
@@ -53,17 +62,9 @@ def check_output(job: Job, output: Any, options: ExtractOptions) -> SampleRecord
     from hidden_state_reader.format import SharedLock, lock_path, read_status
 
     params = dict(getattr(output, "kv_transfer_params", None) or {})
-    got = params.get("hidden_states_path")
-    if not got:
-        return SampleRecord(
-            job.index,
-            STATUS_FAILED,
-            error="vLLM returned no hidden_states_path (is the HiddenStateConnector active?)",
-        )
-    if os.path.realpath(str(got)) != os.path.realpath(job.path):
-        return SampleRecord(
-            job.index, STATUS_FAILED, error=f"the connector wrote {got}, not {job.path}"
-        )
+    refused = _wrong_path(job, params.get("hidden_states_path"))
+    if refused is not None:
+        return SampleRecord(job.index, STATUS_FAILED, error=refused)
     lock = SharedLock.acquire(job.path, timeout=options.lock_timeout)
     if lock is None:
         return SampleRecord(

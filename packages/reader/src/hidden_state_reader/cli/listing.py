@@ -467,14 +467,23 @@ def _print_inspect(info: dict[str, Any], layer_note: str, *, verified: bool, sho
         ("crc32", crc),
     ]
     if verified:
-        v = info["verify"]
-        if not v["ok"]:
-            verdict = f"FAILED: {v['error']}"
-        else:
-            verdict = "OK, CRC32 matches" if v["crc32_checked"] else "OK (no CRC32 recorded)"
-            verdict += f"; {v['nonfinite_values']:,} non-finite values"
-        pairs.append(("verify", verdict))
+        pairs.append(("verify", _verdict(info["verify"])))
     print(format_pairs(pairs))
+    _print_tensors_and_metadata(info)
+    if shown:
+        ids = info["first_token_ids"]
+        more = " ..." if info["tokens"] > len(ids) else ""
+        print(f"token ids (first {len(ids)} of {info['tokens']:,}): {ids}{more}")
+
+
+def _verdict(v: dict[str, Any]) -> str:
+    if not v["ok"]:
+        return f"FAILED: {v['error']}"
+    verdict = "OK, CRC32 matches" if v["crc32_checked"] else "OK (no CRC32 recorded)"
+    return verdict + f"; {v['nonfinite_values']:,} non-finite values"
+
+
+def _print_tensors_and_metadata(info: dict[str, Any]) -> None:
     print("tensors:")
     rows = [
         [
@@ -494,10 +503,6 @@ def _print_inspect(info: dict[str, Any], layer_note: str, *, verified: bool, sho
         print(format_pairs(rendered, indent="  "))
     else:
         print("metadata: none")
-    if shown:
-        ids = info["first_token_ids"]
-        more = " ..." if info["tokens"] > len(ids) else ""
-        print(f"token ids (first {len(ids)} of {info['tokens']:,}): {ids}{more}")
 
 
 def _meta_value(key: str, value: str) -> str:

@@ -374,8 +374,6 @@ def write_sample(
     Returns:
         The final path.
     """
-    import torch
-
     final = os.fspath(path)
     if hidden_states.dim() != 3:
         raise ValueError(f"{final}: hidden_states must be [tokens, layers, hidden]")
@@ -399,6 +397,14 @@ def write_sample(
         if lock is not None:
             lock.fail(f"cannot create {final}: {exc!r}")
         raise
+    _fill(writer, hidden, storage)
+    return writer.publish()
+
+
+def _fill(writer: SampleFileWriter, hidden: torch.Tensor, storage: str) -> None:
+    """Write all of ``hidden`` (quantized for fp8 storage); abort the file on failure."""
+    import torch
+
     try:
         writer.note_nonfinite(bool(hidden.numel()) and not bool(torch.isfinite(hidden).all()))
         if storage == fp8.STORAGE_FP8:
@@ -408,4 +414,3 @@ def write_sample(
     except BaseException as exc:
         writer.abort(f"write failed: {exc!r}")
         raise
-    return writer.publish()
