@@ -418,6 +418,34 @@ def test_help_has_an_example_and_start_up_imports_no_torch() -> None:
 # -- loss masks ----------------------------------------------------------------------------
 
 
+def test_masks_stored_in_files_reach_speculators_and_unsupervised_rows_are_dropped(
+    spec: SimpleNamespace, hs_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The loss masks our writer stores (online kv_transfer_params, extract's chat rows)
+    # are what speculators trains on; one that trains nothing is left out, as prepare-data
+    # leaves such rows out.
+    masks = {0: [0, 0, 1, 1, 0, 1, 1, 1, 0, 1], 1: [0] * 10, 2: [1] * 4 + [0] * 6}
+    for index, mask in masks.items():
+        ids, hidden = make_tensors(index, 10, LAYERS, HIDDEN)
+        meta = sample_metadata(layer_ids=[2, 5, 8, 12], num_prompt_tokens=3)
+        write_sample(hs_dir / f"hs_{index}.safetensors", ids, hidden, metadata=meta, loss_mask=mask)
+    dst = tmp_path / "spec"
+    proc = call(capsys, "--format", "speculators", hs_dir, dst)
+    assert proc.returncode == 0, proc.stderr
+    assert "hs_1.safetensors" in proc.stderr and "no 1s" in proc.stderr
+    rows = mapping(dst)
+    assert [r["source"] for r in rows] == [str(hs_dir / f"hs_{i}.safetensors") for i in (0, 2)]
+    assert [r["loss_mask"] for r in rows] == ["file", "file"]
+    ds = spec.ArrowDataset(max_len=64, datapath=dst, on_missing="raise")
+    assert len(ds) == 2
+    for row, index in enumerate((0, 2)):
+        assert ds[row]["loss_mask"].tolist() == masks[index]
+        stored = load_sample(hs_dir / f"hs_{index}.safetensors")
+        assert torch.equal(ds[row]["input_ids"], stored.token_ids)
+    summary = json.loads((dst / "export.json").read_text())
+    assert [s["state"] for s in summary["skipped"]] == ["unsupervised"]
+
+
 def test_mask_rules() -> None:
     ids, hidden = make_tensors(0, 10, LAYERS, HIDDEN)
 
