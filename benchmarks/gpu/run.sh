@@ -37,6 +37,21 @@ case "$plan" in
     $B throughput --kinds ours --num-prompts 256 --storages /tmp --graph-modes eager --json "$OUT/throughput.json" 2>&1 | grep -v WARNING | tail -4
     $B long --kinds example --json "$OUT/long.json" 2>&1 | grep -v WARNING | tail -4
     ;;
+  # Issue 14 (2026-12-01): fp8 storage on CUDA (quantized on the side stream before the
+  # device-to-host copy): values vs HF within the fp8 bound, then throughput bf16 vs fp8.
+  v14a)
+    for conn in '{}' '{"storage_dtype": "fp8_e4m3"}'; do
+      timeout 200 $B validate --dtype bfloat16 --connector "$conn" 2>>"$OUT/v14a.log" \
+        | grep RESULT | sed 's/^RESULT //' | tee -a "$OUT/results.jsonl"
+    done
+    ;;
+  v14b)
+    for conn in '{}' '{"storage_dtype": "fp8_e4m3"}' '{}' '{"storage_dtype": "fp8_e4m3"}'; do
+      $B throughput --num-prompts 256 --kinds ours --timeout 200 --connector "$conn" \
+        --json "$OUT/t.json" 2>>"$OUT/v14b.log" | tail -3
+    done
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
   # Issue 12 (2026-12-01): three calls of < 10 minutes; every RESULT line goes to
   # $OUT/results.jsonl as soon as it exists.
   v12a)  # validation: values vs HF, chunked prefill, prefix caching, output tokens, CRC
