@@ -2,6 +2,7 @@
 
     python -m tools.store_role produce --files DIR [--fail NAME,...] [--hold BIG_FILE]
     python -m tools.store_role read --files DIR [--follow --claim --delete --names ...]
+    python -m tools.store_role read --files DIR --claim --hold-first   # then killed
     python -m tools.store_role tamper --files DIR
     python -m tools.store_role probe
 
@@ -79,6 +80,7 @@ def read_once(args: argparse.Namespace) -> None:
     from hidden_state_reader import HiddenStateReader, SampleError, load_sample
 
     kwargs = dict(follow=args.follow, idle_timeout=args.idle_timeout, claim=args.claim,
+                  claim_group=args.group,
                   on_consumed="delete" if args.delete else "keep", on_error=args.on_error,
                   lock_timeout=args.lock_timeout)  # fmt: skip
     if args.names:
@@ -94,6 +96,10 @@ def read_once(args: argparse.Namespace) -> None:
             if not (sample.token_ids.equal(expected.token_ids)
                     and sample.hidden_states.equal(expected.hidden_states)):  # fmt: skip
                 wrong.append(name)
+            if args.announce or args.hold_first:
+                print(json.dumps({"got": name}), flush=True)
+            if args.hold_first:  # dies in its first training step: the test kills it
+                time.sleep(3600)
             if args.slow:
                 time.sleep(args.slow)  # stands for a training step
     except SampleError as exc:
@@ -145,12 +151,15 @@ def main() -> None:
     parser.add_argument("--follow", action="store_true")
     parser.add_argument("--idle-timeout", type=float, default=None)
     parser.add_argument("--claim", action="store_true")
+    parser.add_argument("--group", default="default")
     parser.add_argument("--delete", action="store_true")
     parser.add_argument("--on-error", default="skip")
     parser.add_argument("--lock-timeout", type=float, default=5.0)
     parser.add_argument("--names", default="")
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--each", action="store_true")
+    parser.add_argument("--hold-first", action="store_true")
+    parser.add_argument("--announce", action="store_true")
     args = parser.parse_args()
     {"produce": produce, "read": read, "tamper": tamper, "probe": probe}[args.role](args)
 

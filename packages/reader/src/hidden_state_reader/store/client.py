@@ -59,6 +59,8 @@ class StoreSettings:
         segment_bytes: Memory this process contributes to the store (0: none, objects
             live in other clients' segments and survive this process).
         buffer_bytes: This client's transfer buffer: the largest object it can put or get.
+        claim_lease: Seconds a reader's claim survives without a lease renewal before
+            another reader of its group takes it over (readers with ``claim=True`` only).
     """
 
     master: str
@@ -69,6 +71,7 @@ class StoreSettings:
     device_names: str = ""
     segment_bytes: int = 0
     buffer_bytes: int = 256 * 1024**2
+    claim_lease: float = 30.0
 
     def hostname(self) -> str:
         """``local_hostname``, or this host's address when it is not set."""
