@@ -17,5 +17,6 @@ BENCHMARKS = (
     "completion_order",
     "release",
     "fp8",
+    "store",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

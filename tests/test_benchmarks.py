@@ -31,6 +31,7 @@ SECTIONS = (
     "## 7. Completion order",
     "## 8. Lock release",
     "## 9. fp8 storage",
+    "## 10. Mooncake Store vs files",
     "## GPU (NVIDIA H200)",
 )
 
