@@ -56,3 +56,23 @@ def test_store_urls() -> None:
                      ("mooncake://h:1/hs?lease=soon", "lease must be positive")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             parse_store_url(bad)
+
+
+def test_store_reader_takes_every_reader_option() -> None:
+    """HiddenStateReader(url, **options) builds a StoreReader: the same keywords must work."""
+    import inspect
+
+    from hidden_state_reader import HiddenStateReader
+    from hidden_state_reader.store.reader import StoreReader
+
+    ours = inspect.signature(StoreReader.__init__).parameters
+    assert list(ours) == list(inspect.signature(HiddenStateReader.__init__).parameters)
+
+
+def test_dataset_follows_stores_only() -> None:
+    from hidden_state_reader import HiddenStateDataset
+
+    with pytest.raises(ValueError, match="mooncake://h:1/hs: .*use follow=True"):
+        HiddenStateDataset("mooncake://h:1/hs")
+    with pytest.raises(ValueError, match="unknown option"):
+        HiddenStateDataset("mooncake://h:1/hs?colour=red", follow=True)

@@ -77,6 +77,18 @@ def test_a_killed_readers_claim_is_taken_over_after_its_lease(
     assert sorted(other["names"]) == names
 
 
+def test_dataset_follows_a_store_with_loader_workers(cluster: StoreCluster, tmp_path: Path) -> None:
+    files = str(tmp_path / "files")
+    names = [f"d-{i:02d}.safetensors" for i in range(12)]
+    write_store_samples(tmp_path / "files", [n.split(".")[0] for n in names])
+    loader = cluster.start("dataset", "--url", url("dataset"), "--files", files,
+                           "--workers", "2", "--idle-timeout", "3")  # fmt: skip
+    assert len(cluster.role("produce", "--prefix", "dataset", "--files", files)["published"]) == 12
+    got = finish(loader)
+    assert sorted(got["names"]) == names, "each sample once across the two workers"
+    assert got["wrong"] == []
+
+
 def test_killed_producer_loses_nothing_it_published(cluster: StoreCluster, tmp_path: Path) -> None:
     write_store_samples(tmp_path / "files", [f"s-{i}" for i in range(4)])
     big = write_store_samples(tmp_path / "big", ["big"], tokens=2048, layers=3, hidden=2048)[0]

@@ -3,6 +3,7 @@
     python -m tools.store_role produce --files DIR [--fail NAME,...] [--hold BIG_FILE]
     python -m tools.store_role read --files DIR [--follow --claim --delete --names ...]
     python -m tools.store_role read --files DIR --claim --hold-first   # then killed
+    python -m tools.store_role dataset --files DIR --workers 2   # HiddenStateDataset
     python -m tools.store_role tamper --files DIR
     python -m tools.store_role probe
 
@@ -108,6 +109,24 @@ def read_once(args: argparse.Namespace) -> None:
     print(json.dumps(out), flush=True)
 
 
+def dataset(args: argparse.Namespace) -> None:
+    """Follow the store through ``HiddenStateDataset`` and a DataLoader with workers."""
+    from torch.utils.data import DataLoader
+
+    from hidden_state_reader import HiddenStateDataset, load_sample
+
+    data = HiddenStateDataset(args.url, follow=True, idle_timeout=args.idle_timeout)
+    names, wrong = [], []
+    loader = DataLoader(data, batch_size=None, num_workers=args.workers,
+                        collate_fn=lambda s: (s.path.rsplit("/", 1)[1], s))  # fmt: skip
+    for name, sample in loader:
+        names.append(name)
+        expected = load_sample(Path(args.files) / name)
+        if not sample.hidden_states.equal(expected.hidden_states):
+            wrong.append(name)
+    print(json.dumps({"names": names, "wrong": wrong}), flush=True)
+
+
 def tamper(args: argparse.Namespace) -> None:
     """Bad objects, each announced by a commit record: truncated, bit-flipped, size lie."""
     client = StoreClient(settings(args))
@@ -138,7 +157,7 @@ def probe(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["produce", "read", "tamper", "probe"])
+    parser.add_argument("role", choices=["produce", "read", "tamper", "probe", "dataset"])
     parser.add_argument("--master", default="127.0.0.1:50051")
     parser.add_argument("--prefix", default="hs")
     parser.add_argument("--buffer", type=int, default=64 << 20)
@@ -160,8 +179,11 @@ def main() -> None:
     parser.add_argument("--each", action="store_true")
     parser.add_argument("--hold-first", action="store_true")
     parser.add_argument("--announce", action="store_true")
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
-    {"produce": produce, "read": read, "tamper": tamper, "probe": probe}[args.role](args)
+    roles = {"produce": produce, "read": read, "tamper": tamper, "probe": probe,
+             "dataset": dataset}  # fmt: skip
+    roles[args.role](args)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class StoreReader(HiddenStateReader):
         pin_memory: bool = False,
         verify_checksum: bool = False,
         mmap: bool = True,
+        raw_fp8: bool = False,
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
@@ -101,7 +102,9 @@ class StoreReader(HiddenStateReader):
         self.orphan_grace = orphan_grace
         self._names = list(names) if names is not None else None
         self._poll_max = max(_POLL_MIN, min(poll_interval, 0.1))
-        self._load = LoadOptions(layers, layer_ids, dtype, pin_memory, verify_checksum, mmap)
+        self._load = LoadOptions(
+            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8
+        )
         self._cancel = CancelToken()
         self._closed = False
         self.stats = ReaderStats()
