@@ -72,7 +72,7 @@ def test_store_reader_takes_every_reader_option() -> None:
 def test_dataset_follows_stores_only() -> None:
     from hidden_state_reader import HiddenStateDataset
 
-    with pytest.raises(ValueError, match="mooncake://h:1/hs: .*use follow=True"):
+    with pytest.raises(ValueError, match=r"mooncake://h:1/hs: .*use follow=True"):
         HiddenStateDataset("mooncake://h:1/hs")
     with pytest.raises(ValueError, match="unknown option"):
         HiddenStateDataset("mooncake://h:1/hs?colour=red", follow=True)
