@@ -95,7 +95,8 @@ class StoreClaims:
     def _win(self, name: str, generation: int) -> bool:
         """Race for ``generation`` of ``name``; True if this reader won and it is not done."""
         key = claim_key(self.prefix, self.group, name, generation)
-        if self.client.put_first(key, self._record) != self._record:
+        # In a full store a claim waits for room like a producer's put (up to a lease).
+        if self.client.put_first(key, self._record, full_timeout=self.lease) != self._record:
             return False
         if self._is_done(name):  # finished by the previous owner after all
             return False
@@ -110,7 +111,8 @@ class StoreClaims:
             held = self._held.pop(name, None)
         if held is None:
             return
-        self.client.put(done_key(self.prefix, self.group, name), self._record)
+        self.client.put(done_key(self.prefix, self.group, name), self._record,
+                        full_timeout=self.lease)  # fmt: skip
         generation, renewals = held
         for k in range(1, renewals + 1):
             self.client.remove(renewal_key(self.prefix, self.group, name, generation, k))
@@ -141,7 +143,7 @@ class StoreClaims:
                 try:
                     # One byte: Mooncake refuses empty values (-600).
                     self.client.put(renewal_key(self.prefix, self.group, name, generation, k),
-                                    b"r")  # fmt: skip
+                                    b"r", full_timeout=self.lease / 4)  # fmt: skip
                 except Exception as exc:  # keep renewing the others; a watcher may take it
                     log.warning("%s: cannot renew the claim lease: %s", name, exc)
                     continue
