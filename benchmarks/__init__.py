@@ -17,6 +17,7 @@ BENCHMARKS = (
     "completion_order",
     "release",
     "fp8",
+    "store",
     "cli_startup",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

@@ -36,6 +36,7 @@ benchmarks (run in this order):
   completion_order  live vLLM, 16 concurrent mixed clients: publication -> yield per sample
   release     offline engine: lock released after generate() returns, this checkout vs baseline
   fp8         fp8 storage vs bf16: file bytes, per-layer error on real states, write/read GB/s
+  store       Mooncake Store vs files: samples/s and GB/s, put/get over loopback (needs root)
   cli_startup  hidden-state --help/--version/argument errors: wall time of a fresh process
 
 examples:

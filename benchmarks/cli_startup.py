@@ -17,7 +17,7 @@ from typing import Any
 from benchmarks.common import Context, goal, log, median, table
 
 NAME = "cli_startup"
-TITLE = "10. CLI start-up (--help, --version, argument errors)"
+TITLE = "11. CLI start-up (--help, --version, argument errors)"
 GOAL_S = 0.5
 COMMANDS: dict[str, list[str]] = {
     "hidden-state --help": ["--help"],

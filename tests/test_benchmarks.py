@@ -31,7 +31,8 @@ SECTIONS = (
     "## 7. Completion order",
     "## 8. Lock release",
     "## 9. fp8 storage",
-    "## 10. CLI start-up",
+    "## 10. Mooncake Store vs files",
+    "## 11. CLI start-up",
     "## GPU (NVIDIA H200)",
 )
 
@@ -143,3 +144,24 @@ def test_unknown_benchmark_is_refused() -> None:
     proc = run_bench("--only", "nope", timeout=60)
     assert proc.returncode != 0
     assert "unknown benchmark" in proc.stderr
+
+
+def test_store_section_records_why_it_was_not_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Mooncake is missing (faked: it is installed here) the section says so."""
+    import importlib.util
+
+    from benchmarks import store
+    from benchmarks.common import Context
+
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name == "mooncake" else real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    res = store.run(Context(quick=True, scratch=tmp_path, cache=tmp_path))
+    assert "mooncake-transfer-engine" in res["skipped"] and res["goals"] == []
+    assert "|---|" in store.render(res) and res["skipped"] in store.render(res)
+    assert store.findings(res) == [f"Mooncake Store: not measured ({res['skipped']})"]

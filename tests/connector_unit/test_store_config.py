@@ -47,8 +47,32 @@ def test_store_urls() -> None:
     s = parse_store_url("mooncake://10.0.0.5:50051/run-7?hostname=10.0.0.9&buffer=1GiB&segment=2GB")
     assert (s.master, s.prefix, s.local_hostname) == ("10.0.0.5:50051", "run-7", "10.0.0.9")
     assert s.buffer_bytes == 1 << 30 and s.segment_bytes == 2 * 10**9
+    assert s.claim_lease == 30.0
+    assert parse_store_url("mooncake://h:1/hs?lease=2.5").claim_lease == 2.5
     for bad, why in [("mooncake://host/hs", "HOST:PORT"), ("mooncake://h:1/", "prefix"),
                      ("mooncake://h:1/hs?colour=red", "unknown option"),
-                     ("mooncake://h:1/hs?buffer=big", "buffer")]:  # fmt: skip
+                     ("mooncake://h:1/hs?buffer=big", "buffer"),
+                     ("mooncake://h:1/hs?lease=0", "lease must be positive"),
+                     ("mooncake://h:1/hs?lease=soon", "lease must be positive")]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             parse_store_url(bad)
+
+
+def test_store_reader_takes_every_reader_option() -> None:
+    """HiddenStateReader(url, **options) builds a StoreReader: the same keywords must work."""
+    import inspect
+
+    from hidden_state_reader import HiddenStateReader
+    from hidden_state_reader.store.reader import StoreReader
+
+    ours = inspect.signature(StoreReader.__init__).parameters
+    assert list(ours) == list(inspect.signature(HiddenStateReader.__init__).parameters)
+
+
+def test_dataset_follows_stores_only() -> None:
+    from hidden_state_reader import HiddenStateDataset
+
+    with pytest.raises(ValueError, match=r"mooncake://h:1/hs: .*use follow=True"):
+        HiddenStateDataset("mooncake://h:1/hs")
+    with pytest.raises(ValueError, match="unknown option"):
+        HiddenStateDataset("mooncake://h:1/hs?colour=red", follow=True)

@@ -6,6 +6,7 @@ except the full-store test, which needs a store of its own.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections import Counter
 from pathlib import Path
@@ -40,6 +41,52 @@ def test_many_readers_get_every_sample_exactly_once(cluster: StoreCluster, tmp_p
     assert all(r["wrong"] == [] and r["error"] is None for r in results)
     # Failures are claimed like samples: each is reported by one reader.
     assert sum(r["stats"]["failed"] for r in results) == 3
+
+
+def test_a_killed_readers_claim_is_taken_over_after_its_lease(
+    cluster: StoreCluster, tmp_path: Path
+) -> None:
+    files = str(tmp_path / "files")
+    names = [f"c-{i:02d}.safetensors" for i in range(10)]
+    write_store_samples(tmp_path / "files", [n.split(".")[0] for n in names])
+    read = ["read", "--url", url("takeover") + "&lease=1.5", "--files", files, "--claim"]
+    follow = [*read, "--follow", "--idle-timeout", "2", "--announce"]
+    # The holder dies in its first step; the slow reader's every step outlasts the lease
+    # twice over, but it renews, so what it holds must not be taken over.
+    holder = cluster.start(*read, "--follow", "--hold-first")
+    slow = cluster.start(*follow, "--slow", "3")
+    assert len(cluster.role("produce", "--prefix", "takeover", "--files", files)["published"]) == 10
+    assert holder.stdout is not None and slow.stdout is not None
+    held = json.loads(holder.stdout.readline())["got"]
+    assert "got" in json.loads(slow.stdout.readline())  # in its first step
+    fast = cluster.start(*follow)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    results = [finish(slow), finish(fast)]
+    counts = Counter(n for r in results for n in r["names"])
+    assert sorted(counts) == names, "every sample, the dead reader's included"
+    assert max(counts.values()) == 1, "and nothing a live reader held twice"
+    assert results[0]["names"], "the slow reader held samples past the lease"
+    assert sum(r["stats"]["reclaimed"] for r in results) == 1
+    assert held in next(r["names"] for r in results if r["stats"]["reclaimed"])
+    assert all(r["wrong"] == [] and r["error"] is None for r in results)
+    # Consumed is consumed: the group gets nothing again; another group gets all.
+    assert cluster.role(*read)["names"] == []
+    other = cluster.role("read", "--url", url("takeover"), "--files", files, "--claim",
+                         "--group", "other")  # fmt: skip
+    assert sorted(other["names"]) == names
+
+
+def test_dataset_follows_a_store_with_loader_workers(cluster: StoreCluster, tmp_path: Path) -> None:
+    files = str(tmp_path / "files")
+    names = [f"d-{i:02d}.safetensors" for i in range(12)]
+    write_store_samples(tmp_path / "files", [n.split(".")[0] for n in names])
+    loader = cluster.start("dataset", "--url", url("dataset"), "--files", files,
+                           "--workers", "2", "--idle-timeout", "3")  # fmt: skip
+    assert len(cluster.role("produce", "--prefix", "dataset", "--files", files)["published"]) == 12
+    got = finish(loader)
+    assert sorted(got["names"]) == names, "each sample once across the two workers"
+    assert got["wrong"] == []
 
 
 def test_killed_producer_loses_nothing_it_published(cluster: StoreCluster, tmp_path: Path) -> None:

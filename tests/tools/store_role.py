@@ -2,6 +2,8 @@
 
     python -m tools.store_role produce --files DIR [--fail NAME,...] [--hold BIG_FILE]
     python -m tools.store_role read --files DIR [--follow --claim --delete --names ...]
+    python -m tools.store_role read --files DIR --claim --hold-first   # then killed
+    python -m tools.store_role dataset --files DIR --workers 2   # HiddenStateDataset
     python -m tools.store_role tamper --files DIR
     python -m tools.store_role probe
 
@@ -79,6 +81,7 @@ def read_once(args: argparse.Namespace) -> None:
     from hidden_state_reader import HiddenStateReader, SampleError, load_sample
 
     kwargs = dict(follow=args.follow, idle_timeout=args.idle_timeout, claim=args.claim,
+                  claim_group=args.group,
                   on_consumed="delete" if args.delete else "keep", on_error=args.on_error,
                   lock_timeout=args.lock_timeout)  # fmt: skip
     if args.names:
@@ -94,12 +97,34 @@ def read_once(args: argparse.Namespace) -> None:
             if not (sample.token_ids.equal(expected.token_ids)
                     and sample.hidden_states.equal(expected.hidden_states)):  # fmt: skip
                 wrong.append(name)
+            if args.announce or args.hold_first:
+                print(json.dumps({"got": name}), flush=True)
+            if args.hold_first:  # dies in its first training step: the test kills it
+                time.sleep(3600)
             if args.slow:
                 time.sleep(args.slow)  # stands for a training step
     except SampleError as exc:
         error = {"type": type(exc).__name__, "message": str(exc)}
     out = {"names": names, "wrong": wrong, "stats": reader.stats.as_dict(), "error": error}
     print(json.dumps(out), flush=True)
+
+
+def dataset(args: argparse.Namespace) -> None:
+    """Follow the store through ``HiddenStateDataset`` and a DataLoader with workers."""
+    from torch.utils.data import DataLoader
+
+    from hidden_state_reader import HiddenStateDataset, load_sample
+
+    data = HiddenStateDataset(args.url, follow=True, idle_timeout=args.idle_timeout)
+    names, wrong = [], []
+    loader = DataLoader(data, batch_size=None, num_workers=args.workers,
+                        collate_fn=lambda s: (s.path.rsplit("/", 1)[1], s))  # fmt: skip
+    for name, sample in loader:
+        names.append(name)
+        expected = load_sample(Path(args.files) / name)
+        if not sample.hidden_states.equal(expected.hidden_states):
+            wrong.append(name)
+    print(json.dumps({"names": names, "wrong": wrong}), flush=True)
 
 
 def tamper(args: argparse.Namespace) -> None:
@@ -132,7 +157,7 @@ def probe(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["produce", "read", "tamper", "probe"])
+    parser.add_argument("role", choices=["produce", "read", "tamper", "probe", "dataset"])
     parser.add_argument("--master", default="127.0.0.1:50051")
     parser.add_argument("--prefix", default="hs")
     parser.add_argument("--buffer", type=int, default=64 << 20)
@@ -145,14 +170,20 @@ def main() -> None:
     parser.add_argument("--follow", action="store_true")
     parser.add_argument("--idle-timeout", type=float, default=None)
     parser.add_argument("--claim", action="store_true")
+    parser.add_argument("--group", default="default")
     parser.add_argument("--delete", action="store_true")
     parser.add_argument("--on-error", default="skip")
     parser.add_argument("--lock-timeout", type=float, default=5.0)
     parser.add_argument("--names", default="")
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--each", action="store_true")
+    parser.add_argument("--hold-first", action="store_true")
+    parser.add_argument("--announce", action="store_true")
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
-    {"produce": produce, "read": read, "tamper": tamper, "probe": probe}[args.role](args)
+    roles = {"produce": produce, "read": read, "tamper": tamper, "probe": probe,
+             "dataset": dataset}  # fmt: skip
+    roles[args.role](args)
 
 
 if __name__ == "__main__":

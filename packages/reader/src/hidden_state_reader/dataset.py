@@ -39,6 +39,7 @@ from hidden_state_reader.reader_options import ReaderOptions
 from hidden_state_reader.sample import Sample
 from hidden_state_reader.sharding import distributed_context
 from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.store.url import is_store_url, parse_store_url
 
 STATE_VERSION = 1
 _RESERVED = ("follow", "claim")
@@ -53,7 +54,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
     workers, or with any DataLoader (``num_workers=0`` keeps ``state_dict`` exact).
 
     Args:
-        path: The storage directory.
+        path: The storage directory, or (follow mode only) a ``mooncake://`` store URL.
         follow: Follow the directory as it grows instead of reading a fixed list.
         claim: Claim samples so that each is read by one consumer only. ``None`` means
             ``True`` in follow mode and ``False`` in static mode (where the split between
@@ -109,6 +110,11 @@ class HiddenStateDataset(IterableDataset[Sample]):
         names = reader_kwargs.pop("names", None)
         if follow and names is not None:
             raise ValueError("names= fixes a static sample list; it cannot be followed")
+        if is_store_url(self.root) and not follow:
+            raise ValueError(
+                f"{self.root}: a Mooncake Store has no fixed sample list to shard; use "
+                "follow=True (docs/scale-out.md)"
+            )
         self.follow = follow
         self.claim = follow if claim is None else bool(claim)
         self.shuffle = shuffle
@@ -126,8 +132,12 @@ class HiddenStateDataset(IterableDataset[Sample]):
         if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 0):
             raise ValueError(f"max_samples must be an integer >= 0, got {max_samples!r}")
         self.options = ReaderOptions(**reader_kwargs)  # TypeError for an unknown option
-        # Build one reader now so bad options fail here, not later inside a worker.
-        self._make_reader([] if not follow else None)
+        if is_store_url(self.root):
+            # Check the URL only: joining the store here would start Mooncake's threads
+            # in a process that DataLoader then forks, and forked workers hang on joining.
+            parse_store_url(self.root)
+        else:  # build one reader now so bad options fail here, not later inside a worker
+            self._make_reader([] if not follow else None)
         self._mode: StaticSamples | FollowedSamples = (
             FollowedSamples(self) if follow else StaticSamples(self, names, max_samples)
         )

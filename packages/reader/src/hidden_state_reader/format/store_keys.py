@@ -12,8 +12,12 @@ The connector's store backend and the reader's store source both follow this lay
   order, so a sample is announced only once it is complete;
 * ``PREFIX/producers/SLOT``: who owns producer slot ``SLOT`` (0, 1, 2, ...), taken
   first-put-wins when a producer starts;
-* ``PREFIX/claims/GROUP/NAME``: which reader of consumer group ``GROUP`` owns ``NAME``,
-  taken first-put-wins (a put to an existing key keeps the old value).
+* ``PREFIX/claims/GROUP/NAME/G``: which reader of consumer group ``GROUP`` owns ``NAME``
+  in claim generation ``G`` (0 first, G+1 when a claim whose owner stopped renewing is
+  taken over), taken first-put-wins (a put to an existing key keeps the old value);
+* ``PREFIX/claims/GROUP/NAME/G/renew/K``: the owner of generation ``G`` is alive (its
+  ``K``-th renewal, K = 1, 2, ...; removed once the sample is consumed);
+* ``PREFIX/claims/GROUP/NAME/done``: ``GROUP`` has consumed ``NAME``.
 """
 
 from __future__ import annotations
@@ -46,9 +50,19 @@ def producer_key(prefix: str, slot: int) -> str:
     return f"{prefix}/producers/{slot}"
 
 
-def claim_key(prefix: str, group: str, name: str) -> str:
-    """Key whose first writer owns ``name`` for consumer group ``group``."""
-    return f"{prefix}/claims/{group}/{name}"
+def claim_key(prefix: str, group: str, name: str, generation: int) -> str:
+    """Key whose first writer owns ``name`` for consumer group ``group`` in ``generation``."""
+    return f"{prefix}/claims/{group}/{name}/{generation}"
+
+
+def renewal_key(prefix: str, group: str, name: str, generation: int, renewal: int) -> str:
+    """Key of the ``renewal``-th lease renewal of claim ``generation`` of ``name``."""
+    return f"{claim_key(prefix, group, name, generation)}/renew/{renewal}"
+
+
+def done_key(prefix: str, group: str, name: str) -> str:
+    """Key that says consumer group ``group`` has consumed ``name``."""
+    return f"{prefix}/claims/{group}/{name}/done"
 
 
 def check_prefix(prefix: str) -> str:

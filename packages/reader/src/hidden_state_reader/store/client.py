@@ -59,6 +59,8 @@ class StoreSettings:
         segment_bytes: Memory this process contributes to the store (0: none, objects
             live in other clients' segments and survive this process).
         buffer_bytes: This client's transfer buffer: the largest object it can put or get.
+        claim_lease: Seconds a reader's claim survives without a lease renewal before
+            another reader of its group takes it over (readers with ``claim=True`` only).
     """
 
     master: str
@@ -69,6 +71,7 @@ class StoreSettings:
     device_names: str = ""
     segment_bytes: int = 0
     buffer_bytes: int = 256 * 1024**2
+    claim_lease: float = 30.0
 
     def hostname(self) -> str:
         """``local_hostname``, or this host's address when it is not set."""
@@ -201,7 +204,9 @@ class StoreClient:
         """Delete ``key`` (also if recently read); False if it was not there."""
         return int(self._store.remove(key, True)) == 0
 
-    def put_first(self, key: str, value: bytes, *, timeout: float = 30.0) -> bytes:
+    def put_first(
+        self, key: str, value: bytes, *, timeout: float = 30.0, full_timeout: float = 0.0
+    ) -> bytes:
         """Put ``value`` unless ``key`` exists; return the value that won.
 
         Mooncake has no compare-and-set, but a put to an existing key keeps the old
@@ -211,12 +216,13 @@ class StoreClient:
         ``put_start_discard_timeout_sec`` and the next attempt can win.
 
         Raises:
+            StoreFullError: No room for the value within ``full_timeout`` seconds.
             StoreError: No value became readable within ``timeout`` seconds.
         """
         deadline = time.monotonic() + timeout
         delay = 0.001
         while True:
-            self.put(key, value)
+            self.put(key, value, full_timeout=full_timeout)
             current = self.get(key)
             if current:
                 return current

@@ -26,13 +26,14 @@ from hidden_state_reader.errors import (
     WaitCancelledError,
 )
 from hidden_state_reader.format.flockwait import CancelToken
-from hidden_state_reader.format.store_keys import CommitRecord, claim_key, data_key, failed_key
+from hidden_state_reader.format.store_keys import CommitRecord, data_key, failed_key
 from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.reader_options import OnConsumed, OnError
 from hidden_state_reader.sample import Sample
 from hidden_state_reader.sample_load import LoadOptions
 from hidden_state_reader.states import GRACE
 from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.store.claims import StoreClaims
 from hidden_state_reader.store.client import StoreClient
 from hidden_state_reader.store.follow import CommitLog
 from hidden_state_reader.store.load import load_bytes
@@ -51,8 +52,10 @@ class StoreReader(HiddenStateReader):
     ``path`` is a ``mooncake://HOST:PORT/PREFIX`` URL (``store.url``). Without ``names``
     the reader follows every producer's commit log (``follow=True`` keeps polling, like
     ``tail -f``); with ``names`` it pulls exactly those samples, each waited for up to
-    ``lock_timeout`` seconds. ``claim=True`` gives each sample to exactly one reader of
-    ``claim_group``; ``on_consumed="delete"`` removes it from the store after use. Not
+    ``lock_timeout`` seconds. ``claim=True`` gives each sample to one reader of
+    ``claim_group``; a following reader takes over the claim of a reader that stopped
+    renewing it for the URL's ``lease`` seconds (``store.claims``), so a sample whose
+    reader died is delivered again. ``on_consumed="delete"`` removes it after use. Not
     available: ``on_consumed="move"``, ``done_dir``, ``watch`` (no files).
 
     Raises:
@@ -80,6 +83,7 @@ class StoreReader(HiddenStateReader):
         pin_memory: bool = False,
         verify_checksum: bool = False,
         mmap: bool = True,
+        raw_fp8: bool = False,
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
@@ -98,15 +102,19 @@ class StoreReader(HiddenStateReader):
         self.orphan_grace = orphan_grace
         self._names = list(names) if names is not None else None
         self._poll_max = max(_POLL_MIN, min(poll_interval, 0.1))
-        self._load = LoadOptions(layers, layer_ids, dtype, pin_memory, verify_checksum, mmap)
-        self._group = claim_group if claim else None
-        self._token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}".encode()
+        self._load = LoadOptions(
+            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8
+        )
         self._cancel = CancelToken()
         self._closed = False
         self.stats = ReaderStats()
         self.address = store_url(settings)
         self.client = StoreClient(settings, where=self.address)
         self.prefix = settings.prefix
+        token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+        self._leases = (
+            StoreClaims(self.client, claim_group, token, settings.claim_lease) if claim else None
+        )
 
     def close(self) -> None:
         """Stop iterating (safe from another thread, or twice); leaves the store."""
@@ -141,6 +149,9 @@ class StoreReader(HiddenStateReader):
                     return
         except WaitCancelledError:
             return
+        finally:
+            if self._leases is not None:
+                self._leases.stop()
 
     # -- where entries come from --------------------------------------------------
 
@@ -154,11 +165,16 @@ class StoreReader(HiddenStateReader):
             records = cursor.poll()
             for _key, record in records:
                 yield record.name, record.ok, record
+            for entry in self._leases.takeovers() if self._leases is not None else ():
+                self.stats.reclaimed += 1
+                yield entry  # type: ignore[misc]
             if records:
                 last_news, delay = time.monotonic(), _POLL_MIN
                 continue
             idle = time.monotonic() - last_news
-            if not self.follow or (self.idle_timeout is not None and idle >= self.idle_timeout):
+            stop = not self.follow or (self.idle_timeout is not None and idle >= self.idle_timeout)
+            # Before stopping, wait until every claim seen held is done or proven alive.
+            if stop and (self._leases is None or self._leases.settled()):
                 return
             self._cancel.sleep(delay)
             delay = min(delay * 2, self._poll_max)
@@ -187,9 +203,20 @@ class StoreReader(HiddenStateReader):
     # -- one entry ------------------------------------------------------------------
 
     def _take(self, name: str, ok: bool, record: CommitRecord | None) -> Sample | None:
-        if self._group is not None and not self._claim(name):
+        if self._leases is None:
+            return self._fetch(name, ok, record)
+        if not self._leases.claim(name, (name, ok, record)):
             self.stats.claimed_elsewhere += 1
             return None
+        sample = None
+        try:
+            sample = self._fetch(name, ok, record)
+            return sample
+        finally:
+            if sample is None:  # failed, vanished or bad: consumed all the same
+                self._leases.finish(name)
+
+    def _fetch(self, name: str, ok: bool, record: CommitRecord | None) -> Sample | None:
         where = self.where(name)
         if not ok:
             raw = self.client.get(failed_key(self.prefix, name)) or b"{}"
@@ -214,11 +241,6 @@ class StoreReader(HiddenStateReader):
         self.stats.tokens += sample.num_tokens
         return sample
 
-    def _claim(self, name: str) -> bool:
-        assert self._group is not None
-        key = claim_key(self.prefix, self._group, name)
-        return self.client.put_first(key, self._token) == self._token
-
     def _bad(self, error: SampleError, counter: str) -> None:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         if self.on_error == "raise":
@@ -237,6 +259,9 @@ class StoreReader(HiddenStateReader):
         log.warning("%s", error)
 
     def _settle(self, name: str) -> None:
+        # Done first: a crash in between leaves data behind, never a second delivery.
+        if self._leases is not None:
+            self._leases.finish(name)
         if self.on_consumed == "delete":
             self.client.remove(data_key(self.prefix, name))
 
@@ -253,4 +278,3 @@ def _check_store_options(
         raise ValueError(f"on_error must be 'skip' or 'raise', got {on_error!r}")
     if follow and names is not None:
         raise ValueError("names= lists a fixed set of samples; it cannot be followed")
-

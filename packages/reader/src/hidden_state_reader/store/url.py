@@ -2,8 +2,9 @@
 
 Options (all optional): ``metadata`` (default ``P2PHANDSHAKE``), ``hostname`` (this
 process's address for other clients), ``protocol`` (``tcp``), ``devices`` (RDMA),
-``segment`` (memory this process contributes, e.g. ``4GiB``; default 0) and ``buffer``
-(the largest sample this process reads, default ``256MiB``).
+``segment`` (memory this process contributes, e.g. ``4GiB``; default 0), ``buffer``
+(the largest sample this process reads, default ``256MiB``) and ``lease`` (seconds a
+claiming reader's claim survives it, default 30; ``store.claims``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hidden_state_reader.format.store_keys import check_prefix
 from hidden_state_reader.store.client import StoreSettings
 
 SCHEME = "mooncake://"
-_OPTIONS = {"metadata", "hostname", "protocol", "devices", "segment", "buffer"}
+_OPTIONS = {"metadata", "hostname", "protocol", "devices", "segment", "buffer", "lease"}
 _SIZE = re.compile(r"^(\d+)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
 _FACTORS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
             "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}  # fmt: skip
@@ -64,7 +65,18 @@ def parse_store_url(url: str) -> StoreSettings:
         device_names=query.get("devices", ""),
         segment_bytes=parse_size(f"{url}: segment", query.get("segment", "0")),
         buffer_bytes=parse_size(f"{url}: buffer", query.get("buffer", "256MiB")),
+        claim_lease=_parse_lease(url, query.get("lease", "30")),
     )
+
+
+def _parse_lease(url: str, text: str) -> float:
+    try:
+        lease = float(text)
+    except ValueError:
+        lease = -1.0
+    if not lease > 0:
+        raise ValueError(f"{url!r}: lease must be positive seconds (e.g. lease=30), got {text!r}")
+    return lease
 
 
 def store_url(settings: StoreSettings) -> str:
