@@ -52,6 +52,8 @@ def render(rows: list[dict[str, Any]], date: str) -> str:
         ]
         for r in val:
             mode = "CUDA graphs" if r["graphs"] else "eager"
+            if r.get("storage_dtype", "model") != "model":
+                mode += f", stored as {r['storage_dtype']}"
             out.append(
                 f"| {r['dtype']}, {mode} | {r['samples']} | {r['worst_rel_err']:.1e} | "
                 f"{r['tolerance']:.0e} | {r['layer0_rel_err']:.2g} | {len(r['failures'])} |"
@@ -68,8 +70,10 @@ def render(rows: list[dict[str, Any]], date: str) -> str:
             p50, p99 = r.get("release_after_return_p50_ms"), r.get("release_after_return_p99_ms")
             rel = "\u2013" if r["kind"] == "none" else f"{_f(p50)} / {_f(p99)}"
             mode = "graphs" if r["graphs"] else "eager"
+            storage = (r.get("connector") or {}).get("storage_dtype")
+            kind = r["kind"] + (f" ({storage} storage)" if storage else "")
             out.append(
-                f"| {i} | {r['kind']} | {mode} | {_f(r['tok_s'], 0)} | "
+                f"| {i} | {kind} | {mode} | {_f(r['tok_s'], 0)} | "
                 f"{_f(r.get('write_gb_s'), 2)} | {rel} |"
             )
         out.append("")
