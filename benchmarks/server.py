@@ -106,6 +106,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["kv_transfer_config"] = kv_transfer_config(
             args.out, {"stats_interval": 0, "check_nonfinite": False}
         )
+    elif args.config == "ours-fp8":
+        kw["kv_transfer_config"] = kv_transfer_config(
+            args.out, {"stats_interval": 0, "storage_dtype": "fp8_e4m3"}
+        )
     else:
         raise ValueError(f"unknown configuration {args.config!r}")
     return kw
@@ -375,7 +379,9 @@ def _measure(
 
 def run(ctx: Context) -> dict[str, Any]:
     work = ctx.workdir("server")
-    configs = ctx.pick(["null", "ours"], ["none", "null", "discard", "ours-nocheck", "ours"])
+    configs = ctx.pick(
+        ["null", "ours"], ["none", "null", "discard", "ours-nocheck", "ours-fp8", "ours"]
+    )
     rounds = ctx.pick(2, 7)
     count, length = ctx.pick((8, 256), (64, 512))
     batch_tokens = 2048
@@ -462,6 +468,7 @@ def _summarise(per: dict[str, list[dict[str, Any]]], configs: list[str]) -> dict
     pairs = (
         ("ours", "null"),
         ("ours-nocheck", "null"),
+        ("ours-fp8", "null"),
         ("discard", "null"),
         ("null", "none"),
         ("ours", "none"),
@@ -510,6 +517,11 @@ def findings(res: dict[str, Any]) -> list[str]:
             " With `check_nonfinite` off (no NaN/inf check in the writer threads): "
             f"{ratios['ours-nocheck/null']['published']:.3f}\u00d7."
         )
+    if "ours-fp8/null" in ratios:
+        text += (
+            " With fp8 storage (`storage_dtype: fp8_e4m3`, half the bytes, quantized in the "
+            f"writer threads): {ratios['ours-fp8/null']['published']:.3f}\u00d7."
+        )
     if "discard/null" in ratios:
         text += (
             f" With the data gathered but not written: {ratios['discard/null']['published']:.3f}"
@@ -555,6 +567,7 @@ def _config_table(setup: dict[str, Any], summary: dict[str, Any]) -> str:
         "null": "extraction + null sink (baseline)",
         "discard": "ours, data discarded (no disk)",
         "ours-nocheck": "ours, check_nonfinite off",
+        "ours-fp8": "ours, fp8 storage",
         "ours": "ours (HiddenStateConnector)",
     }
     for config in setup["configs"]:
