@@ -29,8 +29,8 @@ SPEC_STAMP := $(SPEC_DIR)/.installed-speculators-0.9.0
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), one test file per process at a time: module-scoped
 # engines start once. 3 on this project's 2-core CI machine: much of the suite waits on
-# engine start-ups and other processes (3 workers kept 1.5 of the 2 cores busy; the suite
-# took 16.1 min with 3, 20.5 with 2, on the same tree). PYTEST_WORKERS=0 runs serially.
+# engine start-ups and other processes (with 3 workers the suite still left a quarter of
+# the 2 cores idle). PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 3
 DEMO_ARGS ?=
 BENCH_ARGS ?=
