@@ -21,6 +21,7 @@ vs the same engine writing files, until every sample is published, in the same n
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import os
@@ -183,11 +184,18 @@ def measure(quick: bool, scratch: Path, model: Path | None = None) -> dict[str, 
     argv += ["--quick"] if quick else []
     argv += [] if model is None else ["--model", str(model)]
     cmd = "ip link set lo up && exec " + " ".join(argv)
-    # stderr passes through: the engines' progress shows while they run.
-    out = subprocess.run(["unshare", "-n", "sh", "-c", cmd], stdout=subprocess.PIPE, text=True)
-    if out.returncode:
-        raise RuntimeError(f"the store benchmark failed (exit {out.returncode}; stderr above)")
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    for line in proc.stderr:  # progress lines pass through (engine rounds take minutes)
+        tail.append(line)
+        if line.startswith("[bench"):
+            sys.stderr.write(line)
+    out = proc.stdout.read()  # one JSON line: it cannot fill the pipe meanwhile
+    if proc.wait():
+        raise RuntimeError(f"the store benchmark failed: {''.join(tail)[-2000:]}")
+    return dict(json.loads(out.strip().splitlines()[-1]))
 
 
 def _model(ctx: Any) -> Path | None:
