@@ -38,7 +38,7 @@ TITLE = "10. Mooncake Store vs files (samples/s, GB/s)"
 MASTER = "127.0.0.1:50051"
 URL = f"mooncake://{MASTER}/bench?hostname=127.0.0.1&buffer=128MiB"
 BIN = Path(sys.executable).parent
-ENGINE_ROUNDS = (3, 16, 512)  # full mode: rounds per backend, prompts per round, tokens
+ENGINE_ROUNDS = (5, 16, 512)  # full mode: rounds per backend, prompts per round, tokens
 
 
 def _sizes(quick: bool) -> tuple[int, int]:

@@ -130,6 +130,14 @@ def _prompts(seed: int, count: int, length: int) -> list[dict[str, list[int]]]:
     ]
 
 
+def _cpu() -> tuple[float, float]:
+    """CPU seconds of this process and of the whole machine (busy, all cores)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return time.process_time(), (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def _stages(trace: Path, since: float, puts: dict[str, tuple[float, float]]) -> list[dict]:
     """Per sample of the round (submitted after ``since``), its stage durations in ms."""
     rows = []
@@ -155,6 +163,7 @@ def _round(llm: Any, waiter: _Published, cmd: dict[str, Any], ctx: dict[str, Any
     prompts = _prompts(cmd["seed"], cmd["count"], cmd["length"])
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     since = time.monotonic()
+    own0, busy0 = _cpu()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     t1 = time.perf_counter()
@@ -162,6 +171,7 @@ def _round(llm: Any, waiter: _Published, cmd: dict[str, Any], ctx: dict[str, Any
     errors = [p["hidden_states_error"] for p in params if "hidden_states_error" in p]
     failed = waiter.wait([p for p in params if "hidden_states_error" not in p])
     t2 = time.perf_counter()
+    own1, busy1 = _cpu()
     nbytes = 0
     for p in params if waiter.backend == "files" else []:  # consumed: keep the dir small
         with contextlib.suppress(FileNotFoundError):
@@ -179,6 +189,9 @@ def _round(llm: Any, waiter: _Published, cmd: dict[str, Any], ctx: dict[str, Any
         "bytes": nbytes,
         "stages": _stages(ctx["trace"], since, ctx["puts"]),
         "loadavg": os.getloadavg()[0],
+        "engine_cpu_s": own1 - own0,
+        # The rest of the machine's CPU over the round, as a share of all its cores.
+        "others_cpu_share": ((busy1 - busy0) - (own1 - own0)) / ((t2 - t0) * (os.cpu_count() or 1)),
     }
 
 
@@ -344,6 +357,9 @@ def summarise(per: dict[str, list[dict]], startup: dict[str, float], setup: dict
             else {},
             "errors": sorted({e for r in rounds for e in r["errors"]}),
             "samples": sum(r["requests"] for r in rounds),
+            "rounds_published_tok_s": [r["tokens"] / r["published_s"] for r in rounds],
+            "engine_cpu_s": median([r["engine_cpu_s"] for r in rounds]),
+            "others_cpu_share": median([r["others_cpu_share"] for r in rounds]),
         }
 
     def paired(key: str) -> float:
@@ -376,56 +392,50 @@ def render_engines(res: dict[str, Any]) -> str:
     """The vLLM part of section 10: rates, the paired ratio, where a sample's time goes."""
     from benchmarks.common import table
 
-    s = res["setup"]
-    rows = [
-        [
-            _LABELS[b],
-            _rate(res[b]["published_tok_s"]),
-            _rate(res[b]["generate_tok_s"]),
-            res[b]["tail_ms"],
-            *(res[b]["stages_p50_ms"].get(k, float("nan")) for k in _STAGES),
-        ]
+    s, r = res["setup"], res["ratio"]
+    rates = [
+        [_LABELS[b], _rate(res[b]["published_tok_s"]), _rate(res[b]["generate_tok_s"]),
+         res[b]["tail_ms"], res[b]["engine_cpu_s"], f"{res[b]['others_cpu_share']:.0%}"]
         for b in BACKENDS
-    ]
-    r = res["ratio"]
-    return "\n".join(
-        [
-            f"**vLLM server with the store backend.** One in-process vLLM CPU engine per backend "
-            f"(tiny Llama, hidden {s['model']['hidden_size']}, {s['model']['num_layers']} layers, "
-            f"bf16, layers {s['layers']}: 4,096 bytes per token), both in the namespace; "
-            f"{s['rounds']} rounds each after a warm-up, interleaved (files, store, files, ...), "
-            f"{s['prompts_per_round']} prompts \u00d7 {s['prompt_tokens']} tokens, `max_tokens=1`. "
-            '"Until published" = `generate()` plus the wait until a consumer can read every '
-            "sample: files, its lock granted shared; store, its commit record found in the "
-            "commit log. Rates: median (min\u2013max); stages: median per sample, from the "
-            "connector's stage trace and the timed put.",
-            "",
-            table(
-                [
-                    "backend",
-                    "tok/s until published",
-                    "tok/s generate()",
-                    "tail after generate() ms",
-                    *(f"{v} ms" for v in _STAGES.values()),
-                ],
-                rows,
-            ),
-            "",
-            f"Ratio store / files (median of per-round pairs): {r['published']:.3f}\u00d7 until "
-            f"published, {r['generate']:.3f}\u00d7 for `generate()` alone.",
-        ]
-    )
+    ]  # fmt: skip
+    stages = [[_LABELS[b], *(res[b]["stages_p50_ms"].get(k, 0.0) for k in _STAGES)]
+              for b in BACKENDS]  # fmt: skip
+    head = ["backend", "tok/s until published", "tok/s generate()", "tail after generate() ms",
+            "engine CPU s/round", "rest of the machine's CPU"]  # fmt: skip
+    return "\n".join([
+        f"**vLLM server with the store backend.** One in-process vLLM CPU engine per backend "
+        f"(tiny Llama, hidden {s['model']['hidden_size']}, {s['model']['num_layers']} layers, "
+        f"bf16, layers {s['layers']}: 4,096 bytes per token), both in the namespace; "
+        f"{s['rounds']} rounds each after a warm-up, interleaved (files, store, files, ...), "
+        f"{s['prompts_per_round']} prompts \u00d7 {s['prompt_tokens']} tokens, `max_tokens=1`. "
+        '"Until published" = `generate()` plus the wait until a consumer can read every '
+        "sample: files, its lock granted shared; store, its commit record found in the "
+        "commit log. Rates: median (min\u2013max) over rounds; the tail and CPU columns: "
+        "medians over rounds.",
+        "",
+        table(head, rates),
+        "",
+        f"Ratio store / files (median of per-round pairs): {r['published']:.3f}\u00d7 until "
+        f"published, {r['generate']:.3f}\u00d7 for `generate()` alone.",
+        "",
+        "Where a sample's time goes (median per sample, from the connector's stage trace and "
+        "the timed put; the writer threads overlap these with the engine's steps):",
+        "",
+        table(["backend", *(f"{v} ms" for v in _STAGES.values())], stages),
+    ])  # fmt: skip
 
 
 def engine_finding(res: dict[str, Any]) -> str:
     """One sentence for the findings list."""
-    st = res["store"]["stages_p50_ms"]
+    f, st = res["files"], res["store"]
     return (
         f"a vLLM CPU engine writing to the store runs at {res['ratio']['published']:.3f}\u00d7 "
         f"the prompt tokens/s of the same engine writing files, until published "
-        f"({res['store']['published_tok_s']['median']:,.0f} vs "
-        f"{res['files']['published_tok_s']['median']:,.0f} tok/s; per sample the put + "
-        f"commit takes {st.get('put_ms', float('nan')):.1f} ms)"
+        f"({st['published_tok_s']['median']:,.0f} vs {f['published_tok_s']['median']:,.0f} "
+        f"tok/s; {res['ratio']['generate']:.3f}\u00d7 for generate() alone); the store's "
+        f"write path ends {st['tail_ms']:.1f} ms after generate() returns (files "
+        f"{f['tail_ms']:.1f} ms), its put + commit taking "
+        f"{st['stages_p50_ms'].get('put_ms', float('nan')):.1f} ms per sample"
     )
 
 

@@ -174,7 +174,8 @@ def test_store_engine_ratio_pairs_each_files_round_with_its_store_round() -> Non
     def round_(generate_s: float, published_s: float, put_ms: float) -> dict[str, object]:
         stage = {"gather_copy_ms": 4.0, "finish_ms": 1.0, "put_ms": put_ms, "after_put_ms": 0.0}
         return {"tokens": 8192, "requests": 16, "generate_s": generate_s,
-                "published_s": published_s, "errors": [], "stages": [stage]}  # fmt: skip
+                "published_s": published_s, "errors": [], "stages": [stage],
+                "engine_cpu_s": 2.0, "others_cpu_share": 0.1}  # fmt: skip
 
     per = {
         "files": [round_(1.0, 1.0, 0.0), round_(1.0, 2.0, 0.0), round_(2.0, 2.0, 0.0)],
