@@ -36,7 +36,8 @@ benchmarks (run in this order):
   completion_order  live vLLM, 16 concurrent mixed clients: publication -> yield per sample
   release     offline engine: lock released after generate() returns, this checkout vs baseline
   fp8         fp8 storage vs bf16: file bytes, per-layer error on real states, write/read GB/s
-  store       Mooncake Store vs files: samples/s and GB/s, put/get over loopback (needs root)
+  store       Mooncake Store vs files: samples/s and GB/s, put/get over loopback (needs root);
+              full mode adds vLLM CPU prompt tok/s, store backend vs file backend
   cli_startup  hidden-state --help/--version/argument errors: wall time of a fresh process
 
 examples:

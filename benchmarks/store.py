@@ -12,12 +12,16 @@ directory, then a second process reads it with ``HiddenStateReader(dir,
 verify_checksum=True)``. The files live in the page cache: both paths are measured
 from memory, which is the fair comparison for a store that lives in memory. Where the
 namespace or Mooncake is not available the section records why and measures nothing.
-The vLLM server ratio with the Mooncake backend is not measured here.
+
+Full mode also measures the vLLM server ratio with the Mooncake backend
+(``benchmarks.store_engine``): prompt tokens/s of a vLLM CPU engine writing to the store
+vs the same engine writing files, until every sample is published, in the same namespace.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib.util
 import json
 import os
@@ -34,6 +38,7 @@ TITLE = "10. Mooncake Store vs files (samples/s, GB/s)"
 MASTER = "127.0.0.1:50051"
 URL = f"mooncake://{MASTER}/bench?hostname=127.0.0.1&buffer=128MiB"
 BIN = Path(sys.executable).parent
+ENGINE_ROUNDS = (5, 16, 512)  # full mode: rounds per backend, prompts per round, tokens
 
 
 def _sizes(quick: bool) -> tuple[int, int]:
@@ -125,7 +130,7 @@ def _start_store(logs: Path, segment: str) -> list[subprocess.Popen[bytes]]:
             time.sleep(0.2)
 
 
-def _inside(quick: bool, scratch: Path) -> dict[str, Any]:
+def _inside(quick: bool, scratch: Path, model: Path | None) -> dict[str, Any]:
     count, tokens = _sizes(quick)
     work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=scratch))
     procs = _start_store(work, "256MB" if quick else "2GB")
@@ -135,6 +140,7 @@ def _inside(quick: bool, scratch: Path) -> dict[str, Any]:
         staged, _ = _stage(work / "staged", count, tokens)
         store_write = _store_write(staged)
         store_read = _reader(URL)
+        engines = None if model is None else _engines(model, work / "vllm")
     finally:
         for proc in procs:
             proc.kill()
@@ -150,28 +156,63 @@ def _inside(quick: bool, scratch: Path) -> dict[str, Any]:
         "files": {"write": rate(files_write), "read": rate(files_read["seconds"])},
         "store": {"write": rate(store_write), "read": rate(store_read["seconds"])},
         "store_read_samples": store_read["samples"],
+        **({} if engines is None else {"vllm": engines}),
     }  # fmt: skip
 
 
-def measure(quick: bool, scratch: Path) -> dict[str, Any]:
-    """The measurement, run in a fresh loopback-only namespace (``{"skipped": why}`` if not)."""
+def _engines(model: Path, work: Path) -> dict[str, Any]:
+    from benchmarks.store_engine import measure as measure_engines
+
+    work.mkdir()
+    rounds, count, length = ENGINE_ROUNDS
+    return measure_engines(model, work, MASTER, rounds, count, length)
+
+
+def measure(quick: bool, scratch: Path, model: Path | None = None) -> dict[str, Any]:
+    """The measurement, run in a fresh loopback-only namespace (``{"skipped": why}`` if not).
+
+    Args:
+        quick: Few small samples, no vLLM.
+        scratch: Where the sample files go.
+        model: The tiny model the vLLM engines serve (None: no engines).
+    """
     why = unavailable()
     if why is not None:
         return {"skipped": why}
     scratch.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "benchmarks.store", "--inside", "--scratch", str(scratch)]
     argv += ["--quick"] if quick else []
+    argv += [] if model is None else ["--model", str(model)]
     cmd = "ip link set lo up && exec " + " ".join(argv)
-    out = subprocess.run(["unshare", "-n", "sh", "-c", cmd], capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"the store benchmark failed: {out.stderr[-2000:]}")
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    for line in proc.stderr:  # progress lines pass through (engine rounds take minutes)
+        tail.append(line)
+        if line.startswith("[bench"):
+            sys.stderr.write(line)
+    out = proc.stdout.read()  # one JSON line: it cannot fill the pipe meanwhile
+    if proc.wait():
+        raise RuntimeError(f"the store benchmark failed: {''.join(tail)[-2000:]}")
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def _model(ctx: Any) -> Path | None:
+    """The engines' tiny model in full mode, built outside the namespace (None: quick)."""
+    if ctx.quick or unavailable() is not None:
+        return None
+    from benchmarks.common import bench_model
+    from benchmarks.store_engine import MODEL
+
+    ctx.cache.mkdir(parents=True, exist_ok=True)
+    return bench_model(ctx, MODEL)
 
 
 def run(ctx: Any) -> dict[str, Any]:
     from benchmarks.common import log
 
-    res = measure(ctx.quick, ctx.workdir(NAME))
+    res = measure(ctx.quick, ctx.workdir(NAME), _model(ctx))
     if "skipped" in res:
         log(f"store: skipped ({res['skipped']})")
     else:
@@ -190,6 +231,7 @@ _PATHS = {
 
 def render(res: dict[str, Any]) -> str:
     from benchmarks.common import table
+    from benchmarks.store_engine import render_engines
 
     if "skipped" in res:
         return table(["measured", "why not"], [["no", res["skipped"]]])
@@ -203,10 +245,13 @@ def render(res: dict[str, Any]) -> str:
         "put alone (the connector first writes the file into tmpfs with the same code).",
         "",
         table(["path", "write samples/s", "write GB/s", "read samples/s", "read GB/s"], rows),
+        *(["", render_engines(res["vllm"])] if "vllm" in res else []),
     ])  # fmt: skip
 
 
 def findings(res: dict[str, Any]) -> list[str]:
+    from benchmarks.store_engine import engine_finding
+
     if "skipped" in res:
         return [f"Mooncake Store: not measured ({res['skipped']})"]
     f, s = res["files"], res["store"]
@@ -214,6 +259,7 @@ def findings(res: dict[str, Any]) -> list[str]:
         f"Mooncake Store over loopback: read {s['read']['GB_per_s']:.2f} GB/s vs "
         f"{f['read']['GB_per_s']:.2f} GB/s from cached files; put {s['write']['GB_per_s']:.2f} "
         f"GB/s vs write_sample {f['write']['GB_per_s']:.2f} GB/s"
+        + (f"; {engine_finding(res['vllm'])}" if "vllm" in res else "")
     ]
 
 
@@ -227,14 +273,18 @@ def main() -> None:
     parser.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()),
                         help="where the sample files go (default: %(default)s)")  # fmt: skip
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--read", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.read:
         return _read_child(args.read)
     if args.inside:
-        print(json.dumps(_inside(args.quick, args.scratch)))
+        print(json.dumps(_inside(args.quick, args.scratch, args.model)))
         return
-    result = measure(args.quick, args.scratch)
+    from benchmarks.common import Context
+
+    ctx = Context(quick=args.quick, scratch=args.scratch, cache=args.scratch / "models")
+    result = measure(args.quick, args.scratch, _model(ctx))
     print(json.dumps(result, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -165,3 +165,29 @@ def test_store_section_records_why_it_was_not_measured(
     assert "mooncake-transfer-engine" in res["skipped"] and res["goals"] == []
     assert "|---|" in store.render(res) and res["skipped"] in store.render(res)
     assert store.findings(res) == [f"Mooncake Store: not measured ({res['skipped']})"]
+
+
+def test_store_engine_ratio_pairs_each_files_round_with_its_store_round() -> None:
+    """The store/files ratio is the median of per-round pairs; the stages reach the table."""
+    from benchmarks.store_engine import engine_finding, render_engines, summarise
+
+    def round_(generate_s: float, published_s: float, put_ms: float) -> dict[str, object]:
+        stage = {"gather_copy_ms": 4.0, "finish_ms": 1.0, "put_ms": put_ms, "after_put_ms": 0.0}
+        return {"tokens": 8192, "requests": 16, "generate_s": generate_s,
+                "published_s": published_s, "errors": [], "stages": [stage],
+                "engine_cpu_s": 2.0, "others_cpu_share": 0.1}  # fmt: skip
+
+    per = {
+        "files": [round_(1.0, 1.0, 0.0), round_(1.0, 2.0, 0.0), round_(2.0, 2.0, 0.0)],
+        "store": [round_(1.0, 1.25, 3.0), round_(2.0, 2.0, 5.0), round_(2.0, 2.5, 4.0)],
+    }
+    setup = {"rounds": 3, "prompts_per_round": 16, "prompt_tokens": 512}
+    res = summarise(per, {"files": 1.0, "store": 1.0}, setup)
+    # Pairs: 1/1.25, 2/2, 2/2.5 -> median 0.8 (the medians of the rates would give 1.0).
+    assert res["ratio"]["published"] == pytest.approx(0.8)
+    assert res["ratio"]["generate"] == pytest.approx(1.0)
+    assert res["store"]["stages_p50_ms"]["put_ms"] == 4.0
+    assert res["files"]["tail_ms"] == pytest.approx(0.0)
+    text = render_engines(res)
+    assert "0.800\u00d7 until published" in text and "|---|" in text
+    assert "0.800\u00d7" in engine_finding(res) and "4.0 ms" in engine_finding(res)
