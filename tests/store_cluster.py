@@ -76,21 +76,17 @@ class LoopbackNet:
     """A network namespace with only loopback up, and helpers to run processes in it."""
 
     def __init__(self) -> None:
+        # The holder says "up" once loopback is up inside its new namespace.
         self.holder = subprocess.Popen(
-            ["unshare", "-n", "sh", "-c", "ip link set lo up && exec sleep 3600"]
+            ["unshare", "-n", "sh", "-c", "ip link set lo up && echo up && exec sleep 3600"],
+            stdout=subprocess.PIPE,
+            text=True,
         )
-        deadline = time.monotonic() + 10
-        own = os.readlink("/proc/self/ns/net")
-        while time.monotonic() < deadline:
-            if os.readlink(f"/proc/{self.holder.pid}/ns/net") != own and self._lo_up():
-                return
-            time.sleep(0.01)
-        raise RuntimeError("the loopback namespace did not come up")
-
-    def _lo_up(self) -> bool:
-        out = subprocess.run(self.argv(["ip", "-o", "link", "show", "lo"]),
-                             capture_output=True, text=True)  # fmt: skip
-        return ",UP" in out.stdout
+        assert self.holder.stdout is not None
+        if self.holder.stdout.readline().strip() != "up":
+            self.holder.kill()
+            code = self.holder.wait()
+            raise RuntimeError(f"the loopback namespace did not come up (exit {code})")
 
     def argv(self, argv: list[str]) -> list[str]:
         return ["nsenter", "-t", str(self.holder.pid), "-n", "--", *argv]

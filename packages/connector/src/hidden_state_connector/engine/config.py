@@ -14,6 +14,7 @@ from typing import Any
 
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.format import fp8
+from hidden_state_reader.store.client import StoreSettings
 
 log = get_logger(__name__)
 
@@ -107,13 +108,14 @@ class ConnectorConfig:
     storage_dtype: str = fp8.STORAGE_MODEL
     storage_backend: str = "files"
     mooncake_master: str | None = None
-    mooncake_prefix: str = "hs"
-    mooncake_metadata_server: str = "P2PHANDSHAKE"
-    mooncake_local_hostname: str = ""
-    mooncake_protocol: str = "tcp"
-    mooncake_device_names: str = ""
-    mooncake_segment_bytes: int = 0
-    mooncake_buffer_bytes: int = 256 * 1024**2
+    # The store client's own defaults: one home, hidden_state_reader.store.client.
+    mooncake_prefix: str = StoreSettings.prefix
+    mooncake_metadata_server: str = StoreSettings.metadata_server
+    mooncake_local_hostname: str = StoreSettings.local_hostname
+    mooncake_protocol: str = StoreSettings.protocol
+    mooncake_device_names: str = StoreSettings.device_names
+    mooncake_segment_bytes: int = StoreSettings.segment_bytes
+    mooncake_buffer_bytes: int = StoreSettings.buffer_bytes
     mooncake_full_timeout: float = 60.0
     mooncake_staging_dir: str = "/dev/shm"
 
