@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +21,13 @@ from procs import TEST_ENGINE_ENV
 # test_delivery took 125 s with vLLM's defaults, 103 s with these.
 for _key, _value in TEST_ENGINE_ENV.items():
     os.environ.setdefault(_key, _value)
+
+# Several tests send a process they start a Ctrl-C (SIGINT) and expect Python's
+# KeyboardInterrupt in it. A shell without job control starts background commands with
+# SIGINT ignored (`make test &` in a script, nohup), children inherit that, and such a
+# child never sees the Ctrl-C: give this process (and so its children) the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -15,6 +15,17 @@ WRITER = [sys.executable, str(Path(__file__).resolve().parent / "tools" / "write
 TEST_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 """What tests/conftest.py sets for the engines tests start (see the reason there)."""
 
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""Environment of an offline ``LLM`` whose engine runs in the calling process.
+
+vLLM's in-process mode, which users also run. On the CPU build a multiprocess ``LLM``
+is three interpreters that each import vLLM (the script, the engine core and, because
+the CPU platform always picks the ``mp`` executor there, a worker): about 28 s more CPU
+per engine start on this project's 2-core machine. Tests whose subject is not the process
+layout use this; tests/connector/test_delivery.py runs every layout, and every
+``vllm serve`` test runs the multiprocess one.
+"""
+
 
 def start_together(
     procs: list[tuple[subprocess.Popen[str], str]],

@@ -36,6 +36,7 @@ from hidden_state_reader import HiddenStateReader, read_header
 from hidden_state_reader.format import sample_metadata, write_sample
 
 from conftest import HFReference, assert_matches_reference
+from procs import IN_PROCESS_ENGINE
 
 # The CLI framework's stand-in: exactly what `hidden-state extract ...` does.
 RUNNER = (
@@ -557,6 +558,7 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
         "128",
         "--batch-size",
         "2",
+        env=IN_PROCESS_ENGINE,
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
@@ -625,6 +627,8 @@ def test_resume_after_sigkill_records_every_index_once(
         "512",
     ]
     started = time.monotonic()
+    # The killed run has vLLM's default layout (its engine core and worker are other
+    # processes of its group, killed with it); the resumed run is an in-process engine.
     proc = subprocess.Popen(
         extract_argv(*args, module=True),
         stdout=subprocess.DEVNULL,
@@ -644,7 +648,7 @@ def test_resume_after_sigkill_records_every_index_once(
     assert len(before) < RESUME_RECORDS, "the run finished before the kill"
     killed_at = time.monotonic() - started
 
-    resumed = run_extract(*args, module=True)
+    resumed = run_extract(*args, module=True, env=IN_PROCESS_ENGINE)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr[-3000:]
     # It did not start over: the 3 files seen before the kill were skipped (recorded) or
     # verified and kept (on disk, not yet recorded), never recomputed.
@@ -702,6 +706,7 @@ def test_include_output_tokens_stores_prompt_and_generated_tokens(
         "fp8_e4m3",
         "--dtype",
         "float32",  # vLLM equals HF here to 1e-4: the rest of the error is fp8's
+        env=IN_PROCESS_ENGINE,
     )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     state = Manifest(str(out)).samples

@@ -16,6 +16,7 @@ from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.format import LockState, lock_path, probe
 
 from conftest import HFReference, assert_matches_reference
+from procs import IN_PROCESS_ENGINE
 from speculators_env import use_speculators
 
 pytestmark = pytest.mark.vllm
@@ -47,6 +48,11 @@ def engine(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> E
     out.mkdir()
     outside.mkdir()
     os.symlink(outside, out / "escape")  # a symlink inside the root that leads out of it
+    # The engine runs in this test process (vLLM's in-process mode): what is checked here
+    # does not depend on the process layout, and test_delivery.py runs every layout.
+    env = pytest.MonkeyPatch()
+    for key, value in IN_PROCESS_ENGINE.items():
+        env.setenv(key, value)
     llm = LLM(
         model=str(tiny_model_fp32),
         dtype="float32",
@@ -71,9 +77,12 @@ def engine(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> E
             },
         ),
     )
-    yield Engine(llm, out, outside)
-    del llm
-    gc.collect()
+    try:
+        yield Engine(llm, out, outside)
+    finally:
+        env.undo()
+        del llm
+        gc.collect()
 
 
 def prompt(n: int, seed: int) -> list[int]:
