@@ -56,6 +56,10 @@ GOAL = 0.95
 # core's busy-polling competes with the model's OpenMP threads (rounds then vary 5x).
 # The same reservation for every configuration keeps them comparable.
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+# The quick run (a smoke test of this benchmark, its numbers not reported) runs each engine
+# in its worker process: one vLLM import instead of three (the CPU build's multiprocess
+# ``LLM`` has an engine-core and a worker process besides the script's), half its start-up.
+QUICK_ENGINE_ENV = {**ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 MODEL = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "dtype": "bfloat16"}
 LAYERS = [2, 4, 6, 8]
@@ -269,7 +273,7 @@ def worker_main(argv: list[str]) -> None:
 class Engine:
     """One engine subprocess, driven over stdin/stdout."""
 
-    def __init__(self, config: str, cmd: list[str], log_path: Path) -> None:
+    def __init__(self, config: str, cmd: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.config = config
         self.log_path = log_path
         self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 - closed in stop()
@@ -279,7 +283,7 @@ class Engine:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env=child_env(**ENGINE_ENV),
+            env=child_env(**env),
             start_new_session=True,
         )
         self.events: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
@@ -335,7 +339,12 @@ class Engine:
 
 
 def _start_engines(
-    engines: dict[str, Engine], configs: list[str], model_dir: Path, work: Path, batch_tokens: int
+    engines: dict[str, Engine],
+    configs: list[str],
+    model_dir: Path,
+    work: Path,
+    batch_tokens: int,
+    env: dict[str, str],
 ) -> None:
     """Start one worker process per configuration into ``engines`` (the caller stops them)."""
     for config in configs:
@@ -355,7 +364,7 @@ def _start_engines(
             "--batch-tokens",
             str(batch_tokens),
         )
-        engines[config] = Engine(config, cmd, work / f"engine-{config}.log")
+        engines[config] = Engine(config, cmd, work / f"engine-{config}.log", env)
 
 
 def _measure(
@@ -386,6 +395,7 @@ def run(ctx: Context) -> dict[str, Any]:
     count, length = ctx.pick((8, 256), (64, 512))
     batch_tokens = 2048
     model_dir = bench_model(ctx, MODEL)
+    engine_env = ctx.pick(QUICK_ENGINE_ENV, ENGINE_ENV)
     engines: dict[str, Engine] = {}
     result: dict[str, Any] = {
         "model": {**MODEL, "layers_captured": LAYERS, "path": str(model_dir)},
@@ -398,14 +408,14 @@ def run(ctx: Context) -> dict[str, Any]:
             "max_num_batched_tokens": batch_tokens,
             "kv_cache_memory_bytes": 512 * 1024**2,
             "enforce_eager": True,
-            "engine_env": ENGINE_ENV,
+            "engine_env": engine_env,
             "storage": str(work),
             "connector_settings": "defaults (8 writer threads, 2 GiB host buffers, "
             "16 MiB chunks, check_nonfinite on, no fsync)",
         },
     }
     try:
-        _start_engines(engines, configs, model_dir, work, batch_tokens)
+        _start_engines(engines, configs, model_dir, work, batch_tokens, engine_env)
         log(f"server: starting {len(configs)} engines ({', '.join(configs)}) in parallel")
         startup = {}
         for config, engine in engines.items():
