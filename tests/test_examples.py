@@ -25,6 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from procs import IN_PROCESS_ENGINE
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUN_BY: dict[str, str] = {}
 """Example script -> the test that runs it."""
@@ -53,13 +55,21 @@ def runs(script: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def example(
-    script: str, *args: str, timeout: float = 120, launcher: list[str] | None = None
+    script: str,
+    *args: str,
+    timeout: float = 120,
+    launcher: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``examples/<script> ARGS``; fail with its output if it exits non-zero."""
     cmd = [*(launcher or [sys.executable]), str(EXAMPLES / script), *args]
     started = time.monotonic()
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **ENV}
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **ENV, **(env or {})},
     )
     print(f"{script}: {time.monotonic() - started:.1f}s")
     assert proc.returncode == 0, (
@@ -147,6 +157,7 @@ def test_offline_extract_then_train(tmp_path: Path, cache_dir: Path) -> None:
         *("--num-prompts", "24", "--epochs", "2", "--batch-size", "4", "--num-workers", "2"),
         *("--crash-at-step", "3", "--workdir", str(work), "--cache-dir", str(cache_dir)),
         timeout=240,
+        env=IN_PROCESS_ENGINE,  # its `hidden-state extract` engine: the layout is not the point
     )
     text = proc.stdout
     assert "done: 24 ok (24 written, 0 already on disk), 0 failed" in text, text

@@ -6,13 +6,16 @@ Runs inside the store test's namespace. The engine hosts no store memory (the se
 host does); each request's ``kv_transfer_params`` names its sample's store key, and a
 ``HiddenStateReader`` on the store URL pulls exactly those keys. Prints one JSON line:
 per request, the key and the largest relative error of each captured layer against HF
-transformers' hidden states for the same tokens.
+transformers' hidden states for the same tokens. The engine runs in this process (vLLM's
+in-process mode: one vLLM import instead of three on the CPU build), so the connector's
+store client and the reader's are two clients of one process.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 
 import torch
@@ -20,11 +23,14 @@ import torch
 from hidden_state_connector.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
 
+from procs import IN_PROCESS_ENGINE
+
 LAYERS = [1, 2, 4]
 
 
 def main() -> None:
     model, master, prefix = sys.argv[1:4]
+    os.environ.update(IN_PROCESS_ENGINE)
     from vllm import LLM, SamplingParams
 
     llm = LLM(
