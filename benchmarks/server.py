@@ -507,7 +507,7 @@ def _summarise(per: dict[str, list[dict[str, Any]]], configs: list[str]) -> dict
 
 def findings(res: dict[str, Any]) -> list[str]:
     """Data-driven conclusions for the report's findings list."""
-    ratios, summary = res["ratios"], res["summary"]
+    ratios = res["ratios"]
     on = ratios["ours/null"]
     verdict = "met" if on["published"] >= GOAL else "missed"
     text = (
@@ -542,7 +542,12 @@ def findings(res: dict[str, Any]) -> list[str]:
             f" Extraction itself (null sink vs no extraction): "
             f"{ratios['null/none']['published']:.3f}\u00d7."
         )
-    out = [text]
+    return [text, *_cpu_finding(res)]
+
+
+def _cpu_finding(res: dict[str, Any]) -> list[str]:
+    """What the connector's threads cost in CPU time, and where they ran."""
+    summary, out = res["summary"], []
     ours, null = summary.get("ours"), summary.get("null")
     if ours and null:
         extra = ours["worker_other_threads_s"] - null["worker_other_threads_s"]

@@ -104,17 +104,6 @@ class HiddenStateDataset(IterableDataset[Sample]):
     ) -> None:
         super().__init__()
         self.root = os.fspath(path)
-        for key in _RESERVED:
-            if key in reader_kwargs:
-                raise TypeError(f"{key}= is a dataset argument, not a reader option")
-        names = reader_kwargs.pop("names", None)
-        if follow and names is not None:
-            raise ValueError("names= fixes a static sample list; it cannot be followed")
-        if is_store_url(self.root) and not follow:
-            raise ValueError(
-                f"{self.root}: a Mooncake Store has no fixed sample list to shard; use "
-                "follow=True (docs/scale-out.md)"
-            )
         self.follow = follow
         self.claim = follow if claim is None else bool(claim)
         self.shuffle = shuffle
@@ -122,15 +111,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
         self.batch_size = _positive(batch_size, "batch_size")
         self.rank, self.world_size = distributed_context(rank, world_size)
         self.even_shards = even_shards
-        if follow and not self.claim and self.world_size > 1:
-            raise ValueError(
-                f"follow mode with claim=False on {self.world_size} ranks would deliver every "
-                "sample to every rank; use claim=True (the default in follow mode)"
-            )
-        # Static mode truncates the epoch itself (so len() and resume stay exact).
-        max_samples = None if follow else reader_kwargs.pop("max_samples", None)
-        if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 0):
-            raise ValueError(f"max_samples must be an integer >= 0, got {max_samples!r}")
+        names, max_samples = _dataset_only_options(self, reader_kwargs)
         self.options = ReaderOptions(**reader_kwargs)  # TypeError for an unknown option
         if is_store_url(self.root):
             # Check the URL only: joining the store here would start Mooncake's threads
@@ -306,6 +287,33 @@ class HiddenStateDataset(IterableDataset[Sample]):
             f"HiddenStateDataset({self.root!r}, {mode}, rank {self.rank}/{self.world_size}, "
             f"epoch {self._epoch}, consumed {self._consumed})"
         )
+
+
+def _dataset_only_options(
+    dataset: HiddenStateDataset, reader_kwargs: dict[str, Any]
+) -> tuple[Sequence[str] | None, int | None]:
+    """Check the mode's arguments; pop and return the static list's ``names``, ``max_samples``."""
+    for key in _RESERVED:
+        if key in reader_kwargs:
+            raise TypeError(f"{key}= is a dataset argument, not a reader option")
+    names = reader_kwargs.pop("names", None)
+    if dataset.follow and names is not None:
+        raise ValueError("names= fixes a static sample list; it cannot be followed")
+    if is_store_url(dataset.root) and not dataset.follow:
+        raise ValueError(
+            f"{dataset.root}: a Mooncake Store has no fixed sample list to shard; use "
+            "follow=True (docs/scale-out.md)"
+        )
+    if dataset.follow and not dataset.claim and dataset.world_size > 1:
+        raise ValueError(
+            f"follow mode with claim=False on {dataset.world_size} ranks would deliver every "
+            "sample to every rank; use claim=True (the default in follow mode)"
+        )
+    # Static mode truncates the epoch itself (so len() and resume stay exact).
+    max_samples = None if dataset.follow else reader_kwargs.pop("max_samples", None)
+    if max_samples is not None and (not isinstance(max_samples, int) or max_samples < 0):
+        raise ValueError(f"max_samples must be an integer >= 0, got {max_samples!r}")
+    return names, max_samples
 
 
 _CHECKED = (

@@ -42,6 +42,14 @@ from hidden_state_connector.engine.trace import StageTrace
 from hidden_state_reader.waiting import threads_ignore_signals
 
 
+def _fail_unstarted(job: SaveJob, stats: WriteStats, reason: str, *, dropped: bool = False) -> None:
+    """Fail a job no writer thread will take (it is still reported finished)."""
+    job.fail_unwritten(reason)
+    job.end_chunks()
+    stats.failure(job.req_id, job.path, reason, dropped=dropped)
+    job.finished.set()
+
+
 class WritePipeline:
     """Owns the slab pool, the writer threads and every job in flight.
 
@@ -120,7 +128,7 @@ class WritePipeline:
                 self._jobs.append(job)
         if closed or full:
             reason = "connector is shutting down" if closed else "writer queue full (dropped)"
-            self._fail_unstarted(job, reason, dropped=full)
+            _fail_unstarted(job, self.stats, reason, dropped=full)
             return
         self._queue.put(job)
         self.stats.queued(len(self._unreported))
@@ -135,13 +143,7 @@ class WritePipeline:
         """Register a job that fails before any work (it is still reported finished)."""
         with self._cond:
             self._unreported[job.req_id] = job
-        self._fail_unstarted(job, reason)
-
-    def _fail_unstarted(self, job: SaveJob, reason: str, *, dropped: bool = False) -> None:
-        job.fail_unwritten(reason)
-        job.end_chunks()
-        self.stats.failure(job.req_id, job.path, reason, dropped=dropped)
-        job.finished.set()
+        _fail_unstarted(job, self.stats, reason)
 
     def pump(self) -> None:
         """Copy what slabs allow now (every job was ordered after its data at submission).
