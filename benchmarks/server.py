@@ -549,9 +549,11 @@ def _cpu_finding(res: dict[str, Any]) -> list[str]:
     """What the connector's threads cost in CPU time, and where they ran."""
     summary, out = res["summary"], []
     ours, null = summary.get("ours"), summary.get("null")
-    if ours and null:
+    # Only engines with a worker process of their own (the full run's layout; the quick
+    # run's in-process engines have none to compare).
+    if ours and null and "Worker" in ours["cpu_s_per_round"]:
         extra = ours["worker_other_threads_s"] - null["worker_other_threads_s"]
-        worker = ours["cpu_s_per_round"].get("Worker", float("nan"))
+        worker = ours["cpu_s_per_round"]["Worker"]
         last = res["rounds"]["ours"][-1]["cpu"] if res["rounds"].get("ours") else {}
         affinity = last.get("worker_thread_affinity", {})
         pinned = ""
