@@ -355,6 +355,22 @@ def bench_model(ctx: Context, spec: dict[str, Any]) -> Path:
     )
 
 
+PROMPT_VOCAB = 250
+"""Token ids of the engine benchmarks' random prompts stay below this (the tiny models'
+vocabularies are larger)."""
+
+
+def random_prompts(seed: int, count: int, length: int) -> list[dict[str, list[int]]]:
+    """``count`` seeded random token-id prompts of ``length`` tokens, as ``LLM.generate`` takes."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        {"prompt_token_ids": torch.randint(0, PROMPT_VOCAB, (length,), generator=gen).tolist()}
+        for _ in range(count)
+    ]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for benchmark subprocesses: quiet vLLM, the repo on ``sys.path``."""
     env = {**os.environ, **QUIET_ENV, **extra}

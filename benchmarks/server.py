@@ -40,6 +40,7 @@ from benchmarks.common import (
     log,
     median,
     python_module,
+    random_prompts,
     rotate,
     spread,
     table,
@@ -48,7 +49,6 @@ from benchmarks.common import (
 NAME = "server"
 TITLE = "1. Server overhead (vLLM CPU, prompt tokens/s)"
 MARK = "@@BENCH "
-VOCAB = 250
 GOAL = 0.95
 
 # vLLM's CPU build reserves one core for the engine-core process only when there is no
@@ -119,16 +119,6 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def _prompts(seed: int, count: int, length: int) -> list[dict[str, list[int]]]:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        {"prompt_token_ids": torch.randint(0, VOCAB, (length,), generator=gen).tolist()}
-        for _ in range(count)
-    ]
-
-
 def _cpu_snapshot() -> dict[str, Any]:
     """CPU seconds of this process tree, by process role, plus per-thread for the worker."""
     import psutil
@@ -192,7 +182,7 @@ def _run_round(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
 
     from hidden_state_reader.format import SharedLock
 
-    prompts = _prompts(cmd["seed"], cmd["count"], cmd["length"])
+    prompts = random_prompts(cmd["seed"], cmd["count"], cmd["length"])
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     load = os.getloadavg()[0]
     cpu0 = _cpu_snapshot()

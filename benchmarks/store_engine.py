@@ -27,14 +27,13 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.common import REPO, child_entry, child_env, log, median, spread
+from benchmarks.common import REPO, child_entry, child_env, log, median, random_prompts, spread
 
 MARK = "@@STORE-ENGINE "
 MODEL = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "dtype": "bfloat16"}
 LAYERS = [2, 4, 6, 8]  # as benchmarks/server.py: 4,096 bytes of hidden states per token
 BACKENDS = ("files", "store")
 PREFIX = "bench-vllm"
-VOCAB = 250
 ENGINE = {
     "max_model_len": 1024,
     "max_num_batched_tokens": 2048,
@@ -120,16 +119,6 @@ class _Published:
         return failed
 
 
-def _prompts(seed: int, count: int, length: int) -> list[dict[str, list[int]]]:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        {"prompt_token_ids": torch.randint(0, VOCAB, (length,), generator=gen).tolist()}
-        for _ in range(count)
-    ]
-
-
 def _cpu() -> tuple[float, float]:
     """CPU seconds of this process and of the whole machine (busy, all cores)."""
     with open("/proc/stat") as stat:
@@ -160,7 +149,7 @@ def _stages(trace: Path, since: float, puts: dict[str, tuple[float, float]]) -> 
 def _round(llm: Any, waiter: _Published, cmd: dict[str, Any], ctx: dict[str, Any]) -> dict:
     from vllm import SamplingParams
 
-    prompts = _prompts(cmd["seed"], cmd["count"], cmd["length"])
+    prompts = random_prompts(cmd["seed"], cmd["count"], cmd["length"])
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     since = time.monotonic()
     own0, busy0 = _cpu()

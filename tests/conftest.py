@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import sys
@@ -12,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from procs import TEST_ENGINE_ENV
+from procs import TEST_ENGINE_ENV, VLLM_MISSING
 
 # Engines started by tests (and their children) use one OpenMP thread and no core pinning.
 # vLLM's CPU build pins its OpenMP threads to the same cores in every engine it starts;
@@ -48,11 +47,6 @@ LONGEST_FIRST = (
     "test_server_kill.py",
     "test_offline.py",
 )
-
-
-VLLM_MISSING = importlib.util.find_spec("vllm") is None
-"""Whether vLLM is absent: tests marked ``vllm`` are skipped then. A check without an
-import: importing vLLM costs seconds in every test process that collects these files."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

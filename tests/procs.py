@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import socket
 import subprocess
@@ -14,6 +15,12 @@ WRITER = [sys.executable, str(Path(__file__).resolve().parent / "tools" / "write
 
 TEST_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 """What tests/conftest.py sets for the engines tests start (see the reason there)."""
+
+VLLM_MISSING = importlib.util.find_spec("vllm") is None
+"""Whether vLLM is absent (tests marked ``vllm`` are skipped, tests/connector is not
+collected). A check without an import: importing vLLM costs seconds in every test process
+that collects the test files.
+"""
 
 IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 """Environment of an offline ``LLM`` whose engine runs in the calling process.

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from procs import VLLM_MISSING
 
 # Keep vLLM quiet and local.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -15,9 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# Without vLLM these files are not collected (most need it; a find_spec check, not an
-# import of vLLM in every test process).
-collect_ignore_glob = ["*.py"] if importlib.util.find_spec("vllm") is None else []
+# Without vLLM these files are not collected (most of them need it).
+collect_ignore_glob = ["*.py"] if VLLM_MISSING else []
 
 
 @pytest.fixture(scope="session")
