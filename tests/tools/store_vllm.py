@@ -49,7 +49,10 @@ def main() -> None:
     params = [dict(o.kv_transfer_params or {}) for o in outputs]
     keys = [p["hidden_states_key"] for p in params]
     url = f"mooncake://{master}/{prefix}?hostname=127.0.0.1"
-    samples = list(HiddenStateReader(url, names=keys, lock_timeout=60, on_error="raise"))
+    # names= yields samples as they complete, and puts finish in any order: match by key.
+    reader = HiddenStateReader(url, names=keys, lock_timeout=60, on_error="raise")
+    by_key = {s.path.rsplit("/", 1)[-1]: s for s in reader}
+    samples = [by_key[k] for k in keys]
     del llm
     gc.collect()
     errors = compare(model, samples)
