@@ -30,6 +30,12 @@ QUIET_ENV = {
 }
 
 
+IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+"""vLLM's setting that keeps the model in the calling process: an offline ``LLM`` runs in
+the script, ``vllm serve`` runs it in its engine-core process (the ``uni`` executor, as on
+one GPU). On the CPU build, a multiprocess engine has a worker process besides: one more
+vLLM import, about 13 CPU-s more per start-up here. The quick runs use it."""
+
 TIMES = "\u00d7"  # the multiplication sign, for ratios in tables
 
 

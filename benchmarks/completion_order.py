@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    IN_PROCESS_ENGINE,
     Context,
     bench_model,
     child_env,
@@ -221,6 +222,8 @@ def run(ctx: Context) -> dict[str, Any]:
         ],
     )  # fmt: skip
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    # The quick run (its numbers not reported) keeps the model in the engine core.
+    env = ctx.pick({**env, **IN_PROCESS_ENGINE}, env)
     server = VllmServer(options, log_file=work / "server.log", env=env)
     log(f"{NAME}: starting vllm serve")
     with server:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from benchmarks.common import (
+    IN_PROCESS_ENGINE,
     Context,
     bench_model,
     child_entry,
@@ -57,9 +58,8 @@ GOAL = 0.95
 # The same reservation for every configuration keeps them comparable.
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 # The quick run (a smoke test of this benchmark, its numbers not reported) runs each engine
-# in its worker process: one vLLM import instead of three (the CPU build's multiprocess
-# ``LLM`` has an engine-core and a worker process besides the script's), half its start-up.
-QUICK_ENGINE_ENV = {**ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# in the calling process (common.IN_PROCESS_ENGINE): half its start-up.
+QUICK_ENGINE_ENV = {**ENGINE_ENV, **IN_PROCESS_ENGINE}
 
 MODEL = {"num_layers": 8, "hidden_size": 512, "num_heads": 8, "dtype": "bfloat16"}
 LAYERS = [2, 4, 6, 8]

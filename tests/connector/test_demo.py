@@ -18,7 +18,12 @@ from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
 from hidden_state_connector.demo.progress import ProgressLine, Snapshot
 from hidden_state_connector.demo.prompts import bundled_prompts, load_prompts, parse_jsonl
 
+from procs import IN_PROCESS_ENGINE
+
 DEMO = [sys.executable, "-m", "hidden_state_connector.cli.demo"]
+SERVER_ENV = {**os.environ, **IN_PROCESS_ENGINE}
+"""The demo's server keeps its model in the engine core (procs.IN_PROCESS_ENGINE): the
+demo runs end to end here, the process layout is tested elsewhere."""
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +46,7 @@ def test_demo_streams_every_prompt_into_training_exactly_once(
         capture_output=True,
         text=True,
         timeout=450,  # a bound on a hang, not on speed (a loaded machine is slow)
+        env=SERVER_ENV,
     )
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -71,6 +77,7 @@ def test_ctrl_c_stops_the_server_cleanly_and_exits_130(tmp_path: Path, cache_dir
             [*DEMO, "--num-prompts", "5000", "--out", str(out), "--cache-dir", str(cache_dir)],
             stdout=subprocess.DEVNULL,
             stderr=err_file,
+            env=SERVER_ENV,
         )
         try:
             deadline = time.monotonic() + 240

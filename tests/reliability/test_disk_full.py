@@ -27,6 +27,7 @@ from hidden_state_connector.client import complete, complete_all
 from hidden_state_reader import HiddenStateReader, load_sample
 from hidden_state_reader.format import SharedLock, read_status
 
+from procs import IN_PROCESS_ENGINE
 from tools.relkit import (
     HEALTH_TIMEOUT,
     TOKEN_BYTES,
@@ -68,7 +69,7 @@ def full_server(
     from hidden_state_connector.server import VllmServer
 
     log = tmp_path_factory.mktemp("full-log") / "server.log"
-    server = VllmServer(serve_options(tiny_model, small_disk), log_file=log)
+    server = VllmServer(serve_options(tiny_model, small_disk), log_file=log, env=IN_PROCESS_ENGINE)
     server.start()
     try:
         yield server

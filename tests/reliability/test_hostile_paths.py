@@ -24,6 +24,7 @@ import pytest
 from hidden_state_reader import load_sample
 from hidden_state_reader.format import SharedLock
 
+from procs import IN_PROCESS_ENGINE
 from tools.relkit import HEALTH_TIMEOUT, Figures, files_under, log_count, serve_options
 
 pytestmark = pytest.mark.vllm
@@ -40,7 +41,9 @@ def hostile(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     os.symlink(outside, root / "escape")
     os.symlink(outside / "target.safetensors", root / "link.safetensors")
     server = VllmServer(
-        serve_options(tiny_model, root, allow_custom_save_path=True), log_file=base / "server.log"
+        serve_options(tiny_model, root, allow_custom_save_path=True),
+        log_file=base / "server.log",
+        env=IN_PROCESS_ENGINE,
     )
     server.start()
     try:

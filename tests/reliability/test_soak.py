@@ -32,6 +32,7 @@ import pytest
 from hidden_state_connector.client import complete
 from hidden_state_reader import HiddenStateReader
 
+from procs import IN_PROCESS_ENGINE
 from tools.relkit import (
     HEALTH_TIMEOUT,
     Figures,
@@ -71,7 +72,7 @@ def soak_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     # A small KV cache: the engine touches all of its pages (RSS grows until it has) in
     # the warm-up, not during the measured part of the run.
     options = serve_options(tiny_model, base / "hs", kv_cache_bytes=KV_CACHE_BYTES)
-    server = VllmServer(options, log_file=base / "server.log")
+    server = VllmServer(options, log_file=base / "server.log", env=IN_PROCESS_ENGINE)
     server.start()
     try:
         yield server
