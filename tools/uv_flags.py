@@ -28,7 +28,7 @@ FLAGS = {
 
 
 def pip_settings(python: str) -> dict[str, str]:
-    """pip's configured values by key (``PIP_*`` variables win over files, as in pip)."""
+    """The values pip is configured with, by key (``PIP_*`` variables win over files, as in pip)."""
     out = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True,
                          text=True, check=False).stdout  # fmt: skip
     settings: dict[str, str] = {}
@@ -60,9 +60,12 @@ def uv_flags(settings: dict[str, str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="example: python tools/uv_flags.py",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    """Print the flags for the pip of ``--python`` (default: this interpreter)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: python tools/uv_flags.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--python", default=sys.executable, help="interpreter whose pip to ask")
     args = parser.parse_args()
     print(" ".join(uv_flags(pip_settings(args.python))))

@@ -52,11 +52,11 @@ class StoreReader(HiddenStateReader):
     ``path`` is a ``mooncake://HOST:PORT/PREFIX`` URL (``store.url``). Without ``names``
     the reader follows every producer's commit log (``follow=True`` keeps polling, like
     ``tail -f``); with ``names`` it pulls exactly those samples, in the order they become
-    complete, each waited for up to ``lock_timeout`` seconds. ``claim=True`` gives each sample to one reader of
-    ``claim_group``; a following reader takes over the claim of a reader that stopped
-    renewing it for the URL's ``lease`` seconds (``store.claims``), so a sample whose
-    reader died is delivered again. ``on_consumed="delete"`` removes it after use. Not
-    available: ``on_consumed="move"``, ``done_dir``, ``watch`` (no files).
+    complete, each waited for up to ``lock_timeout`` seconds. ``claim=True`` gives each
+    sample to one reader of ``claim_group``; a following reader takes over the claim of a
+    reader that stopped renewing it for the URL's ``lease`` seconds (``store.claims``), so
+    a sample whose reader died is delivered again. ``on_consumed="delete"`` removes it
+    after use. Not available: ``on_consumed="move"``, ``done_dir``, ``watch`` (no files).
 
     Raises:
         ValueError: A bad URL or an option the store does not support.
