@@ -48,10 +48,13 @@ def produce(master: str, prefix: str, count: int) -> None:
         publish_file(publisher, os.path.basename(path), path)  # data, then commit record
 
 
-def train(master: str, prefix: str) -> dict:
+def train(master: str, prefix: str, count: int) -> dict:
     url = f"mooncake://{master}/{prefix}?hostname=127.0.0.1"
-    reader = HiddenStateReader(url, follow=True, idle_timeout=5, claim=True,
-                               on_consumed="delete")
+    # Stop once `count` samples are consumed. The trainer may start well before the
+    # producer's first sample (its start-up, a busy machine): the idle timeout only guards
+    # against a producer that died, so make it longer than the producer needs to start.
+    reader = HiddenStateReader(url, follow=True, max_samples=count, idle_timeout=60,
+                               claim=True, on_consumed="delete")
     seen = []
     for _token_ids, hidden_states in reader:
         seen.append(int(hidden_states[0, 0, 0]))  # a real loop would take a step here
@@ -73,7 +76,7 @@ def main() -> None:
         return produce(args.master, args.prefix, args.count)
     producer = subprocess.Popen([sys.executable, __file__, "--produce", "--master", args.master,
                                  "--prefix", args.prefix, "--count", str(args.count)])
-    result = train(args.master, args.prefix)
+    result = train(args.master, args.prefix, args.count)
     result["producer_exit"] = producer.wait()
     print(json.dumps(result))
 
