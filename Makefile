@@ -29,7 +29,7 @@ UV_INSTALL = $(UV) pip install -q --python $(PY) --compile-bytecode $(shell $(PY
 # outside the venv: speculators' declared dependencies would replace the CPU torch with a
 # CUDA build (several GB). So only the packages it and `datasets` need that the venv lacks
 # go here, --no-deps, and the tests append this folder to sys.path (it never shadows the
-# venv). About 30 s and 270 MB (pyarrow, pandas) on a cold pip cache.
+# venv). About 8 s and 270 MB (pyarrow, pandas) on a cold cache.
 SPEC_DIR ?= .venv-spec
 SPEC_PKGS := speculators==0.9.0 hs-connectors==0.9.0 datasets==5.1.0 pyarrow==26.0.1 \
 	pandas==3.1.1 multiprocess==0.70.19 xxhash==4.1.0
@@ -68,7 +68,7 @@ $(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pypro
 install: $(STAMP) $(SPEC_STAMP)
 
 $(SPEC_STAMP): $(STAMP)
-	@echo "== installing speculators 0.9.0 for the interop tests into $(SPEC_DIR) (about 30 s)"
+	@echo "== installing speculators 0.9.0 for the interop tests into $(SPEC_DIR) (seconds)"
 	rm -rf $(SPEC_DIR)
 	$(UV_INSTALL) --no-deps --target $(SPEC_DIR) $(SPEC_PKGS)
 	@touch $(SPEC_STAMP)
@@ -81,7 +81,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# ruff, mypy (about 30 s on a cold cache) and the speculators install (about 30 s) run at
+# ruff, mypy (about 30 s on a cold cache) and the speculators install (about 8 s) run at
 # the same time once the venv exists; then pytest.
 test: $(STAMP)
 	@$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck $(SPEC_STAMP)
