@@ -521,29 +521,58 @@ def test_files_on_disk_are_verified_and_a_finished_run_never_starts_vllm(
 # -- vLLM end to end ----------------------------------------------------------------------
 
 
+MIXED_RECORDS: list[Any] = [
+    {"text": "The quick brown fox jumps over the lazy dog."},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Why is the sky blue?"},
+        ]
+    },
+    {"token_ids": list(range(10, 40))},
+    '{"text": "unterminated',
+    {"text": "y" * 200},  # 200 tokens > max_model_len - 1
+    {"token_ids": [1, 2, 5000]},  # out of vocabulary
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+    "",
+    {"messages": [*MULTI_TURN[1:3], {"role": "user", "content": "And?"}]},
+    {"input_ids": list(range(60, 72)), "loss_mask": [0] * 5 + [1] * 7},  # speculators'
+    {"input_ids": list(range(60, 72)), "loss_mask": [1] * 11},
+]
+"""One JSONL input of every kind: texts, chats (OpenAI and ShareGPT), token ids, masks,
+and five bad lines (indexes 3, 4, 5, 7, 10)."""
+MIXED_OK = {0, 1, 2, 6, 8, 9}
+
+
+def _check_mixed_ok_samples(out: Path, tokenizer: Any) -> None:
+    """The good records' samples: token ids, layers and loss masks as expected."""
+    records = MIXED_RECORDS
+    sharegpt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    chats = {1: records[1]["messages"], 6: sharegpt, 8: records[8]["messages"]}
+    for index in MIXED_OK:
+        [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
+        mask = None
+        if index in chats:  # the assistant mask as transformers computes it from tags
+            want, mask = oracle_mask(tokenizer, PLAIN_TAGGED, chats[index])
+            assert want == expected_ids(tokenizer, {"messages": chats[index]})
+        elif index == 9:
+            want, mask = records[9]["input_ids"], records[9]["loss_mask"]
+        else:
+            want = expected_ids(tokenizer, records[index])
+        assert sample.token_ids.tolist() == want, index
+        assert sample.hidden_states.shape == (len(want), 2, 128)
+        assert sample.layer_ids == LAYERS
+        got = None if sample.loss_mask is None else sample.loss_mask.int().tolist()
+        assert got == mask, index
+    assert sum(mask_of(out, 8)) == len("Rayleigh scattering.")  # a reply mid-conversation
+    assert sum(mask_of(out, 1)) == 0  # a chat without a reply yet: nothing to learn
+
+
 @pytest.mark.vllm
 def test_mixed_input_writes_ok_samples_and_records_failures(
     tmp_path: Path, tiny_model_fp32: Path, tokenizer: Any
 ) -> None:
-    records: list[Any] = [
-        {"text": "The quick brown fox jumps over the lazy dog."},
-        {
-            "messages": [
-                {"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Why is the sky blue?"},
-            ]
-        },
-        {"token_ids": list(range(10, 40))},
-        '{"text": "unterminated',
-        {"text": "y" * 200},  # 200 tokens > max_model_len - 1
-        {"token_ids": [1, 2, 5000]},  # out of vocabulary
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
-        "",
-        {"messages": [*MULTI_TURN[1:3], {"role": "user", "content": "And?"}]},
-        {"input_ids": list(range(60, 72)), "loss_mask": [0] * 5 + [1] * 7},  # speculators'
-        {"input_ids": list(range(60, 72)), "loss_mask": [1] * 11},
-    ]
-    data = write_jsonl(tmp_path / "in.jsonl", records)
+    data = write_jsonl(tmp_path / "in.jsonl", MIXED_RECORDS)
     out = tmp_path / "out"
     started = time.monotonic()
     result = run_extract(
@@ -563,28 +592,9 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert "extract: 11/11 (100.0%), 5 failed" in result.stderr  # the final progress line
-    sharegpt = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-    chats = {1: records[1]["messages"], 6: sharegpt, 8: records[8]["messages"]}
-    ok = {0, 1, 2, 6, 8, 9}
-    for index in ok:
-        [sample] = HiddenStateReader(out, names=[f"hs_{index}.safetensors"], on_error="raise")
-        mask = None
-        if index in chats:  # the assistant mask as transformers computes it from tags
-            want, mask = oracle_mask(tokenizer, PLAIN_TAGGED, chats[index])
-            assert want == expected_ids(tokenizer, {"messages": chats[index]})
-        elif index == 9:
-            want, mask = records[9]["input_ids"], records[9]["loss_mask"]
-        else:
-            want = expected_ids(tokenizer, records[index])
-        assert sample.token_ids.tolist() == want, index
-        assert sample.hidden_states.shape == (len(want), 2, 128)
-        assert sample.layer_ids == LAYERS
-        got = None if sample.loss_mask is None else sample.loss_mask.int().tolist()
-        assert got == mask, index
-    assert sum(mask_of(out, 8)) == len("Rayleigh scattering.")  # a reply mid-conversation
-    assert sum(mask_of(out, 1)) == 0  # a chat without a reply yet: nothing to learn
+    _check_mixed_ok_samples(out, tokenizer)
     state = Manifest(str(out)).samples
-    assert {i for i, r in state.items() if r.ok} == ok
+    assert {i for i, r in state.items() if r.ok} == MIXED_OK
     reasons = {i: r.error or "" for i, r in state.items() if not r.ok}
     assert set(reasons) == {3, 4, 5, 7, 10}
     assert reasons[10] == "'loss_mask' has 11 entries for 12 token ids"
@@ -598,6 +608,29 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
     assert "failed samples (5):" in result.stdout
     assert temp_files(out) == []
     print(f"mixed input run: {elapsed:.1f}s")
+
+
+def _kill_after_three_samples(args: list[str], out: Path) -> dict[int, Any]:
+    """Run ``extract ARGS``, SIGKILL it once a reader saw 3 samples; the manifest then."""
+    # The killed run has vLLM's default layout (its engine core and worker are other
+    # processes of its group, killed with it); the resumed run is an in-process engine.
+    proc = subprocess.Popen(
+        extract_argv(*args, module=True),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: the engine core dies with it
+    )
+    try:
+        seen = sum(1 for _ in HiddenStateReader(out, follow=True, max_samples=3, idle_timeout=300))
+        # Freeze the whole group the moment the third sample is yielded: nothing moves between
+        # this count and the SIGKILL (a fast run used to finish all of them before a kill).
+        os.killpg(proc.pid, signal.SIGSTOP)
+        before = Manifest(str(out)).samples
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert seen == 3
+    return before
 
 
 @pytest.mark.vllm
@@ -627,24 +660,7 @@ def test_resume_after_sigkill_records_every_index_once(
         "512",
     ]
     started = time.monotonic()
-    # The killed run has vLLM's default layout (its engine core and worker are other
-    # processes of its group, killed with it); the resumed run is an in-process engine.
-    proc = subprocess.Popen(
-        extract_argv(*args, module=True),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: the engine core dies with it
-    )
-    try:
-        seen = sum(1 for _ in HiddenStateReader(out, follow=True, max_samples=3, idle_timeout=300))
-        # Freeze the whole group the moment the third sample is yielded: nothing moves between
-        # this count and the SIGKILL (a fast run used to finish all of them before a kill).
-        os.killpg(proc.pid, signal.SIGSTOP)
-        before = Manifest(str(out)).samples
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert seen == 3
+    before = _kill_after_three_samples(args, out)
     assert len(before) < RESUME_RECORDS, "the run finished before the kill"
     killed_at = time.monotonic() - started
 

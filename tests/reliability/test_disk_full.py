@@ -103,72 +103,81 @@ def outcome(root: Path, path: str) -> str:
     return "failed:no-lock"
 
 
-def test_full_disk_fails_samples_not_the_server(
-    full_server: Any, small_disk: Path, figures: Figures
-) -> None:
-    root = small_disk
-    log_before = full_server.tail(1_000_000).count("not written")
+def _overflow(server: Any, root: Path) -> tuple[list[Any], dict[str, str], int, list[str]]:
+    """Phase 1: 14 samples of 1.1 MiB for 8 MiB. Every request is answered; each sample is
+    written whole or failed (recorded in its lock, logged once), nothing half-written.
 
-    # 1. Overflow the disk: 14 samples of 1.1 MiB for 8 MiB.
-    results = list(
-        complete_all(full_server.url, "tiny", [prompt(i) for i in range(14)], concurrency=4)
-    )
+    Returns the results, each path's outcome, the log's "not written" count and reasons.
+    """
+    log_before = server.tail(1_000_000).count("not written")
+    results = list(complete_all(server.url, "tiny", [prompt(i) for i in range(14)], concurrency=4))
     assert [r.error for r in results] == [None] * 14, "every request is answered"
-    assert full_server.healthy(timeout=HEALTH_TIMEOUT)
+    assert server.healthy(timeout=HEALTH_TIMEOUT)
     outcomes = {r.path: outcome(root, r.path) for r in results if r.path}
     written = [p for p, o in outcomes.items() if o == "written"]
     failed = [p for p, o in outcomes.items() if o != "written"]
     assert written and failed, outcomes
     for p in written:
         assert load_sample(p).num_tokens == PROMPT
-    listing = entries(root)
-    assert listing["temp"] == [], "an aborted write must remove its temp file"
+    assert entries(root)["temp"] == [], "an aborted write must remove its temp file"
     assert held_locks(root) == 0
     # The lock is released (failed) just before the log line is written.
-    not_written = log_count(full_server, "not written", log_before + len(failed)) - log_before
+    not_written = log_count(server, "not written", log_before + len(failed)) - log_before
     assert not_written == len(failed), "each failed sample is logged once"
-    log_reasons = sorted(
-        set(re.findall(r"not written \([^)]*\): (.{0,60})", full_server.tail(400)))
-    )
+    reasons = sorted(set(re.findall(r"not written \([^)]*\): (.{0,60})", server.tail(400))))
+    return results, outcomes, not_written, reasons
 
-    # 2. While full, the server keeps answering (small and large prompts alike).
+
+def _while_full(server: Any, root: Path) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """Phase 2: a full disk, then one without a page left; the server keeps answering.
+
+    Returns the responses, the outcomes while full and those with no page left.
+    """
     later = [
-        complete(full_server.url, "tiny", prompt(100 + i, n)) for i, n in enumerate([4, 50, PROMPT])
+        complete(server.url, "tiny", prompt(100 + i, n)) for i, n in enumerate([4, 50, PROMPT])
     ]
     assert all(r["kv_transfer_params"]["hidden_states_path"] for r in later)
-    assert full_server.healthy(timeout=HEALTH_TIMEOUT)
+    assert server.healthy(timeout=HEALTH_TIMEOUT)
     during_full = [outcome(root, r["kv_transfer_params"]["hidden_states_path"]) for r in later]
-
-    # 2b. Completely full (not one page left): not even the lock file can be written.
+    # Completely full (not one page left): not even the lock file can be written.
     fd = os.open(root / "filler.bin", os.O_WRONLY | os.O_CREAT, 0o644)
     with contextlib.suppress(OSError):
         while True:
             os.write(fd, bytes(4096))
     os.close(fd)
     assert free_bytes(root) == 0
-    no_room = [complete(full_server.url, "tiny", prompt(150 + i, 30)) for i in range(2)]
-    assert full_server.healthy(timeout=HEALTH_TIMEOUT)
+    no_room = [complete(server.url, "tiny", prompt(150 + i, 30)) for i in range(2)]
+    assert server.healthy(timeout=HEALTH_TIMEOUT)
     no_room_outcomes = [
         outcome(root, r["kv_transfer_params"]["hidden_states_path"]) for r in no_room
     ]
     assert all(o.startswith("failed") for o in no_room_outcomes), no_room_outcomes
-    later += no_room
+    return later + no_room, during_full, no_room_outcomes
+
+
+def _remove_samples(root: Path) -> None:
+    for name in os.listdir(root):
+        if not name.startswith("."):
+            os.unlink(root / name)
+
+
+def test_full_disk_fails_samples_not_the_server(
+    full_server: Any, small_disk: Path, figures: Figures
+) -> None:
+    root = small_disk
+    results, outcomes, not_written, log_reasons = _overflow(full_server, root)
+    later, during_full, no_room_outcomes = _while_full(full_server, root)
 
     # 3. A reader sees the written samples and skips the failed ones, each counted.
     reader = HiddenStateReader(root, orphan_grace=0)
     seen = {s.path for s in reader}
-    assert seen == {
-        p
-        for p in list(outcomes) + [r["kv_transfer_params"]["hidden_states_path"] for r in later]
-        if os.path.exists(p)
-    }
+    answered = list(outcomes) + [r["kv_transfer_params"]["hidden_states_path"] for r in later]
+    assert seen == {p for p in answered if os.path.exists(p)}
     assert reader.stats.corrupt == reader.stats.incomplete == 0
 
     # 4. Free the space: writes resume.
     free_before = free_bytes(root)
-    for name in os.listdir(root):
-        if not name.startswith("."):
-            os.unlink(root / name)
+    _remove_samples(root)
     resumed = list(
         complete_all(full_server.url, "tiny", [prompt(200 + i) for i in range(4)], concurrency=2)
     )
@@ -182,8 +191,8 @@ def test_full_disk_fails_samples_not_the_server(
         sample_mib=round((PROMPT * TOKEN_BYTES) / 2**20, 2),
         requests=len(results),
         answered=sum(r.error is None for r in results),
-        written=len(written),
-        failed=len(failed),
+        written=sum(o == "written" for o in outcomes.values()),
+        failed=sum(o != "written" for o in outcomes.values()),
         failure_kinds=sorted({o for o in outcomes.values() if o != "written"}),
         server_log_not_written=not_written,
         server_log_reasons=log_reasons,
@@ -194,6 +203,4 @@ def test_full_disk_fails_samples_not_the_server(
         reader_stats={k: v for k, v in reader.stats.as_dict().items() if v},
     )
     with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            if not name.startswith("."):
-                os.unlink(root / name)
+        _remove_samples(root)

@@ -103,6 +103,38 @@ class Load:
             t.join(timeout=90)
 
 
+class Follower:
+    """A follow reader in a thread, collecting the names it yields and any error."""
+
+    def __init__(self, out: Path) -> None:
+        self.reader = HiddenStateReader(out, follow=True, idle_timeout=IDLE, lock_timeout=60)
+        self.yielded: list[str] = []
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._follow)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        try:
+            for sample in self.reader:
+                self.yielded.append(os.path.basename(sample.path))
+                assert sample.hidden_states.shape[1:] == (len(LAYERS), 128)
+        except BaseException as exc:  # reported by the test
+            self.errors.append(exc)
+
+
+def _report_then_clean(out: Path, ready: int) -> dict[str, int]:
+    """Leftovers are only stale locks and orphan temp files; clean removes them."""
+    rc, report = verify(out)
+    problems = problem_states(report)
+    assert set(problems) <= {"stale", "orphan_temp"}, report["problems"][:5]
+    assert rc == (1 if problems else 0)
+    assert report["states"].get("ready", 0) == ready
+    clean(out)
+    rc_after, report_after = verify(out)
+    assert rc_after == 0, report_after["problems"][:5]
+    return problems
+
+
 def test_server_killed_mid_load(
     tiny_model: Path, tmp_path: Path, start_server: Any, figures: Figures
 ) -> None:
@@ -111,20 +143,7 @@ def test_server_killed_mid_load(
     server = start_server(serve_options(tiny_model, out), tmp_path / "server.log")
     rng = random.Random(7)
 
-    yielded: list[str] = []
-    reader = HiddenStateReader(out, follow=True, idle_timeout=IDLE, lock_timeout=60)
-    reader_error: list[BaseException] = []
-
-    def follow() -> None:
-        try:
-            for sample in reader:
-                yielded.append(os.path.basename(sample.path))
-                assert sample.hidden_states.shape[1:] == (len(LAYERS), 128)
-        except BaseException as exc:  # reported below
-            reader_error.append(exc)
-
-    consumer = threading.Thread(target=follow)
-    consumer.start()
+    follower = Follower(out)
     load = Load(server.url, seed=11)
     deadline = time.monotonic() + 240
     while len(entries(out)["data"]) < KILL_AFTER_FILES and time.monotonic() < deadline:
@@ -135,33 +154,25 @@ def test_server_killed_mid_load(
     server.kill()
     killed = time.monotonic()
     shm_left = len(vllm_shm_segments() - shm_before)
-    consumer.join(timeout=IDLE + 60)
+    follower.thread.join(timeout=IDLE + 60)
     reader_end = time.monotonic() - killed
     load.stop()
-    assert not consumer.is_alive(), "the follow reader must end on its idle timeout"
-    assert not reader_error, f"the reader crashed: {reader_error[0]!r}"
+    assert not follower.thread.is_alive(), "the follow reader must end on its idle timeout"
+    assert not follower.errors, f"the reader crashed: {follower.errors[0]!r}"
 
     # Every data file is complete and valid; the reader yielded exactly those.
     listing = entries(out)
     for name in listing["data"]:
         sample = load_sample(out / name)
         assert sample.hidden_states.shape[1:] == (len(LAYERS), 128)
-    assert sorted(yielded) == sorted(listing["data"]), "nothing good lost, nothing else yielded"
+    assert sorted(follower.yielded) == sorted(listing["data"]), "nothing lost, nothing else"
     lengths = {os.path.basename(a["path"]): a["tokens"] for a in load.answered}
     for name in listing["data"]:
         if name in lengths:
             assert load_sample(out / name).num_tokens == lengths[name]
     answered_not_written = [n for n in lengths if n not in set(listing["data"])]
 
-    # Leftovers: only stale locks and orphan temp files; clean removes them.
-    rc, report = verify(out)
-    problems = problem_states(report)
-    assert set(problems) <= {"stale", "orphan_temp"}, report["problems"][:5]
-    assert rc == (1 if problems else 0)
-    assert report["states"].get("ready", 0) == len(listing["data"])
-    clean(out)
-    rc_after, report_after = verify(out)
-    assert rc_after == 0, report_after["problems"][:5]
+    problems = _report_then_clean(out, ready=len(listing["data"]))
 
     figures.record(
         "kill",
@@ -172,8 +183,8 @@ def test_server_killed_mid_load(
         answered_but_not_written=len(answered_not_written),
         stale_locks=problems.get("stale", 0),
         orphan_temps=problems.get("orphan_temp", 0),
-        reader_yielded=len(yielded),
-        reader_stats=reader.stats.as_dict(),
+        reader_yielded=len(follower.yielded),
+        reader_stats=follower.reader.stats.as_dict(),
         reader_ended_after_kill_s=round(reader_end, 2),
         reader_idle_timeout_s=IDLE,
         vllm_shm_segments_left=shm_left,  # vLLM's own /dev/shm queues: no one removes them

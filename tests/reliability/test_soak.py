@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +155,21 @@ def by_process(pid: int) -> dict[str, float]:
     return out
 
 
-def _soak(server: Any, figures: Figures, *, long: bool) -> None:
-    duration, warmup = DURATION[long], WARMUP[long]
-    root = Path(server.options.out_dir)
+@dataclass
+class Load:
+    """What one soak load left: the curve, the clients and the reader, the root's end state."""
+
+    curve: list[dict[str, float]]
+    clients: Clients
+    reader: HiddenStateReader
+    consumed: int
+    end_listing: dict[str, list[str]]
+    end_held: int
+
+
+def _load(server: Any, root: Path, duration: float) -> Load:
+    """Clients with aborts and a claiming reader for ``duration`` s, sampled once a second;
+    then the last writes finish and the reader drains."""
     reader = HiddenStateReader(
         root, follow=True, claim=True, on_consumed="delete", idle_timeout=None, lock_timeout=120
     )
@@ -190,17 +203,28 @@ def _soak(server: Any, figures: Figures, *, long: bool) -> None:
         )
         time.sleep(1.0)  # the sampling period of the curve
     clients.join()
-    # Let the last writes finish and the reader drain.
+    _drain(root)
+    end_listing, end_held = entries(root), held_locks(root)
+    reader.close()
+    consumer.join(timeout=30)
+    return Load(curve, clients, reader, consumed[0], end_listing, end_held)
+
+
+def _drain(root: Path) -> None:
+    """Let the last writes finish and the reader drain (up to a minute)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (
         held_locks(root) or entries(root)["temp"] or entries(root)["data"]
     ):
         time.sleep(0.2)  # watching another process's files: nothing to block on
-    end_listing = entries(root)
-    end_held = held_locks(root)
-    reader.close()
-    consumer.join(timeout=30)
 
+
+def _soak(server: Any, figures: Figures, *, long: bool) -> None:
+    duration, warmup = DURATION[long], WARMUP[long]
+    root = Path(server.options.out_dir)
+    load = _load(server, root, duration)
+    curve, clients, reader = load.curve, load.clients, load.reader
+    end_listing, end_held = load.end_listing, load.end_held
     steady = [p for p in curve if p["t"] >= warmup]
     xs = [p["t"] for p in steady]
     fds = [p["fds"] for p in steady]
@@ -216,7 +240,7 @@ def _soak(server: Any, figures: Figures, *, long: bool) -> None:
         completed=clients.completed,
         aborted=clients.aborted,
         client_errors=clients.errors,
-        consumed=consumed[0],
+        consumed=load.consumed,
         reader_failed=reader.stats.failed,
         reader_stats={k: v for k, v in reader.stats.as_dict().items() if v},
         fds_first_third=round(fd_first, 1),

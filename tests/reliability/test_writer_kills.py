@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from hidden_state_reader import HiddenStateReader
+from hidden_state_reader import HiddenStateReader, ReaderStats
 
 from tools.relkit import (
     TOOLS,
@@ -153,6 +153,37 @@ def hidden_temps(root: Path) -> list[str]:
     return [n for n in os.listdir(root) if n.startswith(".tmp")]
 
 
+def _report_then_clean(
+    hs_dir: Path, mode: str, yielded: set[str], done: set[str], stats: ReaderStats
+) -> dict[str, int]:
+    """The leftovers of the kills are reported by ``verify``, then cleaned; returns them."""
+    rc, report = verify(hs_dir)
+    problems = problem_states(report)
+    allowed = {"stale", "orphan_temp"} | ({"incomplete"} if mode == "inplace" else set())
+    assert set(problems) <= allowed, problems
+    assert report["states"].get("ready", 0) == len(yielded)
+    assert rc == (1 if problems else 0)
+    assert problems, "hundreds of kills must leave something to report"
+    skipped_by_reader = stats.stale_locks + stats.incomplete
+    assert skipped_by_reader == problems.get("stale", 0) + problems.get("incomplete", 0)
+    clean(hs_dir)
+    rc_after, report_after = verify(hs_dir)
+    left = problem_states(report_after)
+    if mode == "inplace":
+        # clean never deletes data files: partial in-place files stay until removed.
+        assert set(left) <= {"incomplete"}
+        partial = [p["name"] for p in report_after["problems"]]
+        assert not set(partial) & done
+        for name in partial:
+            os.unlink(hs_dir / name)
+            if os.path.exists(hs_dir / (name + ".lock")):
+                os.unlink(hs_dir / (name + ".lock"))
+        rc_after, report_after = verify(hs_dir)
+    assert rc_after == 0, report_after["problems"][:5]
+    assert report_after["states"].get("ready", 0) == len(yielded)
+    return problems
+
+
 @pytest.mark.parametrize("mode", ["atomic", "inplace", "vllm"])
 def test_killed_writers_never_yield_partial_samples(
     hs_dir: Path, mode: str, long_run: bool, figures: Figures
@@ -186,33 +217,9 @@ def test_killed_writers_never_yield_partial_samples(
     again = {os.path.basename(s.path) for s in snapshot if matches_pattern(s)}
     assert again == yielded
 
-    # The leftovers are reported, then cleaned.
     listing = entries(hs_dir)
     listing["hidden_tmp"] = hidden_temps(hs_dir)
-    rc, report = verify(hs_dir)
-    problems = problem_states(report)
-    allowed = {"stale", "orphan_temp"} | ({"incomplete"} if mode == "inplace" else set())
-    assert set(problems) <= allowed, problems
-    assert report["states"].get("ready", 0) == len(yielded)
-    assert rc == (1 if problems else 0)
-    assert problems, "hundreds of kills must leave something to report"
-    skipped_by_reader = stats.stale_locks + stats.incomplete
-    assert skipped_by_reader == problems.get("stale", 0) + problems.get("incomplete", 0)
-    clean(hs_dir)
-    rc_after, report_after = verify(hs_dir)
-    left = problem_states(report_after)
-    if mode == "inplace":
-        # clean never deletes data files: partial in-place files stay until removed.
-        assert set(left) <= {"incomplete"}
-        partial = [p["name"] for p in report_after["problems"]]
-        assert not set(partial) & done
-        for name in partial:
-            os.unlink(hs_dir / name)
-            if os.path.exists(hs_dir / (name + ".lock")):
-                os.unlink(hs_dir / (name + ".lock"))
-        rc_after, report_after = verify(hs_dir)
-    assert rc_after == 0, report_after["problems"][:5]
-    assert report_after["states"].get("ready", 0) == len(yielded)
+    problems = _report_then_clean(hs_dir, mode, yielded, done, stats)
 
     figures.record(
         mode,
