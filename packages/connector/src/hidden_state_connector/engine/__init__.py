@@ -16,9 +16,8 @@
 * ``compat``: everything that differs between vLLM releases.
 
 Only ``connector`` and ``metrics`` need vLLM to be importable. ``compat`` imports vLLM
-inside its functions only, and ``metadata`` subclasses vLLM's metadata base class when
-vLLM is installed (a stand-in otherwise), so every other module imports, and can be
-unit-tested, without vLLM; the write path (``writer``, ``gather``, ``buffers``,
-``save_job``, ``sample_write``) does not even load an installed vLLM. Nothing is
+inside its functions only, and ``metadata`` is plain dataclasses (``connector`` registers
+its class with vLLM's empty ``KVConnectorMetadata`` ABC), so every other module imports,
+and can be unit-tested, without vLLM and without loading an installed one. Nothing is
 imported here.
 """

@@ -28,24 +28,6 @@ from hidden_state_connector.logs import get_logger
 log = get_logger(__name__)
 
 
-def connector_metadata_base() -> type:
-    """The metadata base class: vLLM's ``KVConnectorMetadata``, or a stand-in without vLLM.
-
-    The per-step metadata must subclass vLLM's class inside the engine; the stand-in
-    lets the in-engine modules be imported and unit-tested where vLLM is absent (vLLM's
-    class is an empty ABC, so nothing is lost there).
-    """
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-    except ImportError:
-
-        class KVConnectorMetadata:  # type: ignore[no-redef]
-            """Stand-in for vLLM's empty metadata base class (vLLM not importable)."""
-
-        return KVConnectorMetadata
-    return KVConnectorMetadata
-
-
 MIN_VLLM = (0, 26, 0)
 MAX_VLLM_EXCLUSIVE = (0, 34, 0)
 # Releases the test suite or the GPU kit really ran, and on what.

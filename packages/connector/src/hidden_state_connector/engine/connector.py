@@ -48,6 +48,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         compat.check_vllm_version()
+        # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
+        # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
+        KVConnectorMetadata.register(HiddenStateConnectorMetadata)
         self.config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
