@@ -612,13 +612,14 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
 
 def _kill_after_three_samples(args: list[str], out: Path) -> dict[int, Any]:
     """Run ``extract ARGS``, SIGKILL it once a reader saw 3 samples; the manifest then."""
-    # The killed run has vLLM's default layout (its engine core and worker are other
-    # processes of its group, killed with it); the resumed run is an in-process engine.
+    # Both runs are in-process engines (the layout is not the point; a killed multiprocess
+    # server is tests/reliability/test_server_kill.py): SIGKILL ends the whole engine.
     proc = subprocess.Popen(
         extract_argv(*args, module=True),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,  # its own process group: the engine core dies with it
+        start_new_session=True,  # its own process group, frozen and killed as one
+        env={**os.environ, **IN_PROCESS_ENGINE},
     )
     try:
         seen = sum(1 for _ in HiddenStateReader(out, follow=True, max_samples=3, idle_timeout=300))
