@@ -30,12 +30,10 @@ from hidden_state_reader import HiddenStateReader, load_sample
 from tools.relkit import (
     LAYERS,
     Figures,
-    clean,
     entries,
     held_locks,
-    problem_states,
+    report_then_clean,
     serve_options,
-    verify,
 )
 
 pytestmark = pytest.mark.vllm
@@ -122,19 +120,6 @@ class Follower:
             self.errors.append(exc)
 
 
-def _report_then_clean(out: Path, ready: int) -> dict[str, int]:
-    """Leftovers are only stale locks and orphan temp files; clean removes them."""
-    rc, report = verify(out)
-    problems = problem_states(report)
-    assert set(problems) <= {"stale", "orphan_temp"}, report["problems"][:5]
-    assert rc == (1 if problems else 0)
-    assert report["states"].get("ready", 0) == ready
-    clean(out)
-    rc_after, report_after = verify(out)
-    assert rc_after == 0, report_after["problems"][:5]
-    return problems
-
-
 def test_server_killed_mid_load(
     tiny_model: Path, tmp_path: Path, start_server: Any, figures: Figures
 ) -> None:
@@ -172,7 +157,11 @@ def test_server_killed_mid_load(
             assert load_sample(out / name).num_tokens == lengths[name]
     answered_not_written = [n for n in lengths if n not in set(listing["data"])]
 
-    problems = _report_then_clean(out, ready=len(listing["data"]))
+    # Leftovers: only stale locks and orphan temp files; clean removes them.
+    problems, (rc_after, report_after) = report_then_clean(
+        out, {"stale", "orphan_temp"}, ready=len(listing["data"])
+    )
+    assert rc_after == 0, report_after["problems"][:5]
 
     figures.record(
         "kill",

@@ -47,6 +47,7 @@ from tools.relkit import (
     matches_pattern,
     pattern_tensors,
     problem_states,
+    report_then_clean,
     sample_name,
     verify,
 )
@@ -157,17 +158,11 @@ def _report_then_clean(
     hs_dir: Path, mode: str, yielded: set[str], done: set[str], stats: ReaderStats
 ) -> dict[str, int]:
     """The leftovers of the kills are reported by ``verify``, then cleaned; returns them."""
-    rc, report = verify(hs_dir)
-    problems = problem_states(report)
     allowed = {"stale", "orphan_temp"} | ({"incomplete"} if mode == "inplace" else set())
-    assert set(problems) <= allowed, problems
-    assert report["states"].get("ready", 0) == len(yielded)
-    assert rc == (1 if problems else 0)
+    problems, (rc_after, report_after) = report_then_clean(hs_dir, allowed, ready=len(yielded))
     assert problems, "hundreds of kills must leave something to report"
     skipped_by_reader = stats.stale_locks + stats.incomplete
     assert skipped_by_reader == problems.get("stale", 0) + problems.get("incomplete", 0)
-    clean(hs_dir)
-    rc_after, report_after = verify(hs_dir)
     left = problem_states(report_after)
     if mode == "inplace":
         # clean never deletes data files: partial in-place files stay until removed.

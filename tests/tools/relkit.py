@@ -114,6 +114,23 @@ def clean(directory: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]
     return proc
 
 
+def report_then_clean(
+    directory: str | os.PathLike[str], allowed: set[str], ready: int
+) -> tuple[dict[str, int], tuple[int, dict[str, Any]]]:
+    """A fault's leftovers: ``verify`` reports only problems of the ``allowed`` states and
+    ``ready`` complete samples (exit 1 exactly when it reports any); then ``clean`` runs.
+
+    Returns the problems by state and ``verify``'s (exit status, report) after cleaning.
+    """
+    rc, report = verify(directory)
+    problems = problem_states(report)
+    assert set(problems) <= allowed, report["problems"][:5]
+    assert rc == (1 if problems else 0)
+    assert report["states"].get("ready", 0) == ready
+    clean(directory)
+    return problems, verify(directory)
+
+
 # -- directory inspection ------------------------------------------------------------
 
 
