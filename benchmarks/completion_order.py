@@ -58,8 +58,8 @@ def _record_event_arrivals() -> dict[tuple[str, str], int]:
     Keys: ``(sample name, "data")`` for the data file renamed into place, ``(sample name,
     "release")`` for the writer closing (releasing) its lock; the last of each.
     """
-    from hidden_state_reader import discovery
     from hidden_state_reader.format.names import LOCK_SUFFIX, sample_key
+    from hidden_state_reader.read import sources as discovery
 
     arrivals: dict[tuple[str, str], int] = {}
     real = discovery._Inotify._dispatch.__func__  # type: ignore[attr-defined]

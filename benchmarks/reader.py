@@ -127,12 +127,12 @@ def pass_reader_copy(root: Path) -> int:
 def mapped_files(root: Path) -> int:
     """How many files of ``root`` the reader maps (by default) rather than copies.
 
-    The same test as ``hidden_state_reader.sample_load``: at least ``MMAP_MIN_BYTES`` and a
+    The same test as ``hidden_state_reader.sample.load``: at least ``MMAP_MIN_BYTES`` and a
     ``format_version`` in the metadata (this project's writers set it).
     """
     from hidden_state_reader import read_header
     from hidden_state_reader.format.header import Meta
-    from hidden_state_reader.sample_load import MMAP_MIN_BYTES
+    from hidden_state_reader.sample.load import MMAP_MIN_BYTES
 
     n = 0
     for name in _names(root):

@@ -186,7 +186,7 @@ def test_loss_masks_sent_online_come_back_exactly_and_a_bad_one_is_refused(
 ) -> None:
     from vllm import SamplingParams
 
-    from hidden_state_reader.collate import pad_collate
+    from hidden_state_reader.training.collate import pad_collate
 
     prompts = [prompt(12, 21), prompt(20, 22), prompt(10, 23)]
     listed = [0] * 5 + [1] * 4 + [0, 1, 1]

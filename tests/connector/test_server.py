@@ -162,7 +162,7 @@ def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: Vll
 
 def test_stop_drains_writes_and_leaves_no_partial_or_temp_files(server: VllmServer) -> None:
     """Runs last: SIGINT to the server (as a service manager stops it) right after a burst."""
-    from hidden_state_reader.health import scan_health
+    from hidden_state_reader.sample.health import scan_health
 
     out = Path(server.options.out_dir)
     prompts = [[(i * 13 + k) % 250 for k in range(200 + 40 * (i % 5))] for i in range(40)]

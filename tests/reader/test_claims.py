@@ -122,7 +122,7 @@ def test_ctrl_c_while_recording_a_delivered_sample_still_records_it(
 
 def test_a_claiming_follow_dataset_keeps_the_resume_contract(hs_dir: Path) -> None:
     """Follow mode has no order to resume in: the claims say what was consumed."""
-    from hidden_state_reader.dataset import HiddenStateDataset
+    from hidden_state_reader.training.dataset import HiddenStateDataset
 
     write_samples(hs_dir, 9)
 

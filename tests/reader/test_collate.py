@@ -1,4 +1,4 @@
-"""Padding and packing collation (hidden_state_reader.collate) on real samples."""
+"""Padding and packing collation (hidden_state_reader.training.collate) on real samples."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hidden_state_reader import HiddenStateReader, Sample
-from hidden_state_reader.collate import PackCollate, PadCollate, pack_collate, pad_collate
+from hidden_state_reader.training.collate import PackCollate, PadCollate, pack_collate, pad_collate
 
 from samples import make_tensors, write_samples
 

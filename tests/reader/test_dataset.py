@@ -17,10 +17,10 @@ import torch
 from resume_contract import check_resume_contract
 from torch.utils.data import DataLoader
 
-from hidden_state_reader.collate import pad_collate
-from hidden_state_reader.dataset import HiddenStateDataset
-from hidden_state_reader.loader import HiddenStateLoader
 from hidden_state_reader.reader import HiddenStateReader
+from hidden_state_reader.training.collate import pad_collate
+from hidden_state_reader.training.dataset import HiddenStateDataset
+from hidden_state_reader.training.loader import HiddenStateLoader
 
 from procs import run_ranks
 from samples import make_tensors, write_samples
@@ -323,7 +323,7 @@ def test_reader_options_mirror_the_readers_keyword_arguments() -> None:
     import dataclasses
     import inspect
 
-    from hidden_state_reader.reader_options import ReaderOptions
+    from hidden_state_reader.options import ReaderOptions
 
     params = inspect.signature(HiddenStateReader.__init__).parameters
     expected = {

@@ -95,7 +95,7 @@ def test_stale_lock_of_a_dead_writer_is_reported_not_waited_on(hs_dir: Path) -> 
 
 
 def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) -> None:
-    from hidden_state_reader.discovery import RESCAN, FollowSource, _Inotify
+    from hidden_state_reader.read.sources import RESCAN, FollowSource, _Inotify
 
     source = FollowSource(str(hs_dir), rescan_interval=3600)
     try:
@@ -124,7 +124,7 @@ def test_watcher_threads_leave_ctrl_c_to_the_main_thread(hs_dir: Path) -> None:
     """A Ctrl-C delivered to the watcher thread would leave the main thread asleep."""
     import signal
 
-    from hidden_state_reader.discovery import FollowSource
+    from hidden_state_reader.read.sources import FollowSource
 
     source = FollowSource(str(hs_dir), watch="inotify")
     try:

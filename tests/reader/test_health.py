@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hidden_state_reader.format import LockState, WriterLock, write_sample
-from hidden_state_reader.health import (
+from hidden_state_reader.sample.health import (
     DEFAULT_GRACE,
     PROBLEM_STATES,
     HealthState,

@@ -54,10 +54,10 @@ def test_import_is_torch_free_and_installs_nothing(module: str) -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "hidden_state_reader.waiting",
+        "hidden_state_reader.format.flockwait",
         "hidden_state_reader.reader",
-        "hidden_state_reader.dataset",
-        "hidden_state_reader.loader",
+        "hidden_state_reader.training.dataset",
+        "hidden_state_reader.training.loader",
         "hidden_state_reader.cli.main",
     ],
 )

@@ -13,9 +13,9 @@ import pytest
 import torch
 from resume_contract import check_resume_contract
 
-from hidden_state_reader.collate import pack_collate
-from hidden_state_reader.dataset import HiddenStateDataset
-from hidden_state_reader.loader import HiddenStateLoader
+from hidden_state_reader.training.collate import pack_collate
+from hidden_state_reader.training.dataset import HiddenStateDataset
+from hidden_state_reader.training.loader import HiddenStateLoader
 
 from samples import write_samples
 

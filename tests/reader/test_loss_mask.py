@@ -16,9 +16,9 @@ from hidden_state_reader import (
     load_sample,
     read_header,
 )
-from hidden_state_reader.collate import PackCollate, PadCollate, pack_collate, pad_collate
 from hidden_state_reader.format import LOSS_MASK, lock_path, read_status, write_sample
-from hidden_state_reader.sample_load import MMAP_MIN_BYTES, LoadOptions
+from hidden_state_reader.sample.load import MMAP_MIN_BYTES, LoadOptions
+from hidden_state_reader.training.collate import PackCollate, PadCollate, pack_collate, pad_collate
 
 from samples import make_tensors
 

@@ -1,4 +1,4 @@
-"""Rank detection and the deterministic static order (hidden_state_reader.sharding)."""
+"""Rank detection and the deterministic static order (hidden_state_reader.training.sharding)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from hidden_state_reader.sharding import (
+from hidden_state_reader.training.sharding import (
     distributed_context,
     epoch_order,
     rank_share,
@@ -92,7 +92,7 @@ def test_epoch_order_is_a_seeded_permutation() -> None:
 
 def test_epoch_order_is_the_same_in_another_process() -> None:
     code = (
-        "import json; from hidden_state_reader.sharding import epoch_order;"
+        "import json; from hidden_state_reader.training.sharding import epoch_order;"
         f"print(json.dumps(epoch_order({NAMES!r}, seed=11, epoch=4, shuffle=True)))"
     )
     out = subprocess.run(

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from hidden_state_reader.claims import ClaimStore
+from hidden_state_reader.read.claims import ClaimStore
 
 from procs import start_together
 from tools.relkit import TOOLS, Figures

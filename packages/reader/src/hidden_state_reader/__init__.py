@@ -17,8 +17,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hidden_state_reader.collate import PackCollate, PadCollate, pack_collate, pad_collate
-    from hidden_state_reader.dataset import HiddenStateDataset
     from hidden_state_reader.errors import (
         CorruptSampleError,
         FailedSampleError,
@@ -31,13 +29,20 @@ if TYPE_CHECKING:
         WaitCancelledError,
     )
     from hidden_state_reader.format import read_header, write_sample
-    from hidden_state_reader.load_options import LoadOptions
-    from hidden_state_reader.loader import HiddenStateLoader
+    from hidden_state_reader.options import LoadOptions
+    from hidden_state_reader.read.stats import ReaderStats
     from hidden_state_reader.reader import HiddenStateReader
-    from hidden_state_reader.sample import Sample
-    from hidden_state_reader.sample_load import load_sample
-    from hidden_state_reader.sharding import distributed_context
-    from hidden_state_reader.stats import ReaderStats
+    from hidden_state_reader.sample.load import load_sample
+    from hidden_state_reader.sample.sample import Sample
+    from hidden_state_reader.training.collate import (
+        PackCollate,
+        PadCollate,
+        pack_collate,
+        pad_collate,
+    )
+    from hidden_state_reader.training.dataset import HiddenStateDataset
+    from hidden_state_reader.training.loader import HiddenStateLoader
+    from hidden_state_reader.training.sharding import distributed_context
 
 __version__ = "0.1.0"
 
@@ -45,25 +50,25 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CorruptSampleError": "hidden_state_reader.errors",
     "FailedSampleError": "hidden_state_reader.errors",
-    "HiddenStateDataset": "hidden_state_reader.dataset",
+    "HiddenStateDataset": "hidden_state_reader.training.dataset",
     "HiddenStateError": "hidden_state_reader.errors",
-    "HiddenStateLoader": "hidden_state_reader.loader",
+    "HiddenStateLoader": "hidden_state_reader.training.loader",
     "HiddenStateReader": "hidden_state_reader.reader",
     "IncompleteSampleError": "hidden_state_reader.errors",
-    "LoadOptions": "hidden_state_reader.load_options",
+    "LoadOptions": "hidden_state_reader.options",
     "LockTimeoutError": "hidden_state_reader.errors",
-    "PackCollate": "hidden_state_reader.collate",
-    "PadCollate": "hidden_state_reader.collate",
+    "PackCollate": "hidden_state_reader.training.collate",
+    "PadCollate": "hidden_state_reader.training.collate",
     "PathOutsideRootError": "hidden_state_reader.errors",
-    "ReaderStats": "hidden_state_reader.stats",
-    "Sample": "hidden_state_reader.sample",
+    "ReaderStats": "hidden_state_reader.read.stats",
+    "Sample": "hidden_state_reader.sample.sample",
     "SampleError": "hidden_state_reader.errors",
     "StaleLockError": "hidden_state_reader.errors",
     "WaitCancelledError": "hidden_state_reader.errors",
-    "distributed_context": "hidden_state_reader.sharding",
-    "load_sample": "hidden_state_reader.sample_load",
-    "pack_collate": "hidden_state_reader.collate",
-    "pad_collate": "hidden_state_reader.collate",
+    "distributed_context": "hidden_state_reader.training.sharding",
+    "load_sample": "hidden_state_reader.sample.load",
+    "pack_collate": "hidden_state_reader.training.collate",
+    "pad_collate": "hidden_state_reader.training.collate",
     "read_header": "hidden_state_reader.format",
     "write_sample": "hidden_state_reader.format",
 }

@@ -17,21 +17,21 @@ from typing import Any
 
 import torch
 
-from hidden_state_reader.access import check_modes
-from hidden_state_reader.claims import Claim, ClaimStore
-from hidden_state_reader.decision import Decider
-from hidden_state_reader.discovery import FollowSource, SnapshotSource, describe_empty
-from hidden_state_reader.disposal import ACTIONS, dispose
 from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
 from hidden_state_reader.format.lockfile import SharedLock
-from hidden_state_reader.outcomes import OutcomeHandler
-from hidden_state_reader.reader_options import OnConsumed, OnError
-from hidden_state_reader.sample import Sample
-from hidden_state_reader.sample_load import LoadOptions
-from hidden_state_reader.states import GRACE
-from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.options import OnConsumed, OnError
+from hidden_state_reader.read.access import check_modes
+from hidden_state_reader.read.claims import Claim, ClaimStore
+from hidden_state_reader.read.decision import Decider
+from hidden_state_reader.read.disposal import ACTIONS, dispose
+from hidden_state_reader.read.outcomes import OutcomeHandler
+from hidden_state_reader.read.sources import FollowSource, SnapshotSource, describe_empty
+from hidden_state_reader.read.stats import ReaderStats
+from hidden_state_reader.read.stream import CompletionStream
+from hidden_state_reader.sample.load import LoadOptions
+from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.sample.states import GRACE
 from hidden_state_reader.store.url import is_store_url
-from hidden_state_reader.stream import CompletionStream
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
 from hidden_state_reader import ReaderStats, Sample
-from hidden_state_reader.collate import PadCollate
-from hidden_state_reader.dataset import HiddenStateDataset
+from hidden_state_reader.training.collate import PadCollate
+from hidden_state_reader.training.dataset import HiddenStateDataset
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from hidden_state_connector.engine.sample_write import FileOptions, write_sample
 from hidden_state_connector.engine.save_job import JobState, SaveJob
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.trace import StageTrace
-from hidden_state_reader.waiting import threads_ignore_signals
+from hidden_state_reader.format.flockwait import threads_ignore_signals
 
 
 def _fail_unstarted(job: SaveJob, stats: WriteStats, reason: str, *, dropped: bool = False) -> None:

@@ -22,7 +22,7 @@ from hidden_state_reader.cli.common import (
     non_negative_float,
     print_json,
 )
-from hidden_state_reader.states import GRACE
+from hidden_state_reader.sample.states import GRACE
 
 if TYPE_CHECKING:
     from hidden_state_reader.export.outcome import ExportResult

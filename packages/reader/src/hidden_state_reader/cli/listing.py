@@ -24,12 +24,12 @@ from hidden_state_reader.cli.common import (
     require_sample_file,
 )
 from hidden_state_reader.cli.table import format_bytes, format_count, format_pairs, format_table
-from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
 from hidden_state_reader.format.names import DATA_SUFFIX, LOCK_SUFFIX, lock_path
-from hidden_state_reader.health import (
+from hidden_state_reader.read.sources import describe_empty
+from hidden_state_reader.sample.health import (
     DEFAULT_GRACE,
     SampleHealth,
     check_sample,
@@ -414,7 +414,7 @@ def _verify_data(path: str, info: dict[str, Any]) -> int:
     """Load the data, check the CRC32 and count non-finite values; fill ``info``."""
     import torch  # here, not at the top: `hidden-state --help` must not pay for torch
 
-    from hidden_state_reader.sample_load import LoadOptions, load_sample
+    from hidden_state_reader.sample.load import LoadOptions, load_sample
 
     try:
         sample = load_sample(path, LoadOptions(verify_checksum=True))

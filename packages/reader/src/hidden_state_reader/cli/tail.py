@@ -21,14 +21,14 @@ from hidden_state_reader.cli.common import (
     require_dir,
 )
 from hidden_state_reader.cli.table import format_bytes
-from hidden_state_reader.discovery import WATCH_MODES
 from hidden_state_reader.errors import DirectoryNotWritableError
 from hidden_state_reader.format import header
 from hidden_state_reader.format.header import Meta
+from hidden_state_reader.read.sources import WATCH_MODES
 
 if TYPE_CHECKING:  # torch-backed; imported by run_tail so `hidden-state --help` stays fast
     from hidden_state_reader.reader import HiddenStateReader
-    from hidden_state_reader.sample import Sample
+    from hidden_state_reader.sample.sample import Sample
 
 # ReaderStats fields worth a mention in the summary when non-zero.
 _SKIP_COUNTERS = (

@@ -33,10 +33,10 @@ from hidden_state_reader.cli.common import (
     require_dir,
 )
 from hidden_state_reader.cli.table import format_bytes, format_table
-from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.format.lockfile import LockState, probe
 from hidden_state_reader.format.names import LOCK_SUFFIX
-from hidden_state_reader.health import (
+from hidden_state_reader.read.sources import describe_empty
+from hidden_state_reader.sample.health import (
     DEFAULT_GRACE,
     HealthState,
     SampleHealth,

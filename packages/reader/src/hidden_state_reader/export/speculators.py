@@ -45,11 +45,11 @@ from hidden_state_reader.export.rows import RowWriter, require_datasets
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header_fd
 from hidden_state_reader.format.lockfile import SharedLock
-from hidden_state_reader.health import HealthState, SampleHealth, scan_health
-from hidden_state_reader.states import GRACE
+from hidden_state_reader.sample.health import HealthState, SampleHealth, scan_health
+from hidden_state_reader.sample.states import GRACE
 
 if TYPE_CHECKING:
-    from hidden_state_reader.sample import Sample
+    from hidden_state_reader.sample.sample import Sample
 
 HS_DIR = "hidden_states"
 MAPPING = "export.jsonl"
@@ -85,7 +85,7 @@ def export_speculators(
             (``hidden_state_reader.export.masks``).
         copy: Copy the files instead of hard-linking them.
         wait: Seconds to wait, all together, for samples still being written.
-        grace: See ``hidden_state_reader.states.GRACE``.
+        grace: See ``hidden_state_reader.sample.states.GRACE``.
         progress: Called as ``progress(done, total)`` after each sample.
 
     Returns:
@@ -212,7 +212,7 @@ class _Export:
 
     def _export(self, fd: int, health: SampleHealth, writer: RowWriter) -> Row | None:
         """Validate, mask, place and record one sample held under its shared lock."""
-        from hidden_state_reader.sample_load import load_fd
+        from hidden_state_reader.sample.load import load_fd
 
         path = health.path
         header = read_header_fd(fd, path)

@@ -62,7 +62,7 @@ class LockStatus:
 
 
 # A small JSON object ``{"state": ..., **detail}`` in a locked file: the rule of the lock
-# files here, and also of the reader's claim files (``hidden_state_reader.claims``).
+# files here, and also of the reader's claim files (``hidden_state_reader.read.claims``).
 
 
 def encode_status(state: str, **detail: Any) -> bytes:

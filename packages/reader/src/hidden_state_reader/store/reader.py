@@ -27,12 +27,12 @@ from hidden_state_reader.errors import (
 )
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.format.store_keys import CommitRecord, data_key, failed_key
+from hidden_state_reader.options import OnConsumed, OnError
+from hidden_state_reader.read.stats import ReaderStats
 from hidden_state_reader.reader import HiddenStateReader
-from hidden_state_reader.reader_options import OnConsumed, OnError
-from hidden_state_reader.sample import Sample
-from hidden_state_reader.sample_load import LoadOptions
-from hidden_state_reader.states import GRACE
-from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.sample.load import LoadOptions
+from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.sample.states import GRACE
 from hidden_state_reader.store.claims import StoreClaims
 from hidden_state_reader.store.client import StoreClient
 from hidden_state_reader.store.follow import CommitLog

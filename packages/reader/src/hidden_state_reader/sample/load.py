@@ -19,8 +19,8 @@ from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
 from hidden_state_reader.format.loss_mask import loss_mask_view
-from hidden_state_reader.load_options import LoadOptions
-from hidden_state_reader.sample import Sample
+from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.sample.sample import Sample
 
 MMAP_MIN_BYTES = 1 << 20
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import logging
 import os
 
-from hidden_state_reader.claims import Claim
-from hidden_state_reader.decision import Outcome, OutcomeKind
-from hidden_state_reader.discovery import FollowSource, SnapshotSource
-from hidden_state_reader.disposal import quarantine
 from hidden_state_reader.errors import LockTimeoutError, SampleError
-from hidden_state_reader.reader_options import OnError
-from hidden_state_reader.sample import Sample
-from hidden_state_reader.states import SampleState
-from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.options import OnError
+from hidden_state_reader.read.claims import Claim
+from hidden_state_reader.read.decision import Outcome, OutcomeKind
+from hidden_state_reader.read.disposal import quarantine
+from hidden_state_reader.read.sources import FollowSource, SnapshotSource
+from hidden_state_reader.read.stats import ReaderStats
+from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.sample.states import SampleState
 
 # The reader's messages keep the reader's logger name, wherever the code lives.
 log = logging.getLogger("hidden_state_reader.reader")

@@ -18,18 +18,18 @@ from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hidden_state_reader.discovery import describe_empty
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import read_header
-from hidden_state_reader.health import count_states, scan_health
-from hidden_state_reader.sample import Sample
-from hidden_state_reader.sharding import epoch_order, rank_share, rank_slice, worker_chunks
+from hidden_state_reader.read.sources import describe_empty
+from hidden_state_reader.sample.health import count_states, scan_health
+from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.training.sharding import epoch_order, rank_share, rank_slice, worker_chunks
 
 if TYPE_CHECKING:
-    from hidden_state_reader.dataset import HiddenStateDataset
+    from hidden_state_reader.training.dataset import HiddenStateDataset
 
 # The dataset's messages keep the dataset's logger name.
-log = logging.getLogger("hidden_state_reader.dataset")
+log = logging.getLogger("hidden_state_reader.training.dataset")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hidden_state_reader.sample import Sample
+from hidden_state_reader.sample.sample import Sample
 
 log = logging.getLogger(__name__)
 

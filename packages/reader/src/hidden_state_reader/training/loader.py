@@ -3,7 +3,7 @@
 Exactness comes from three things working together:
 
 * the dataset deals its positions to workers in chunks of ``batch_size``
-  (``hidden_state_reader.sharding.worker_chunks``), and the DataLoader returns the
+  (``hidden_state_reader.training.sharding.worker_chunks``), and the DataLoader returns the
   workers' batches round-robin, in order, so batch ``j`` is chunk ``j``;
 * the collate function is wrapped so every batch carries how many positions it covers
   (a sample skipped as unreadable still counts: it occupied a position);
@@ -22,8 +22,8 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader
 
-from hidden_state_reader.collate import pad_collate
-from hidden_state_reader.dataset import HiddenStateDataset, Skipped
+from hidden_state_reader.training.collate import pad_collate
+from hidden_state_reader.training.dataset import HiddenStateDataset, Skipped
 
 _NOT_HERE = ("sampler", "batch_sampler", "shuffle")
 

@@ -2,7 +2,7 @@
 
 ``Decider.decide(name)`` looks at one sample without waiting (or waits for its writer up
 to a given time), claims it when the reader shares the directory, loads it, and asks the
-one sample-state rule (``hidden_state_reader.states.judge``) what it is. The answer is an
+one sample-state rule (``hidden_state_reader.sample.states.judge``) what it is. The answer is an
 ``Outcome`` whose ``kind`` says what the caller does next:
 
 ==================  ===========================================================
@@ -30,7 +30,6 @@ import os
 import time
 from dataclasses import dataclass
 
-from hidden_state_reader.claims import Claim, ClaimResult, ClaimStore
 from hidden_state_reader.errors import (
     CorruptSampleError,
     FailedSampleError,
@@ -42,9 +41,10 @@ from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.format.lockfile import LockState, SharedLock, read_status
 from hidden_state_reader.format.names import lock_path
-from hidden_state_reader.sample import Sample
-from hidden_state_reader.sample_load import LoadOptions, load_fd
-from hidden_state_reader.states import GRACE, Observation, SampleState, Verdict, judge
+from hidden_state_reader.read.claims import Claim, ClaimResult, ClaimStore
+from hidden_state_reader.sample.load import LoadOptions, load_fd
+from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.sample.states import GRACE, Observation, SampleState, Verdict, judge
 
 
 class OutcomeKind(enum.Enum):
@@ -98,7 +98,7 @@ class Decider:
         root: The storage directory.
         load: How samples are turned into tensors.
         claims: The consumer group's claims, when readers share the directory.
-        grace: See ``hidden_state_reader.states.GRACE``.
+        grace: See ``hidden_state_reader.sample.states.GRACE``.
         claim_retry: Seconds until a sample another reader claimed is looked at again
             (if that reader dies, its claim must be taken over).
         lock_type: The class whose ``acquire`` takes a reader's shared lock.

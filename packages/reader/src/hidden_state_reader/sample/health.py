@@ -7,14 +7,14 @@ modifies a file: a lock is only *probed* (``flock(LOCK_SH | LOCK_NB)``), and a h
 read is a few hundred bytes. ``hidden-state ls``, ``verify`` and ``clean`` are built on
 this module.
 
-States (``HealthState`` is ``hidden_state_reader.states.SampleState``): ``ready``,
+States (``HealthState`` is ``hidden_state_reader.sample.states.SampleState``): ``ready``,
 ``pending``, ``failed``, ``stale``, ``incomplete``, ``corrupt``, ``empty`` and
 ``orphan_temp``; the rule that assigns them is ``states.judge``, the same one the reader
 uses to decide whether to yield, wait or skip, with the same grace period.
 
 Example::
 
-    from hidden_state_reader.health import scan_health
+    from hidden_state_reader.sample.health import scan_health
 
     for health in scan_health("/data/hs"):
         if health.problem:
@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hidden_state_reader.discovery import list_entries
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
@@ -44,7 +43,8 @@ from hidden_state_reader.format.names import (
     lock_path,
     sample_key,
 )
-from hidden_state_reader.states import GRACE, Observation, SampleState, judge
+from hidden_state_reader.read.sources import list_entries
+from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
 
 DEFAULT_GRACE = GRACE
 """Seconds a lock without data, a lock-less truncated file or a temporary file may be
@@ -55,7 +55,7 @@ ProgressCallback = Callable[[int, int], None]
 
 
 HealthState = SampleState
-"""The state of one sample (or temporary file); see ``hidden_state_reader.states``."""
+"""The state of one sample (or temporary file); see ``hidden_state_reader.sample.states``."""
 
 PROBLEM_STATES = frozenset(s for s in SampleState if s.is_problem)
 """States that ``hidden-state verify`` reports as problems."""
@@ -217,7 +217,7 @@ def _check_sample(
         if header is not None and checksums and lock is not LockState.HELD:
             # Imported here: sample_load needs torch, and the `hidden-state` command
             # imports this module to build its help (start-up stays well under 1 s).
-            from hidden_state_reader.sample_load import LoadOptions, load_sample
+            from hidden_state_reader.sample.load import LoadOptions, load_sample
 
             try:
                 load_sample(data_path, LoadOptions(verify_checksum=True))

@@ -4,7 +4,7 @@ Two modes:
 
 * **static** (default): the sample list is taken once, at construction, so every rank
   and every DataLoader worker agrees on it. Each epoch has a deterministic order
-  (``hidden_state_reader.sharding``): seeded shuffle, this rank's share, the first
+  (``hidden_state_reader.training.sharding``): seeded shuffle, this rank's share, the first
   ``consumed`` positions skipped (resume), the rest dealt to workers in chunks of
   ``batch_size``. Samples are read in exactly that order.
 * **follow**: every worker of every rank follows the directory as it grows and claims
@@ -33,13 +33,13 @@ from typing import Any, cast
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from hidden_state_reader.dataset_modes import FollowedSamples, Skipped, StaticSamples
+from hidden_state_reader.options import ReaderOptions
+from hidden_state_reader.read.stats import ReaderStats
 from hidden_state_reader.reader import HiddenStateReader
-from hidden_state_reader.reader_options import ReaderOptions
-from hidden_state_reader.sample import Sample
-from hidden_state_reader.sharding import distributed_context
-from hidden_state_reader.stats import ReaderStats
+from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.store.url import is_store_url, parse_store_url
+from hidden_state_reader.training.dataset_modes import FollowedSamples, Skipped, StaticSamples
+from hidden_state_reader.training.sharding import distributed_context
 
 STATE_VERSION = 1
 _RESERVED = ("follow", "claim")

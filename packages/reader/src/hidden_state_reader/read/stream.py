@@ -27,11 +27,11 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-from hidden_state_reader.decision import Decider, Outcome, OutcomeKind
-from hidden_state_reader.discovery import FollowSource, SnapshotSource
 from hidden_state_reader.errors import WaitCancelledError
 from hidden_state_reader.format.flockwait import CancelToken
-from hidden_state_reader.pending import Waiting
+from hidden_state_reader.read.decision import Decider, Outcome, OutcomeKind
+from hidden_state_reader.read.sources import FollowSource, SnapshotSource
+from hidden_state_reader.read.waiting_set import Waiting
 
 _WAITING_KINDS = (OutcomeKind.PENDING, OutcomeKind.RECHECK)
 
