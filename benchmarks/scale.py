@@ -122,7 +122,7 @@ def _follow(
         if n % bucket == 0:
             t, cpu = time.perf_counter(), time.process_time()
             main, watchdog = _thread_cpu(proc, main_tid)
-            source = reader._source
+            source = reader._backend.source
             rows.append(
                 {
                     "samples": n,
@@ -156,7 +156,7 @@ def follower_main(argv: list[str]) -> None:
 
     print("following", flush=True)
     n, t_last, rows = _follow(reader, proc, count, bucket, overflows)
-    source = reader._source
+    source = reader._backend.source
     print(
         json.dumps(
             {

@@ -58,15 +58,19 @@ def test_store_urls() -> None:
             parse_store_url(bad)
 
 
-def test_store_reader_takes_every_reader_option() -> None:
-    """HiddenStateReader(url, **options) builds a StoreReader: the same keywords must work."""
-    import inspect
-
+def test_store_readers_check_the_reader_options() -> None:
+    """A store URL reads through the same options: an unknown or bad one, or one that
+    applies to directories only, fails before the store is joined."""
     from hidden_state_reader import HiddenStateReader
-    from hidden_state_reader.store.reader import StoreReader
 
-    ours = inspect.signature(StoreReader.__init__).parameters
-    assert list(ours) == list(inspect.signature(HiddenStateReader.__init__).parameters)
+    url = "mooncake://127.0.0.1:1/hs"
+    with pytest.raises(TypeError):
+        HiddenStateReader(url, colour="blue")
+    with pytest.raises(ValueError, match="on_error"):
+        HiddenStateReader(url, on_error="ignore")
+    for directory_only in ({"on_consumed": "move"}, {"done_dir": "/tmp"}, {"watch": "poll"}):
+        with pytest.raises(ValueError, match=r"on_consumed|done_dir"):
+            HiddenStateReader(url, **directory_only)
 
 
 def test_dataset_follows_stores_only() -> None:

@@ -92,10 +92,10 @@ def test_ctrl_c_while_recording_a_delivered_sample_still_records_it(
 ) -> None:
     """Ctrl-C can land between any two bytecodes; here, inside the consumed-record step."""
     from hidden_state_reader import HiddenStateReader
-    from hidden_state_reader import reader as reader_module
+    from hidden_state_reader.read import directory as directory_backend
 
     write_samples(hs_dir, 2)
-    real_dispose = reader_module.dispose
+    real_dispose = directory_backend.dispose
     calls = []
 
     def interrupted_once(*args: object) -> bool:
@@ -104,14 +104,14 @@ def test_ctrl_c_while_recording_a_delivered_sample_still_records_it(
             raise KeyboardInterrupt  # the fault: a signal mid-commit
         return real_dispose(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(reader_module, "dispose", interrupted_once)
+    monkeypatch.setattr(directory_backend, "dispose", interrupted_once)
     reader = HiddenStateReader(hs_dir, claim=True, claim_group="g")
     samples = iter(reader)
     first = next(samples)
     with pytest.raises(KeyboardInterrupt):
         next(samples)  # resumes the generator: it records `first`, and Ctrl-C lands
     reader.close()
-    monkeypatch.setattr(reader_module, "dispose", real_dispose)
+    monkeypatch.setattr(directory_backend, "dispose", real_dispose)
     claim = hs_dir / ".claims" / "g" / "hs_0.safetensors.claim"
     assert json.loads(claim.read_text())["state"] == "done"
     # A second reader of the group gets only the other sample: the first stays consumed.

@@ -192,8 +192,8 @@ def test_a_held_lock_is_not_polled_while_events_are_received(
 ) -> None:
     """While a writer holds its lock, the reader looks at it once, then waits for the
     kernel's events; it does not re-probe it on a timer (counted, not timed)."""
-    from hidden_state_reader import reader as reader_module
     from hidden_state_reader.format import SharedLock
+    from hidden_state_reader.read import directory as directory_backend
 
     looks: list[str] = []
 
@@ -203,7 +203,7 @@ def test_a_held_lock_is_not_polled_while_events_are_received(
             looks.append(os.path.basename(data_path))
             return SharedLock.acquire(data_path, **kwargs)
 
-    monkeypatch.setattr(reader_module, "SharedLock", CountingLock)
+    monkeypatch.setattr(directory_backend, "SharedLock", CountingLock)
     holder = hold_lock(hs_dir / "held.safetensors")
     try:
         # Ends after 1.5 s in which nothing became ready: the whole time a writer held it.

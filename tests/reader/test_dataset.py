@@ -326,8 +326,6 @@ def test_reader_options_mirror_the_readers_keyword_arguments() -> None:
     from hidden_state_reader.options import ReaderOptions
 
     params = inspect.signature(HiddenStateReader.__init__).parameters
-    expected = {
-        n: p.default for n, p in params.items() if n not in ("self", "path", "follow", "claim")
-    }
+    expected = {n: p.default for n, p in params.items() if n not in ("self", "path")}
     got = {f.name: f.default for f in dataclasses.fields(ReaderOptions)}
     assert got == expected

@@ -1,7 +1,9 @@
 """The reader's data path: discover -> wait -> decide -> consume, one stage per module.
 
-``sources`` discovers names, ``waiting_set`` and ``stream`` wait for many writers at once,
-``decision`` decides about one sample (with ``claims`` across readers), ``outcomes`` counts
-and reports, ``disposal`` keeps, deletes or moves. ``access`` checks the options first;
-``stats`` counts.
+``backend`` is the contract every source of samples implements (and the ``Outcome`` of a
+decision); ``directory`` implements it for a storage directory, composing ``sources``
+(discover), ``waiting_set`` and ``stream`` (wait for many writers at once), ``decision``
+(decide about one sample, with ``claims`` across readers) and ``disposal`` (keep, delete
+or move). ``policy`` is the error policy of every backend, ``claim_lifecycle`` how a claim
+is settled, ``access`` checks the options first, ``stats`` counts.
 """

@@ -1,23 +1,10 @@
-"""What to do with one sample now: the reader's per-sample decision, as an ``Outcome``.
+"""The directory backend's per-sample decision: what to do with one sample file now.
 
 ``Decider.decide(name)`` looks at one sample without waiting (or waits for its writer up
 to a given time), claims it when the reader shares the directory, loads it, and asks the
-one sample-state rule (``hidden_state_reader.sample.states.judge``) what it is. The answer is an
-``Outcome`` whose ``kind`` says what the caller does next:
-
-==================  ===========================================================
-``YIELD``           hand ``sample`` to the caller (then settle ``claim``)
-``PENDING``         a writer holds the lock: wait for its release
-``RECHECK``         no writer holds a lock but the sample may still be coming (a
-                    young lock without data, a lock-less file still growing): look
-                    again in ``delay`` seconds, or sooner when the files change
-``REJECT``          unusable: ``state`` says why, ``error`` names the file
-``VANISHED``        consumed or removed meanwhile
-``CLAIMED``         another reader of the group has it: look again in ``delay``
-``DONE_ELSEWHERE``  another reader of the group consumed it
-``TIMED_OUT``       (made by the caller) the writer still held the lock when
-                    ``lock_timeout`` ran out
-==================  ===========================================================
+one sample-state rule (``hidden_state_reader.sample.states.judge``) what it is. The answer
+is an ``Outcome`` (``read.backend``, where its kinds are listed); a claim the outcome does
+not carry on is settled here (``claim_lifecycle``).
 
 Nothing here keeps state between calls, counts, warns or moves files: that is the
 reader's business.
@@ -25,70 +12,21 @@ reader's business.
 
 from __future__ import annotations
 
-import enum
 import os
 import time
-from dataclasses import dataclass
 
-from hidden_state_reader.errors import (
-    CorruptSampleError,
-    FailedSampleError,
-    IncompleteSampleError,
-    SampleError,
-    StaleLockError,
-)
+from hidden_state_reader.errors import CorruptSampleError, SampleError
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.format.lockfile import LockState, SharedLock, read_status
 from hidden_state_reader.format.names import lock_path
+from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
+from hidden_state_reader.read.claim_lifecycle import Ending, settle
 from hidden_state_reader.read.claims import Claim, ClaimResult, ClaimStore
-from hidden_state_reader.sample.load import LoadOptions, load_fd
+from hidden_state_reader.sample.load import load_fd
 from hidden_state_reader.sample.sample import Sample
-from hidden_state_reader.sample.states import GRACE, Observation, SampleState, Verdict, judge
-
-
-class OutcomeKind(enum.Enum):
-    """What the caller does next with a sample (see the module docstring)."""
-
-    YIELD = "yield"
-    PENDING = "pending"
-    RECHECK = "recheck"
-    REJECT = "reject"
-    VANISHED = "vanished"
-    CLAIMED = "claimed"
-    DONE_ELSEWHERE = "done_elsewhere"
-    TIMED_OUT = "timed_out"
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The decision about one sample.
-
-    Attributes:
-        kind: What to do next.
-        name: The sample name.
-        sample: The loaded sample (``YIELD``).
-        claim: This reader's claim, to settle after use or rejection (``YIELD``,
-            ``REJECT``; None without claims).
-        state: The sample state (``REJECT``; also ``YIELD`` and ``PENDING``).
-        error: The typed error naming the file (``REJECT``).
-        delay: Seconds until the next look (``RECHECK``, ``CLAIMED``).
-    """
-
-    kind: OutcomeKind
-    name: str
-    sample: Sample | None = None
-    claim: Claim | None = None
-    state: SampleState | None = None
-    error: SampleError | None = None
-    delay: float = 0.0
-
-
-_ERRORS: dict[SampleState, type[SampleError]] = {
-    SampleState.FAILED: FailedSampleError,
-    SampleState.STALE: StaleLockError,
-    SampleState.INCOMPLETE: IncompleteSampleError,
-}
+from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
 
 
 class Decider:
@@ -131,9 +69,9 @@ class Decider:
         try:
             lock = self.lock_type.acquire(data_path, timeout=wait, cancel=cancel)
         except SampleError as exc:
-            return self._reject(name, SampleState.CORRUPT, exc, None)
+            return rejected(name, SampleState.CORRUPT, exc)
         except OSError as exc:  # permissions, I/O errors: this sample only
-            return self._reject(name, SampleState.CORRUPT, _unreadable(data_path, exc), None)
+            return rejected(name, SampleState.CORRUPT, _unreadable(data_path, exc))
         if lock is None:
             return Outcome(OutcomeKind.PENDING, name, state=SampleState.PENDING)
         with lock:
@@ -149,13 +87,12 @@ class Decider:
             try:
                 outcome = self._look(name, data_path, lock.existed, claim)
             except BaseException:
-                if claim is not None:
-                    claim.abandon()
+                settle(claim, Ending.RETURNED)
                 raise
-        if outcome.kind is OutcomeKind.VANISHED and claim is not None:
-            claim.remove()
-        elif outcome.kind is OutcomeKind.RECHECK and claim is not None:
-            claim.abandon()
+        if outcome.kind is OutcomeKind.VANISHED:
+            settle(claim, Ending.GONE)
+        elif outcome.kind is OutcomeKind.RECHECK:
+            settle(claim, Ending.RETURNED)
         return outcome
 
     def _look(self, name: str, data_path: str, locked: bool, claim: Claim | None) -> Outcome:
@@ -164,11 +101,11 @@ class Decider:
             fd = open_regular(data_path)
         except NotRegularFileError:
             error = CorruptSampleError(data_path, "not a regular file")
-            return self._reject(name, SampleState.CORRUPT, error, claim)
+            return rejected(name, SampleState.CORRUPT, error, claim)
         except FileNotFoundError:
             return self._no_data(name, data_path, locked, claim)
         except OSError as exc:
-            return self._reject(name, SampleState.CORRUPT, _unreadable(data_path, exc), claim)
+            return rejected(name, SampleState.CORRUPT, _unreadable(data_path, exc), claim)
         sample: Sample | None = None
         problem: SampleError | None = None
         age: float | None = None
@@ -188,7 +125,7 @@ class Decider:
             problem=problem,
             num_tokens=None if sample is None else sample.num_tokens,
         )
-        return self._apply(name, data_path, judge(obs, self.grace), sample, claim, problem)
+        return judged(name, data_path, judge(obs, self.grace), sample, problem, claim)
 
     def _no_data(self, name: str, data_path: str, locked: bool, claim: Claim | None) -> Outcome:
         lock_file = lock_path(data_path)
@@ -199,32 +136,9 @@ class Decider:
         if not locked or lock_age is None:
             return Outcome(OutcomeKind.VANISHED, name)  # consumed elsewhere, or removed
         obs = Observation(LockState.FREE, read_status(lock_file), lock_age)
-        return self._apply(name, data_path, judge(obs, self.grace), None, claim, None)
-
-    def _apply(
-        self,
-        name: str,
-        data_path: str,
-        verdict: Verdict,
-        sample: Sample | None,
-        claim: Claim | None,
-        problem: SampleError | None,
-    ) -> Outcome:
-        if verdict.state is SampleState.READY:
-            return Outcome(OutcomeKind.YIELD, name, sample, claim, SampleState.READY)
-        if verdict.state is SampleState.PENDING:
-            return Outcome(OutcomeKind.RECHECK, name, delay=verdict.recheck_in or 0.0)
-        if problem is None or verdict.state is SampleState.EMPTY:
-            problem = _ERRORS.get(verdict.state, CorruptSampleError)(data_path, verdict.reason)
-        return self._reject(name, verdict.state, problem, claim)
-
-    @staticmethod
-    def _reject(name: str, state: SampleState, error: SampleError, claim: Claim | None) -> Outcome:
-        return Outcome(OutcomeKind.REJECT, name, claim=claim, state=state, error=error)
+        return judged(name, data_path, judge(obs, self.grace), None, None, claim)
 
 
 def _unreadable(path: str, exc: OSError) -> CorruptSampleError:
     return CorruptSampleError(path, f"cannot read: {exc}")
 
-
-__all__ = ["Decider", "Outcome", "OutcomeKind"]

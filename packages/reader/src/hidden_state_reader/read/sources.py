@@ -311,7 +311,8 @@ class _EventSource:
         self._touched = set()
         return fresh, touched
 
-    def _has_news(self) -> bool:
+    def has_news(self) -> bool:
+        """Whether there are new or touched names to take."""
         return bool(self._fresh or self._touched)
 
     def _drain_events(self) -> None:
@@ -386,7 +387,7 @@ class SnapshotSource(_EventSource):
         while not self._closed:
             self._drain_events()
             now = time.monotonic()
-            if self._has_news() or (until is not None and now >= until):
+            if self.has_news() or (until is not None and now >= until):
                 return
             self._sleep(now, now + _MAX_SLEEP if until is None else until)
 
@@ -472,7 +473,7 @@ class FollowSource(_EventSource):
                 self._rescan()
             self._drain_events()
             now = time.monotonic()
-            if self._has_news() or (until is not None and now >= until):
+            if self.has_news() or (until is not None and now >= until):
                 return
             self._sleep(now, self._next_rescan if until is None else min(until, self._next_rescan))
 

@@ -1,8 +1,8 @@
 """Samples in completion order: many writers waited for at once, none blocking another.
 
-``CompletionStream`` turns a source of names (``discovery``) into decided outcomes
+``CompletionStream`` turns a source of names (``sources``) into decided outcomes
 (``decision``). Every sample is looked at without waiting; one whose writer still holds
-the lock goes into ``pending.Waiting`` and is looked at again when the kernel says one
+the lock goes into ``waiting_set.Waiting`` and is looked at again when the kernel says one
 of its files changed (its lock closed after writing, its data renamed into place), so
 each sample comes out as soon as it is complete, in the order samples completed, while
 others are still being written. ``flock`` stays the truth: an event only causes a look.
@@ -27,9 +27,10 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-from hidden_state_reader.errors import WaitCancelledError
+from hidden_state_reader.errors import LockTimeoutError, WaitCancelledError
 from hidden_state_reader.format.flockwait import CancelToken
-from hidden_state_reader.read.decision import Decider, Outcome, OutcomeKind
+from hidden_state_reader.read.backend import Outcome, OutcomeKind
+from hidden_state_reader.read.decision import Decider
 from hidden_state_reader.read.sources import FollowSource, SnapshotSource
 from hidden_state_reader.read.waiting_set import Waiting
 
@@ -126,7 +127,11 @@ class CompletionStream:
         for name in self.waiting.expired():
             if not self.follow:
                 self.waiting.drop(name)
-            yield Outcome(OutcomeKind.TIMED_OUT, name)
+            error = LockTimeoutError(
+                os.path.join(self.decider.root, name),
+                f"writer still holds the lock after {self.waiting.lock_timeout}s",
+            )
+            yield Outcome(OutcomeKind.TIMED_OUT, name, error=error)
 
     def _wait(self) -> bool:
         """Sleep until something may have changed; False when the stream should end."""

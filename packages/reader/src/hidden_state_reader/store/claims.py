@@ -48,6 +48,33 @@ class _Watched:
     proven: bool = False  # the owner renewed while this reader watched
 
 
+@dataclass
+class StoreClaim:
+    """This reader's claim on one sample of the store (a ``claim_lifecycle.HeldClaim``).
+
+    Attributes:
+        claims: The reader's claims.
+        name: The sample.
+        reclaimed: Taken over from a reader that stopped renewing it.
+    """
+
+    claims: StoreClaims
+    name: str
+    reclaimed: bool = False
+
+    def done(self) -> None:
+        """The group consumed the sample: no reader of it gets the sample again."""
+        self.claims.finish(self.name)
+
+    def remove(self) -> None:
+        """The sample is gone: the group is done with it all the same."""
+        self.claims.finish(self.name)
+
+    def abandon(self) -> None:
+        """Stop renewing: after one lease another reader of the group takes it over."""
+        self.claims.release(self.name)
+
+
 class StoreClaims:
     """One reader's claims in one consumer group.
 
@@ -77,20 +104,22 @@ class StoreClaims:
 
     # -- owning -------------------------------------------------------------------
 
-    def claim(self, name: str, entry: object) -> bool:
-        """Whether this reader now owns ``name`` (claimed now, or taken over earlier).
+    def claim(self, name: str, entry: object) -> StoreClaim | None:
+        """This reader's claim on ``name`` (claimed now, or taken over earlier), or None.
 
-        A claim lost to a live reader is watched for ``takeovers``.
+        A claim lost to a live reader is watched for ``takeovers``, which hand back
+        ``entry`` once it is taken over.
         """
-        if name in self._held:
-            return True
+        held = self._held.get(name)
+        if held is not None:
+            return StoreClaim(self, name, reclaimed=held[0] > 0)
         if name in self._watched:
-            return False
+            return None
         if self._win(name, 0):
-            return True
+            return StoreClaim(self, name)
         if not self._is_done(name):
             self._watched[name] = _Watched(name, entry, lease=self._owner_lease(name, 0))
-        return False
+        return None
 
     def _win(self, name: str, generation: int) -> bool:
         """Race for ``generation`` of ``name``; True if this reader won and it is not done."""
@@ -108,11 +137,19 @@ class StoreClaims:
     def finish(self, name: str) -> None:
         """Mark ``name`` consumed by the group and stop renewing its claim."""
         with self._lock:
-            held = self._held.pop(name, None)
+            held = self._held.get(name)
         if held is None:
             return
         self.client.put(done_key(self.prefix, self.group, name), self._record,
                         full_timeout=self.lease)  # fmt: skip
+        self.release(name)
+
+    def release(self, name: str) -> None:
+        """Stop renewing the claim of ``name`` (without marking it done) and drop its renewals."""
+        with self._lock:
+            held = self._held.pop(name, None)
+        if held is None:
+            return
         generation, renewals = held
         for k in range(1, renewals + 1):
             self.client.remove(renewal_key(self.prefix, self.group, name, generation, k))

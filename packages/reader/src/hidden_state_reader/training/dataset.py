@@ -112,7 +112,9 @@ class HiddenStateDataset(IterableDataset[Sample]):
         self.rank, self.world_size = distributed_context(rank, world_size)
         self.even_shards = even_shards
         names, max_samples = _dataset_only_options(self, reader_kwargs)
-        self.options = ReaderOptions(**reader_kwargs)  # TypeError for an unknown option
+        # TypeError for an unknown option, ValueError for a bad value.
+        self.options = ReaderOptions(follow=follow, claim=self.claim, **reader_kwargs)
+        self.options.check_consumers(self.world_size, "ranks")
         if is_store_url(self.root):
             # Check the URL only: joining the store here would start Mooncake's threads
             # in a process that DataLoader then forks, and forked workers hang on joining.
@@ -276,10 +278,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
 
     def _make_reader(self, names: Sequence[str] | None) -> HiddenStateReader:
         if self.follow:
-            return HiddenStateReader(
-                self.root, follow=True, claim=self.claim, **self.options.as_kwargs()
-            )
-        return HiddenStateReader(self.root, claim=self.claim, **self.options.as_kwargs(names=names))
+            return HiddenStateReader(self.root, **self.options.as_kwargs())
+        return HiddenStateReader(self.root, **self.options.as_kwargs(names=names))
 
     def __repr__(self) -> str:
         mode = "follow" if self.follow else f"{self.num_samples} samples"
@@ -303,11 +303,6 @@ def _dataset_only_options(
         raise ValueError(
             f"{dataset.root}: a Mooncake Store has no fixed sample list to shard; use "
             "follow=True (docs/scale-out.md)"
-        )
-    if dataset.follow and not dataset.claim and dataset.world_size > 1:
-        raise ValueError(
-            f"follow mode with claim=False on {dataset.world_size} ranks would deliver every "
-            "sample to every rank; use claim=True (the default in follow mode)"
         )
     # Static mode truncates the epoch itself (so len() and resume stay exact).
     max_samples = None if dataset.follow else reader_kwargs.pop("max_samples", None)

@@ -138,11 +138,7 @@ class FollowedSamples:
         with ``counting`` the dataset's cursor counts the samples.
         """
         ds = self.dataset
-        if not ds.claim and num_workers > 1:
-            raise ValueError(
-                f"follow mode with claim=False and {num_workers} DataLoader workers would "
-                "deliver every sample to every worker; use claim=True or num_workers<=1"
-            )
+        ds.options.check_consumers(num_workers, "DataLoader workers")
         with closing(ds._samples(ds._make_reader(None))) as samples:
             for sample in samples:
                 if counting:

@@ -100,11 +100,7 @@ class HiddenStateLoader(DataLoader[Any]):
             kwargs.pop(key, None)
         if dataset.follow:
             kwargs.setdefault("in_order", False)
-            if not dataset.claim and kwargs.get("num_workers", 0) > 1:
-                raise ValueError(
-                    "follow mode with claim=False and several workers would deliver every "
-                    "sample to every worker; use claim=True"
-                )
+            dataset.options.check_consumers(kwargs.get("num_workers", 0), "DataLoader workers")
         elif kwargs.get("in_order", True) is False:
             raise ValueError("in_order=False would break the static order and exact resume")
         dataset._bind(batch_size)

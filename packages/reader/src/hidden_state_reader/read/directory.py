@@ -1,0 +1,144 @@
+"""The directory backend: sample files in a (shared) storage directory.
+
+``DirectoryBackend`` composes the stages of ``read/`` for one directory: ``sources``
+discovers names (a snapshot, or following the directory), ``stream`` waits for many
+writers at once and hands out decisions in completion order, ``decision`` decides about
+one sample (claiming it in ``claims`` when readers share the directory), ``disposal``
+keeps, deletes or moves a consumed sample and quarantines a rejected one. ``access``
+checks at construction that the directory can be written where the options need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Generator
+
+from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
+from hidden_state_reader.format.lockfile import SharedLock
+from hidden_state_reader.options import ReaderOptions
+from hidden_state_reader.read.access import check_modes
+from hidden_state_reader.read.backend import Outcome
+from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
+from hidden_state_reader.read.claims import ClaimStore
+from hidden_state_reader.read.decision import Decider
+from hidden_state_reader.read.disposal import dispose, quarantine
+from hidden_state_reader.read.sources import FollowSource, SnapshotSource, describe_empty
+from hidden_state_reader.read.stream import CompletionStream
+
+# The reader's messages keep the reader's logger name, wherever the code lives.
+log = logging.getLogger("hidden_state_reader.reader")
+
+
+class DirectoryBackend:
+    """Samples of one storage directory (the ``read.backend.Backend`` protocol).
+
+    Args:
+        root: The storage directory.
+        options: The reader's options.
+        cancel: Cancelled by the reader's ``close``; interrupts a wait in progress.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a directory.
+        DirectoryNotWritableError: ``claim=True``, ``on_consumed="delete"`` or ``"move"``
+            on a directory (or done folder) this process cannot write.
+    """
+
+    def __init__(self, root: str, options: ReaderOptions, cancel: CancelToken) -> None:
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"hidden-state directory does not exist: {root}")
+        self.where = self.root = root
+        self.options = options
+        self.done_dir = os.fspath(options.done_dir or os.path.join(root, "done"))
+        check_modes(root, claim=options.claim, group=options.claim_group,
+                    on_consumed=options.on_consumed, done_dir=self.done_dir)  # fmt: skip
+        if options.on_consumed == "move":
+            os.makedirs(self.done_dir, exist_ok=True)
+        self._claims = ClaimStore(root, options.claim_group) if options.claim else None
+        # Files are the reader's to tidy up when it consumes them exclusively.
+        self._owns_files = options.claim or options.on_consumed != "keep"
+        # Built on the main thread as a rule: waits on helper threads can then sleep in
+        # flock with deadlines (only the main thread can install the wake handler).
+        install_wake_handler()
+        self._cancel = cancel
+        self.source: SnapshotSource | FollowSource | None = None
+        self._stream: CompletionStream | None = None
+
+    def _open_stream(self) -> CompletionStream:
+        options = self.options
+        source: SnapshotSource | FollowSource
+        if options.follow:
+            source = FollowSource(
+                self.root,
+                watch=options.watch,
+                rescan_interval=options.rescan_interval,
+                poll_interval=options.poll_interval,
+            )
+        else:
+            source = SnapshotSource(self.root, options.names, watch=options.watch)
+            if options.names is None and not source.has_news():
+                log.warning("%s", describe_empty(self.root))
+        self.source = source
+        decider = Decider(
+            self.root,
+            options,
+            claims=self._claims,
+            grace=options.orphan_grace,
+            claim_retry=max(options.rescan_interval, 1.0),
+            lock_type=SharedLock,  # looked up now: instrumentation may replace it
+        )
+        self._stream = CompletionStream(
+            source,
+            decider,
+            self._cancel,
+            lock_timeout=options.lock_timeout,
+            idle_timeout=options.idle_timeout,
+            poll_interval=options.poll_interval,
+        )
+        return self._stream
+
+    def outcomes(self) -> Generator[Outcome, None, None]:
+        """Decided samples of the directory, in completion order (see ``stream``)."""
+        stream = self._open_stream()
+        try:
+            yield from stream
+        finally:
+            stream.source.close()
+            held = stream.waiting.held_names()
+            if held and not self._cancel.cancelled:
+                log.info("%s: stopped with %d sample(s) still being written", self.root, len(held))
+
+    def pending(self) -> list[str]:
+        """Samples whose writer held the lock at the last look."""
+        return [] if self._stream is None else self._stream.waiting.held_names()
+
+    def set_aside(self, name: str, reason: str) -> bool:
+        """Quarantine a rejected sample, but only when the reader owns the files."""
+        if not self._owns_files:
+            return False
+        try:
+            return quarantine(self.root, name, reason) is not None
+        except OSError as exc:
+            log.warning("cannot quarantine %s: %s", name, exc)
+            return False
+
+    def forget(self, name: str) -> None:
+        """Drop a name whose files are gone (late events about it are ignored)."""
+        if self.source is not None:
+            self.source.forget(name)
+
+    def consumed(self, name: str, claim: HeldClaim | None) -> None:
+        """Keep, delete or move a delivered sample (``on_consumed``); settle its claim."""
+        try:
+            gone = dispose(self.root, name, self.options.on_consumed, self.done_dir)
+        except OSError as exc:
+            log.warning("cannot %s %s after use: %s", self.options.on_consumed, name, exc)
+            gone = False
+        settle(claim, Ending.GONE if gone else Ending.CONSUMED)
+        if gone:
+            self.forget(name)
+
+    def close(self) -> None:
+        """Stop watching the directory; a wait in progress returns."""
+        if self.source is not None:
+            self.source.close()

@@ -1,0 +1,245 @@
+"""The store backend: samples in a Mooncake Store (what ``mooncake://`` paths read).
+
+``StoreBackend`` implements the reader's ``Backend`` protocol (``read.backend``) over
+the store protocol of ``format.store_keys``: samples are discovered by following every
+producer's commit log (``follow.CommitLog``), or pulled by name; claimed first-put-wins
+for delivery to one reader of a consumer group (``claims``); loaded from their bytes
+through the file format's own loader, size- and CRC32-checked (``load``), and judged by
+the one sample-state rule. The reader's iteration, error policy and options are the
+same as for a directory. See ``docs/scale-out.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Generator, Iterator
+from typing import NamedTuple
+
+from hidden_state_reader.errors import (
+    FailedSampleError,
+    LockTimeoutError,
+    SampleError,
+    WaitCancelledError,
+)
+from hidden_state_reader.format.flockwait import CancelToken
+from hidden_state_reader.format.lockfile import LockState
+from hidden_state_reader.format.store_keys import CommitRecord, data_key, failed_key
+from hidden_state_reader.options import ReaderOptions
+from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
+from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
+from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.sample.states import Observation, SampleState, judge
+from hidden_state_reader.store.claims import StoreClaims
+from hidden_state_reader.store.client import StoreClient
+from hidden_state_reader.store.follow import CommitLog
+from hidden_state_reader.store.load import load_bytes
+from hidden_state_reader.store.url import parse_store_url, store_url
+
+_POLL_MIN = 0.002
+
+
+class Entry(NamedTuple):
+    """A sample the store announced: by a commit record, or found by name.
+
+    Attributes:
+        name: The sample name.
+        ok: False when the producer recorded a failure instead of the sample.
+        record: Its commit record (size and CRC to check), when known.
+    """
+
+    name: str
+    ok: bool
+    record: CommitRecord | None = None
+
+
+class StoreBackend:
+    """Samples of one store prefix, ``mooncake://HOST:PORT/PREFIX`` (``store.url``).
+
+    Without ``names`` the backend follows every producer's commit log (``follow=True``
+    keeps polling, like ``tail -f``); with ``names`` it pulls exactly those samples, in
+    the order they become complete, each waited for up to ``lock_timeout`` seconds.
+    ``claim=True`` gives each sample to one reader of ``claim_group``; a following
+    reader takes over the claim of a reader that stopped renewing it for the URL's
+    ``lease`` seconds (``store.claims``), so a sample whose reader died is delivered
+    again. ``on_consumed="delete"`` removes it after use. Not available:
+    ``on_consumed="move"``, ``done_dir``, ``watch`` (there are no files).
+
+    Args:
+        url: The store URL.
+        options: The reader's options.
+        cancel: Cancelled by the reader's ``close``; interrupts a wait in progress.
+
+    Raises:
+        ValueError: A bad URL or an option the store does not support.
+        StoreError: The store cannot be joined (names the master).
+    """
+
+    def __init__(self, url: str, options: ReaderOptions, cancel: CancelToken) -> None:
+        settings = parse_store_url(url)
+        _check_store_options(options)
+        self.options = options
+        self._cancel = cancel
+        self._poll_max = max(_POLL_MIN, min(options.poll_interval, 0.1))
+        self.where = store_url(settings)
+        self.client = StoreClient(settings, where=self.where)
+        self.prefix = settings.prefix
+        token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+        self._leases = (
+            StoreClaims(self.client, options.claim_group, token, settings.claim_lease)
+            if options.claim
+            else None
+        )
+
+    def address(self, name: str) -> str:
+        """The address of sample ``name`` (``Sample.path`` and error messages)."""
+        return f"{self.where}/{name}"
+
+    # -- the Backend protocol ---------------------------------------------------------
+
+    def outcomes(self) -> Generator[Outcome, None, None]:
+        """Decided samples: from the commit logs, or the names asked for."""
+        entries = self._pulled() if self.options.names is not None else self._logged()
+        try:
+            for entry in entries:
+                if isinstance(entry, Outcome):
+                    yield entry
+                else:
+                    yield self._decide(entry)
+        except WaitCancelledError:
+            return
+        finally:
+            if self._leases is not None:
+                self._leases.stop()
+
+    def pending(self) -> list[str]:
+        """Always empty: the store shows a sample only once it is complete."""
+        return []
+
+    def set_aside(self, name: str, reason: str) -> bool:
+        """Nothing to move aside: a bad object stays where it is."""
+        return False
+
+    def forget(self, name: str) -> None:
+        """Nothing to forget: the commit log hands out each record once."""
+
+    def consumed(self, name: str, claim: HeldClaim | None) -> None:
+        """Settle the claim, then delete the sample if asked (``on_consumed="delete"``).
+
+        Done first: a crash in between leaves data behind, never a second delivery.
+        """
+        settle(claim, Ending.CONSUMED)
+        if self.options.on_consumed == "delete":
+            self.client.remove(data_key(self.prefix, name))
+
+    def close(self) -> None:
+        """Nothing to close: the reader's cancel token ends a wait in progress."""
+
+    # -- where entries come from ------------------------------------------------------
+
+    def _logged(self) -> Iterator[Entry]:
+        cursor = CommitLog(self.client, hole_grace=self.options.orphan_grace)
+        last_news, delay = time.monotonic(), _POLL_MIN
+        idle_timeout = self.options.idle_timeout
+        while not self._cancel.cancelled:
+            records = cursor.poll()
+            for _key, record in records:
+                yield Entry(record.name, record.ok, record)
+            for entry in self._leases.takeovers() if self._leases is not None else ():
+                assert isinstance(entry, Entry)
+                yield entry
+            if records:
+                last_news, delay = time.monotonic(), _POLL_MIN
+                continue
+            idle = time.monotonic() - last_news
+            stop = not self.options.follow or (idle_timeout is not None and idle >= idle_timeout)
+            # Before stopping, wait until every claim seen held is done or proven alive.
+            if stop and (self._leases is None or self._leases.settled()):
+                return
+            self._cancel.sleep(delay)
+            delay = min(delay * 2, self._poll_max)
+
+    def _pulled(self) -> Iterator[Entry | Outcome]:
+        assert self.options.names is not None
+        pending, started, delay = list(self.options.names), time.monotonic(), _POLL_MIN
+        timeout = self.options.lock_timeout
+        while pending and not self._cancel.cancelled:
+            keys = [data_key(self.prefix, n) for n in pending]
+            found = self.client.exists(keys + [failed_key(self.prefix, n) for n in pending])
+            failed = found[len(keys) :]
+            ready = [(n, found[i]) for i, n in enumerate(pending) if found[i] or failed[i]]
+            pending = [n for n in pending if n not in {r for r, _ in ready}]
+            for name, ok in ready:
+                yield Entry(name, ok)
+            if ready:
+                delay = _POLL_MIN
+                continue
+            if timeout is not None and time.monotonic() - started >= timeout:
+                for name in pending:
+                    yield self._timed_out(name, timeout)
+                return
+            self._cancel.sleep(delay)
+            delay = min(delay * 2, self._poll_max)
+
+    def _timed_out(self, name: str, timeout: float) -> Outcome:
+        error = LockTimeoutError(
+            self.address(name),
+            f"neither the sample nor a failure record appeared within {timeout:g} s "
+            "(the request has not finished, or its producer died before publishing it)",
+        )
+        return Outcome(OutcomeKind.TIMED_OUT, name, error=error)
+
+    # -- one entry --------------------------------------------------------------------
+
+    def _decide(self, entry: Entry) -> Outcome:
+        """Claim (when asked to) and fetch one announced sample."""
+        if self._leases is None:
+            return self._fetch(entry, None)
+        claim = self._leases.claim(entry.name, entry)
+        if claim is None:
+            return Outcome(OutcomeKind.CLAIMED, entry.name)
+        try:
+            outcome = self._fetch(entry, claim)
+        except BaseException:
+            settle(claim, Ending.RETURNED)
+            raise
+        if outcome.kind is OutcomeKind.VANISHED:
+            settle(claim, Ending.GONE)
+        return outcome
+
+    def _fetch(self, entry: Entry, claim: HeldClaim | None) -> Outcome:
+        name, where = entry.name, self.address(entry.name)
+        if not entry.ok:
+            raw = self.client.get(failed_key(self.prefix, name)) or b"{}"
+            reason = str(json.loads(raw).get("reason", "no reason recorded"))
+            error = FailedSampleError(where, f"the writer gave up: {reason}")
+            return rejected(name, SampleState.FAILED, error, claim)
+        data = self.client.get(data_key(self.prefix, name))
+        if data is None:
+            return Outcome(OutcomeKind.VANISHED, name)  # consumed and deleted by another reader
+        sample: Sample | None = None
+        problem: SampleError | None = None
+        try:
+            sample = load_bytes(where, data, entry.record, self.options)
+        except SampleError as exc:
+            problem = exc
+        # A stored object is complete or it is not: no lock, and no age to wait out.
+        obs = Observation(
+            LockState.ABSENT,
+            data_exists=True,
+            problem=problem,
+            num_tokens=None if sample is None else sample.num_tokens,
+        )
+        return judged(name, where, judge(obs), sample, problem, claim)
+
+
+def _check_store_options(options: ReaderOptions) -> None:
+    if options.on_consumed not in ("keep", "delete"):
+        raise ValueError(
+            f"on_consumed: a store reader can 'keep' or 'delete', not {options.on_consumed!r}"
+        )
+    if options.done_dir is not None or options.watch != "auto":
+        raise ValueError("done_dir and watch apply to directories, not to a mooncake:// store")
