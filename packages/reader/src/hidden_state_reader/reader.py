@@ -9,7 +9,8 @@ yields each sample and records it as consumed.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterable
+from contextlib import closing
 from typing import Any
 
 from hidden_state_reader.format.flockwait import CancelToken
@@ -104,17 +105,39 @@ class HiddenStateReader:
 
     # -- iteration ---------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Sample]:
-        max_samples = self.options.max_samples
+    def __iter__(self) -> Generator[Sample, None, None]:
+        return self._consume(None, self.options.max_samples)
+
+    def in_order(self, names: Iterable[str]) -> Generator[tuple[str, Sample | None], None, None]:
+        """Read ``names`` one after another, in this order; each waited for by itself.
+
+        What the static ``HiddenStateDataset`` reads an epoch with: one reader for the
+        whole pass, its exact order kept (a sample still being written holds up the ones
+        after it, for at most ``lock_timeout``). ``max_samples`` does not apply.
+
+        Yields:
+            ``(name, sample)`` for every name; ``sample`` is None when it was skipped
+            (counted in ``stats``; with ``on_error="raise"`` it raises instead).
+        """
+        for name in names:
+            sample = None
+            with closing(self._consume([name], None)) as samples:
+                for sample in samples:
+                    yield name, sample
+            if sample is None:
+                yield name, None
+
+    def _consume(
+        self, names: list[str] | None, max_samples: int | None
+    ) -> Generator[Sample, None, None]:
+        """The consume stage over one pass of the backend: policy, yield, record."""
         if self._closed or max_samples == 0:
             return
-        backend = self._backend
         policy = ErrorPolicy(
-            backend, self.stats, on_error=self.options.on_error, follow=self.options.follow
+            self._backend, self.stats, on_error=self.options.on_error, follow=self.options.follow
         )
-        outcomes = backend.outcomes()
         yielded = 0
-        try:
+        with closing(self._backend.outcomes(names)) as outcomes:
             for outcome in outcomes:
                 sample = policy.apply(outcome)
                 if sample is None:
@@ -128,8 +151,6 @@ class HiddenStateReader:
                     self._commit(outcome)
                 if max_samples is not None and yielded >= max_samples:
                     return
-        finally:
-            outcomes.close()
 
     def _commit(self, outcome: Outcome) -> None:
         """Record a delivered sample as consumed, even if Ctrl-C lands midway."""

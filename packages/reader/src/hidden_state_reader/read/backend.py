@@ -37,7 +37,7 @@ sees every other kind.
 from __future__ import annotations
 
 import enum
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -140,11 +140,12 @@ class Backend(Protocol):
 
     where: str
 
-    def outcomes(self) -> Generator[Outcome, None, None]:
+    def outcomes(self, names: Sequence[str] | None = None) -> Generator[Outcome, None, None]:
         """Discover, wait for and decide about samples; one outcome per decision.
 
-        Each call starts a new pass over the source. Ends when the source is exhausted
-        (or, following it, idle for ``idle_timeout``), or when ``close`` is called.
+        Each call starts a new pass over the source: over exactly ``names`` when given
+        (else the options' ``names``, else what the source holds, or follows). Ends when
+        the pass is done (or, following, idle for ``idle_timeout``), or on ``close``.
         """
         ...
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
 from hidden_state_reader.format.lockfile import SharedLock
@@ -64,10 +64,12 @@ class DirectoryBackend:
         self.source: SnapshotSource | FollowSource | None = None
         self._stream: CompletionStream | None = None
 
-    def _open_stream(self) -> CompletionStream:
+    def _open_stream(self, names: Sequence[str] | None) -> CompletionStream:
         options = self.options
         source: SnapshotSource | FollowSource
-        if options.follow:
+        if names is not None:
+            source = SnapshotSource(self.root, names, watch=options.watch)
+        elif options.follow:
             source = FollowSource(
                 self.root,
                 watch=options.watch,
@@ -97,9 +99,9 @@ class DirectoryBackend:
         )
         return self._stream
 
-    def outcomes(self) -> Generator[Outcome, None, None]:
-        """Decided samples of the directory, in completion order (see ``stream``)."""
-        stream = self._open_stream()
+    def outcomes(self, names: Sequence[str] | None = None) -> Generator[Outcome, None, None]:
+        """Decided samples of the directory (or of ``names``), in completion order."""
+        stream = self._open_stream(names)
         try:
             yield from stream
         finally:

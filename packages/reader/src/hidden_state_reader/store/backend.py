@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from typing import NamedTuple
 
 from hidden_state_reader.errors import (
@@ -100,9 +100,10 @@ class StoreBackend:
 
     # -- the Backend protocol ---------------------------------------------------------
 
-    def outcomes(self) -> Generator[Outcome, None, None]:
+    def outcomes(self, names: Sequence[str] | None = None) -> Generator[Outcome, None, None]:
         """Decided samples: from the commit logs, or the names asked for."""
-        entries = self._pulled() if self.options.names is not None else self._logged()
+        names = self.options.names if names is None else names
+        entries = self._pulled(names) if names is not None else self._logged()
         try:
             for entry in entries:
                 if isinstance(entry, Outcome):
@@ -162,9 +163,8 @@ class StoreBackend:
             self._cancel.sleep(delay)
             delay = min(delay * 2, self._poll_max)
 
-    def _pulled(self) -> Iterator[Entry | Outcome]:
-        assert self.options.names is not None
-        pending, started, delay = list(self.options.names), time.monotonic(), _POLL_MIN
+    def _pulled(self, names: Sequence[str]) -> Iterator[Entry | Outcome]:
+        pending, started, delay = list(names), time.monotonic(), _POLL_MIN
         timeout = self.options.lock_timeout
         while pending and not self._cancel.cancelled:
             keys = [data_key(self.prefix, n) for n in pending]

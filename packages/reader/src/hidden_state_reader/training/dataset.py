@@ -28,24 +28,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import closing
 from typing import Any, cast
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.stats import ReaderStats
-from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.store.url import is_store_url, parse_store_url
-from hidden_state_reader.training.dataset_modes import FollowedSamples, Skipped, StaticSamples
+from hidden_state_reader.training.cursor import Cursor
+from hidden_state_reader.training.dataset_modes import (
+    FollowedSamples,
+    Sharding,
+    Skipped,
+    StaticSamples,
+    open_reader,
+)
 from hidden_state_reader.training.sharding import distributed_context
 
 STATE_VERSION = 1
-_RESERVED = ("follow", "claim")
-
-__all__ = ["STATE_VERSION", "HiddenStateDataset", "Skipped"]
-
 
 class HiddenStateDataset(IterableDataset[Sample]):
     """Hidden-state samples of a directory written by vLLM, for ``torch.utils.data``.
@@ -115,34 +117,33 @@ class HiddenStateDataset(IterableDataset[Sample]):
         # TypeError for an unknown option, ValueError for a bad value.
         self.options = ReaderOptions(follow=follow, claim=self.claim, **reader_kwargs)
         self.options.check_consumers(self.world_size, "ranks")
+        self.stats = ReaderStats()
         if is_store_url(self.root):
             # Check the URL only: joining the store here would start Mooncake's threads
             # in a process that DataLoader then forks, and forked workers hang on joining.
             parse_store_url(self.root)
-        else:  # build one reader now so bad options fail here, not later inside a worker
-            self._make_reader([] if not follow else None)
+        else:  # open one reader now so bad options fail here, not later inside a worker
+            open_reader(self.root, self.options, ReaderStats(), None if follow else []).close()
+        sharding = Sharding(self.seed, shuffle, self.rank, self.world_size, even_shards)
         self._mode: StaticSamples | FollowedSamples = (
-            FollowedSamples(self) if follow else StaticSamples(self, names, max_samples)
+            FollowedSamples(self.root, self.options)
+            if follow
+            else StaticSamples(self.root, self.options, sharding, names, max_samples)
         )
-        self._epoch = 0
-        self._consumed = 0
+        self._cursor = Cursor()
         self._bound = False  # set by HiddenStateLoader
-        # [epoch, start]: what worker processes (persistent ones too) read at iter().
-        self._shared = torch.zeros(2, dtype=torch.int64).share_memory_()
-        self._push()
-        self.stats = ReaderStats()
 
     # -- what there is to read (static mode) -------------------------------------------
 
     @property
     def epoch(self) -> int:
         """The epoch of the cursor."""
-        return self._epoch
+        return self._cursor.epoch
 
     @property
     def consumed(self) -> int:
         """Positions of this rank's epoch order that the training loop has consumed."""
-        return self._consumed
+        return self._cursor.consumed
 
     @property
     def num_samples(self) -> int:
@@ -162,7 +163,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
 
     def epoch_names(self, epoch: int | None = None) -> list[str]:
         """This rank's sample names for an epoch (default: the cursor's), in read order."""
-        return self._static("epoch_names()").epoch_names(self._epoch if epoch is None else epoch)
+        return self._static("epoch_names()").epoch_names(self.epoch if epoch is None else epoch)
 
     def lengths(self, epoch: int | None = None) -> list[int]:
         """Token counts of ``epoch_names(epoch)``, from the file headers only.
@@ -171,7 +172,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
         once (the counts are cached). A sample whose header cannot be read counts as 0
         tokens with a warning (it will be skipped), or raises with ``on_error="raise"``.
         """
-        return self._static("lengths()").lengths(self._epoch if epoch is None else epoch)
+        return self._static("lengths()").lengths(self.epoch if epoch is None else epoch)
 
     def _static(self, what: str) -> StaticSamples:
         if isinstance(self._mode, FollowedSamples):
@@ -187,9 +188,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         ``load_state_dict``: the restored position is kept. Without calls, the epoch
         advances by itself after each complete pass.
         """
-        if epoch != self._epoch:
-            self._epoch, self._consumed = int(epoch), 0
-        self._push()
+        cursor = self._cursor
+        cursor.move_to(epoch, cursor.consumed if epoch == cursor.epoch else 0)
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor and what it depends on, for a checkpoint (one per rank)."""
@@ -204,8 +204,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         return {
             "version": STATE_VERSION,
             "mode": "follow" if static is None else "static",
-            "epoch": self._epoch,
-            "consumed": self._consumed,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_samples": None if static is None else len(static.names),
@@ -226,25 +226,19 @@ class HiddenStateDataset(IterableDataset[Sample]):
         consumed = int(state["consumed"])
         if consumed < 0 or (not self.follow and consumed > len(self)):
             raise ValueError(f"consumed={consumed} is outside this rank's epoch of {len(self)}")
-        self._epoch = int(state["epoch"])
-        self._consumed = consumed
-        self._push()
-
-    def _push(self) -> None:
-        self._shared.copy_(torch.tensor([self._epoch, self._consumed], dtype=torch.int64))
+        self._cursor.move_to(int(state["epoch"]), consumed)
 
     def _begin_pass(self) -> None:
         """Start (or continue) a pass: publish the cursor to the workers."""
-        self._push()
+        self._cursor.publish()
 
     def _advance(self, positions: int) -> None:
-        self._consumed += positions
+        self._cursor.consumed += positions
 
     def _end_pass(self) -> None:
         """A complete pass over a static dataset: the next one is the next epoch."""
         if not self.follow:  # a followed stream has no epochs: keep counting
-            self._epoch, self._consumed = self._epoch + 1, 0
-            self._push()
+            self._cursor.next_epoch()
 
     def _bind(self, batch_size: int) -> None:
         """Called by ``HiddenStateLoader``: chunk by its batch size, let it count."""
@@ -258,34 +252,38 @@ class HiddenStateDataset(IterableDataset[Sample]):
 
     def _iterate(self) -> Iterator[Sample | Skipped]:
         info = get_worker_info()
+        # Iterated in the training process without a loader: the dataset counts itself.
         counting = info is None and not self._bound
         if info is None:
             worker_id, num_workers = 0, 1
             if counting:
                 self._begin_pass()
-            epoch, start = self._epoch, self._consumed
+            epoch, start = self.epoch, self.consumed
         else:
             worker_id, num_workers = info.id, info.num_workers
-            epoch, start = (int(v) for v in self._shared.tolist())
-        yield from self._mode.iterate(epoch, start, worker_id, num_workers, counting=counting)
-
-    def _samples(self, reader: HiddenStateReader) -> Generator[Sample, None, None]:
-        # Closing this generator closes the reader's, which settles the last sample.
-        try:
-            yield from reader
-        finally:
-            self.stats.merge(reader.stats)
-
-    def _make_reader(self, names: Sequence[str] | None) -> HiddenStateReader:
-        if self.follow:
-            return HiddenStateReader(self.root, **self.options.as_kwargs())
-        return HiddenStateReader(self.root, **self.options.as_kwargs(names=names))
+            epoch, start = self._cursor.published()
+        items: Generator[tuple[int, Sample | Skipped], None, None]
+        if isinstance(self._mode, FollowedSamples):
+            items = self._mode.iterate(start, num_workers, self.stats)
+        else:
+            items = self._mode.iterate(
+                epoch, start, worker_id, num_workers, self.batch_size, self.stats
+            )
+        with closing(items):
+            for position, item in items:
+                if counting:
+                    self._cursor.consumed = position + 1
+                if isinstance(item, Skipped) and not self._bound:
+                    continue  # only a loader counts a stand-in as a position
+                yield item
+        if counting:
+            self._end_pass()
 
     def __repr__(self) -> str:
         mode = "follow" if self.follow else f"{self.num_samples} samples"
         return (
             f"HiddenStateDataset({self.root!r}, {mode}, rank {self.rank}/{self.world_size}, "
-            f"epoch {self._epoch}, consumed {self._consumed})"
+            f"epoch {self.epoch}, consumed {self.consumed})"
         )
 
 
@@ -293,9 +291,6 @@ def _dataset_only_options(
     dataset: HiddenStateDataset, reader_kwargs: dict[str, Any]
 ) -> tuple[Sequence[str] | None, int | None]:
     """Check the mode's arguments; pop and return the static list's ``names``, ``max_samples``."""
-    for key in _RESERVED:
-        if key in reader_kwargs:
-            raise TypeError(f"{key}= is a dataset argument, not a reader option")
     names = reader_kwargs.pop("names", None)
     if dataset.follow and names is not None:
         raise ValueError("names= fixes a static sample list; it cannot be followed")

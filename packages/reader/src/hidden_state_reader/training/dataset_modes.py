@@ -1,11 +1,12 @@
-"""The two modes of ``HiddenStateDataset``: a fixed sample list, or a followed directory.
+"""The two modes of ``HiddenStateDataset``: a fixed sample list, or a followed source.
 
 ``StaticSamples`` owns what only a static dataset has: the sample list taken at
 construction (and its fingerprint, for checkpoints), this rank's epoch orders, the
-token lengths, and the reading of one epoch in order, dealt to DataLoader workers.
-``FollowedSamples`` reads with one reader that follows the directory (and claims what it
-reads). Both read through their dataset (its options, sharding and cursor), which
-counts what the training loop consumed.
+token lengths, and the reading of one epoch in order, dealt to DataLoader workers, with
+one reader per pass (``HiddenStateReader.in_order``). ``FollowedSamples`` reads with one
+reader that follows the source (and claims what it reads). Both yield
+``(position, item)`` pairs and know nothing of the dataset: it counts the positions the
+training loop consumed (``cursor``).
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import read_header
+from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.sources import describe_empty
+from hidden_state_reader.read.stats import ReaderStats
+from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.sample.health import count_states, scan_health
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.sharding import epoch_order, rank_share, rank_slice, worker_chunks
-
-if TYPE_CHECKING:
-    from hidden_state_reader.training.dataset import HiddenStateDataset
 
 # The dataset's messages keep the dataset's logger name.
 log = logging.getLogger("hidden_state_reader.training.dataset")
@@ -43,20 +43,48 @@ class Skipped:
     name: str
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """How a static epoch is ordered and shared out (see ``training.sharding``).
+
+    Attributes:
+        seed: Base seed of the shuffle (the same on all ranks).
+        shuffle: Shuffle each epoch (seeded with ``seed + epoch``).
+        rank: This rank.
+        world_size: Number of ranks.
+        even_shards: Pad every rank's share to the same length by wrapping around.
+    """
+
+    seed: int
+    shuffle: bool
+    rank: int
+    world_size: int
+    even_shards: bool
+
+
 class StaticSamples:
     """A static dataset's sample list and epochs.
 
     Args:
-        dataset: The dataset (its root, options, shuffle, seed and sharding).
+        root: The storage directory.
+        options: The reader options.
+        sharding: The order and share of each epoch.
         names: The sample list; None takes the directory's usable samples now.
         max_samples: Truncate every epoch of this rank to this many positions.
     """
 
     def __init__(
-        self, dataset: HiddenStateDataset, names: Sequence[str] | None, max_samples: int | None
+        self,
+        root: str,
+        options: ReaderOptions,
+        sharding: Sharding,
+        names: Sequence[str] | None,
+        max_samples: int | None,
     ) -> None:
-        self.dataset = dataset
-        self.names = list(names) if names is not None else usable_names(dataset)
+        self.root = root
+        self.options = options
+        self.sharding = sharding
+        self.names = list(names) if names is not None else usable_names(root, options.orphan_grace)
         digest = hashlib.sha1("\n".join(self.names).encode(), usedforsecurity=False)
         self.fingerprint = digest.hexdigest()[:16]
         self.max_samples = max_samples
@@ -64,15 +92,15 @@ class StaticSamples:
 
     def __len__(self) -> int:
         """Positions in one epoch of this rank."""
-        ds = self.dataset
-        n = rank_share(len(self.names), ds.rank, ds.world_size, even=ds.even_shards)
+        sh = self.sharding
+        n = rank_share(len(self.names), sh.rank, sh.world_size, even=sh.even_shards)
         return n if self.max_samples is None else min(n, self.max_samples)
 
     def epoch_names(self, epoch: int) -> list[str]:
         """This rank's sample names for ``epoch``, in read order."""
-        ds = self.dataset
-        order = epoch_order(self.names, seed=ds.seed, epoch=epoch, shuffle=ds.shuffle)
-        mine = rank_slice(order, ds.rank, ds.world_size, even=ds.even_shards)
+        sh = self.sharding
+        order = epoch_order(self.names, seed=sh.seed, epoch=epoch, shuffle=sh.shuffle)
+        mine = rank_slice(order, sh.rank, sh.world_size, even=sh.even_shards)
         return mine if self.max_samples is None else mine[: self.max_samples]
 
     def lengths(self, epoch: int) -> list[int]:
@@ -82,10 +110,9 @@ class StaticSamples:
             n = self._lengths.get(name)
             if n is None:
                 try:
-                    path = os.path.join(self.dataset.root, name)
-                    n = self._lengths[name] = read_header(path).num_tokens
+                    n = self._lengths[name] = read_header(os.path.join(self.root, name)).num_tokens
                 except (SampleError, OSError) as exc:
-                    if self.dataset.options.on_error == "raise":
+                    if self.options.on_error == "raise":
                         raise
                     log.warning("no length for %s: %s", name, exc)
                     n = 0
@@ -93,69 +120,72 @@ class StaticSamples:
         return out
 
     def iterate(
-        self, epoch: int, start: int, worker_id: int, num_workers: int, *, counting: bool
-    ) -> Iterator[Sample | Skipped]:
+        self, epoch: int, start: int, worker_id: int, num_workers: int, batch_size: int,
+        stats: ReaderStats,
+    ) -> Generator[tuple[int, Sample | Skipped], None, None]:  # fmt: skip
         """Read ``epoch`` from position ``start``, this worker's chunks only, in order.
 
-        With ``counting`` (iterated in the training process, no loader) the dataset's
-        cursor follows each position; a position whose sample could not be read yields
-        ``Skipped`` when a ``HiddenStateLoader`` counts instead.
+        Yields:
+            ``(position, sample)``, or ``(position, Skipped(name))`` for a position whose
+            sample could not be read. The reader counts into ``stats``.
         """
-        ds = self.dataset
         todo = list(enumerate(self.epoch_names(epoch)))[start:]
-        for position, name in worker_chunks(todo, worker_id, num_workers, ds.batch_size):
-            sample = None
-            with closing(ds._samples(ds._make_reader([name]))) as samples:
-                for sample in samples:
-                    if counting:
-                        ds._consumed = position + 1
-                    yield sample
-            if sample is None:
-                if counting:
-                    ds._consumed = position + 1
-                if ds._bound:
-                    yield Skipped(name)
-        if counting:
-            ds._end_pass()
+        mine = worker_chunks(todo, worker_id, num_workers, batch_size)
+        reader = open_reader(self.root, self.options, stats, names=[])
+        with closing(reader), closing(reader.in_order(name for _, name in mine)) as reads:
+            for (position, _), (name, sample) in zip(mine, reads, strict=True):
+                yield position, Skipped(name) if sample is None else sample
 
 
 class FollowedSamples:
-    """A followed directory: one reader per consumer, claiming what it reads.
+    """A followed source: one reader per consumer, claiming what it reads.
 
     Args:
-        dataset: The dataset (its root, options and ``claim``).
+        root: The storage directory or store URL.
+        options: The reader options (``follow=True``).
     """
 
-    def __init__(self, dataset: HiddenStateDataset) -> None:
-        self.dataset = dataset
+    def __init__(self, root: str, options: ReaderOptions) -> None:
+        self.root = root
+        self.options = options
 
     def iterate(
-        self, epoch: int, start: int, worker_id: int, num_workers: int, *, counting: bool
-    ) -> Iterator[Sample]:
-        """Follow the directory until the reader stops (``idle_timeout``, ``max_samples``).
+        self, start: int, num_workers: int, stats: ReaderStats
+    ) -> Generator[tuple[int, Sample], None, None]:
+        """Follow the source until the reader stops (``idle_timeout``, ``max_samples``).
 
-        The epoch and start do not apply (a followed stream has no order to resume in);
-        with ``counting`` the dataset's cursor counts the samples.
+        A followed stream has no order to resume in: positions count on from ``start``.
+
+        Raises:
+            ValueError: Several workers without claims (each would get every sample).
         """
-        ds = self.dataset
-        ds.options.check_consumers(num_workers, "DataLoader workers")
-        with closing(ds._samples(ds._make_reader(None))) as samples:
-            for sample in samples:
-                if counting:
-                    ds._consumed += 1
-                yield sample
-        if counting:
-            ds._end_pass()
+        self.options.check_consumers(num_workers, "DataLoader workers")
+        reader = open_reader(self.root, self.options, stats)
+        # Closing the reader's iterator settles the sample last yielded.
+        with closing(reader), closing(iter(reader)) as samples:
+            yield from enumerate(samples, start)
 
 
-def usable_names(dataset: HiddenStateDataset) -> list[str]:
+def open_reader(
+    root: str, options: ReaderOptions, stats: ReaderStats, names: Sequence[str] | None = None
+) -> HiddenStateReader:
+    """A reader of ``root`` with ``options`` (and, given, exactly ``names``).
+
+    It counts into ``stats`` (the dataset's counters, live while it reads).
+    """
+    changes = {} if names is None else {"names": names}
+    reader = HiddenStateReader(root, **options.as_kwargs(**changes))
+    reader.stats = stats
+    return reader
+
+
+def usable_names(root: str, grace: float) -> list[str]:
     """The samples a reader will yield now: ready, or still being written.
 
     The same rule as ``hidden-state stats`` and ``verify`` (``states.judge``, with the
     dataset's ``orphan_grace``); reads headers only, and warns about what it leaves out.
     """
-    root = dataset.root
-    found = list(scan_health(root, grace=dataset.options.orphan_grace, include_temps=False))
+    found = list(scan_health(root, grace=grace, include_temps=False))
     if not found:
         log.warning("%s", describe_empty(root))
     left_out = [h for h in found if not h.state.usable]

@@ -23,7 +23,8 @@ from typing import Any, NamedTuple
 from torch.utils.data import DataLoader
 
 from hidden_state_reader.training.collate import pad_collate
-from hidden_state_reader.training.dataset import HiddenStateDataset, Skipped
+from hidden_state_reader.training.dataset import HiddenStateDataset
+from hidden_state_reader.training.dataset_modes import Skipped
 
 _NOT_HERE = ("sampler", "batch_sampler", "shuffle")
 
