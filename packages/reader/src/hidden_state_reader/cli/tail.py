@@ -22,9 +22,9 @@ from hidden_state_reader.cli.common import (
 )
 from hidden_state_reader.cli.table import format_bytes
 from hidden_state_reader.errors import DirectoryNotWritableError
-from hidden_state_reader.format import header
 from hidden_state_reader.format.header import Meta
-from hidden_state_reader.read.sources import WATCH_MODES
+from hidden_state_reader.format.tensors import dtype_tables
+from hidden_state_reader.options import WATCH_MODES
 
 if TYPE_CHECKING:  # torch-backed; imported by run_tail so `hidden-state --help` stays fast
     from hidden_state_reader.reader import HiddenStateReader
@@ -131,8 +131,8 @@ def sample_record(sample: Sample) -> dict[str, Any]:
         "tokens": sample.num_tokens,
         "layers": int(hidden.shape[1]),
         "hidden": int(hidden.shape[2]),
-        # header.DTYPE_NAMES builds its torch table on first use, not at import.
-        "dtype": header.DTYPE_NAMES.get(hidden.dtype, str(hidden.dtype)),
+        # The torch table is built on first use, not at import.
+        "dtype": dtype_tables()[1].get(hidden.dtype, str(hidden.dtype)),
         "bytes": sample.nbytes,
         "request_id": sample.metadata.get(Meta.REQUEST_ID),
         "layer_ids": sample.layer_ids,

@@ -10,7 +10,6 @@ from hidden_state_reader.format.header import (
     TOKEN_IDS,
     Meta,
     SampleHeader,
-    TensorInfo,
     encode_header,
     read_header,
     read_header_fd,
@@ -46,6 +45,7 @@ from hidden_state_reader.format.publish import (
     tensor_bytes,
     write_sample,
 )
+from hidden_state_reader.format.tensors import TensorInfo
 
 __all__ = [
     "CLAIMS_DIR",

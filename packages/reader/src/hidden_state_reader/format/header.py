@@ -18,7 +18,6 @@ import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,6 +27,13 @@ from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.loss_mask import LOSS_MASK, check_loss_mask
+from hidden_state_reader.format.tensors import (
+    DTYPE_SIZES,
+    HIDDEN_DTYPES,
+    TOKEN_DTYPES,
+    TensorInfo,
+    dtype_tables,
+)
 
 FORMAT_VERSION = "1"
 HIDDEN_STATES = "hidden_states"
@@ -57,66 +63,6 @@ class Meta:
     NONFINITE = "nonfinite"  # "0" or "1": any NaN/inf in hidden_states
     CRC32 = "crc32"  # 8 hex digits over the tensor bytes, in file order
     MODEL_DTYPE = "model_dtype"  # dtype before fp8 storage (e.g. "BF16"); see fp8.py
-
-
-# Element size of every dtype this format accepts. The format itself needs no torch, so
-# importing it imports no torch either; the torch dtypes are looked up on first use.
-DTYPE_SIZES: dict[str, int] = {
-    **{"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4},
-    "U8": 1,  # loss_mask (format/loss_mask.py)
-    "BOOL": 1,
-    fp8.FP8_DTYPE: 1,
-}
-HIDDEN_DTYPES = frozenset({"BF16", "F16", "F32", fp8.FP8_DTYPE})
-TOKEN_DTYPES = frozenset({"I64", "I32"})
-
-
-@cache
-def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
-    import torch
-
-    by_name = {
-        "BF16": torch.bfloat16,
-        "F16": torch.float16,
-        "F32": torch.float32,
-        "F64": torch.float64,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "U8": torch.uint8,
-        "BOOL": torch.bool,
-        fp8.FP8_DTYPE: torch.float8_e4m3fn,
-    }
-    return by_name, {v: k for k, v in by_name.items()}
-
-
-def __getattr__(name: str) -> Any:
-    # ``DTYPES`` (safetensors name -> torch dtype) and ``DTYPE_NAMES`` (the reverse) stay
-    # module attributes, built when first asked for (PEP 562).
-    if name == "DTYPES":
-        return _dtype_tables()[0]
-    if name == "DTYPE_NAMES":
-        return _dtype_tables()[1]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives in the file, relative to the start of the data section."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The torch dtype of this tensor."""
-        return _dtype_tables()[0][self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the tensor's data in bytes."""
-        return self.end - self.begin
 
 
 @dataclass(frozen=True)
@@ -408,7 +354,7 @@ def encode_header(
     cursor = 0
     for name in order:
         dtype, shape = tensors[name]
-        code = _dtype_tables()[1][dtype]
+        code = dtype_tables()[1][dtype]
         nbytes = _shape_bytes(code, shape)
         offsets[name] = (cursor, cursor + nbytes)
         doc[name] = {

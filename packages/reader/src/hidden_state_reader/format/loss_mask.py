@@ -21,7 +21,7 @@ from hidden_state_reader.errors import CorruptSampleError
 if TYPE_CHECKING:
     import torch
 
-    from hidden_state_reader.format.header import TensorInfo
+    from hidden_state_reader.format.tensors import TensorInfo
 
 LOSS_MASK = "loss_mask"
 MASK_DTYPES = frozenset({"U8", "BOOL"})

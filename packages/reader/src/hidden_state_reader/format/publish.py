@@ -182,7 +182,7 @@ class SampleFileWriter:
         """Store ``hidden_states`` as fp8, its scales last (they are appended at publish)."""
         import torch
 
-        from hidden_state_reader.format.header import DTYPE_NAMES
+        from hidden_state_reader.format.tensors import DTYPE_NAMES
 
         self._meta[Meta.MODEL_DTYPE] = DTYPE_NAMES[model_dtype]
         self._tensors[HIDDEN_STATES] = (torch.float8_e4m3fn, shape)

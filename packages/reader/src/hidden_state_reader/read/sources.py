@@ -43,10 +43,10 @@ from hidden_state_reader.format.names import (
     natural_key,
     sample_key,
 )
+from hidden_state_reader.options import WATCH_MODES
 
 log = logging.getLogger(__name__)
 
-WATCH_MODES = ("auto", "inotify", "poll")
 _GONE_MEMORY = 65536  # consumed names remembered to ignore late events (~6 MB at most)
 # Longest single sleep while waiting for news. A signal (Ctrl-C) that arrives just before
 # the thread goes to sleep does not interrupt that sleep; Python handles it when the sleep
