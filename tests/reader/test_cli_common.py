@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from hidden_state_reader.cli import common
+from hidden_state_reader.cli.table import format_bytes
 from hidden_state_reader.format import read_header, write_sample
 
 
@@ -19,8 +20,8 @@ def test_exit_codes() -> None:
 def test_formatting_examples() -> None:
     assert common.format_si(12345) == "12.3k"
     assert common.format_si(0) == "0" and common.format_si(150) == "150"
-    assert common.format_bytes(1536) == "1.5 KiB" and common.format_bytes(1023.6) == "1024 B"
-    assert common.format_bytes(2 * 1024**5) == "2.0 PiB" and common.format_bytes(None) == "-"
+    assert format_bytes(1536) == "1.5 KiB" and format_bytes(1023.6) == "1024 B"
+    assert format_bytes(2 * 1024**5) == "2.0 PiB" and format_bytes(None) == "-"
     assert common.format_rate(12345.6, "tok/s") == "12.3k tok/s"
     assert common.format_rate(12.6, "samples/s") == "13 samples/s"
 

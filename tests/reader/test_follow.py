@@ -95,7 +95,8 @@ def test_stale_lock_of_a_dead_writer_is_reported_not_waited_on(hs_dir: Path) -> 
 
 
 def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) -> None:
-    from hidden_state_reader.read.sources import RESCAN, FollowSource, _Inotify
+    from hidden_state_reader.read.inotify import RESCAN, Inotify
+    from hidden_state_reader.read.sources import FollowSource
 
     source = FollowSource(str(hs_dir), rescan_interval=3600)
     try:
@@ -103,8 +104,8 @@ def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) ->
         assert source.next(timeout=0.05) is None  # initial scan only
         assert source.rescans == 1
         # Fault injection: the kernel dropped events (it says so with IN_Q_OVERFLOW).
-        wd = next(w for w, sinks in _Inotify._sinks.items() if source._events in sinks)
-        _Inotify._dispatch(struct.pack("iIII", wd, 0x4000, 0, 0))
+        wd = next(w for w, sinks in Inotify._sinks.items() if source._events in sinks)
+        Inotify._dispatch(struct.pack("iIII", wd, 0x4000, 0, 0))
         assert RESCAN == ""
         assert source.next(timeout=0.5) is None
         assert (source.rescans, source.overflows) == (2, 1)

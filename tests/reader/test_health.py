@@ -12,17 +12,16 @@ import pytest
 import torch
 
 from hidden_state_reader.format import LockState, WriterLock, write_sample
+from hidden_state_reader.format.listing import list_entries
 from hidden_state_reader.sample.health import (
-    DEFAULT_GRACE,
     PROBLEM_STATES,
-    HealthState,
     check_sample,
     check_temp,
     count_states,
-    list_entries,
     scan_health,
     temp_owner_lock,
 )
+from hidden_state_reader.sample.states import GRACE, SampleState
 
 from procs import LockHolder
 from samples import make_tensors, write_raw, write_samples, write_vllm_style
@@ -52,7 +51,7 @@ def test_ready_samples_ours_and_vllm(hs_dir: Path) -> None:
     write_vllm_style(hs_dir / "vllm_0.safetensors", 0, tokens=7, layers=3)
 
     ours = check_sample(hs_dir, "hs_1.safetensors")
-    assert ours.state is HealthState.READY and ours.ok and not ours.problem
+    assert ours.state is SampleState.READY and ours.ok and not ours.problem
     assert ours.reason == ""
     assert ours.lock is LockState.FREE  # our writer leaves its released lock file
     assert ours.header is not None
@@ -66,7 +65,7 @@ def test_ready_samples_ours_and_vllm(hs_dir: Path) -> None:
     assert d["kind"] == "sample" and d["lock"] == "free"
 
     vllm = check_sample(hs_dir, "vllm_0.safetensors")
-    assert vllm.state is HealthState.READY
+    assert vllm.state is SampleState.READY
     assert vllm.lock is LockState.ABSENT and vllm.lock_status is None
     assert vllm.header is not None and vllm.header.num_tokens == 7
 
@@ -80,9 +79,9 @@ def test_zero_tokens_is_empty_and_nonfinite_is_ready_with_a_note(hs_dir: Path) -
     write_sample(hs_dir / "nan.safetensors", token_ids, hidden)
     write_sample(hs_dir / "zero.safetensors", token_ids[:0], hidden[:0])
     nan = check_sample(hs_dir, "nan.safetensors")
-    assert nan.state is HealthState.READY and "NaN" in nan.reason
+    assert nan.state is SampleState.READY and "NaN" in nan.reason
     zero = check_sample(hs_dir, "zero.safetensors")
-    assert zero.state is HealthState.EMPTY and "zero tokens" in zero.reason
+    assert zero.state is SampleState.EMPTY and "zero tokens" in zero.reason
 
 
 # -- bad data files -----------------------------------------------------------------
@@ -91,18 +90,18 @@ def test_zero_tokens_is_empty_and_nonfinite_is_ready_with_a_note(hs_dir: Path) -
 @pytest.mark.parametrize(
     ("make", "state", "words"),
     [
-        ("truncated", HealthState.INCOMPLETE, "truncated"),
-        ("header_cut", HealthState.INCOMPLETE, "inside the header"),
-        ("zero_length", HealthState.INCOMPLETE, "empty file"),
-        ("garbage", HealthState.CORRUPT, "implausible"),
-        ("trailing", HealthState.CORRUPT, "trailing bytes"),
-        ("wrong_dtype", HealthState.CORRUPT, "hidden_states has dtype I64"),
-        ("missing_tensor", HealthState.CORRUPT, "missing tensor 'token_ids'"),
-        ("length_mismatch", HealthState.CORRUPT, "length mismatch"),
-        ("bad_json", HealthState.CORRUPT, "not valid JSON"),
+        ("truncated", SampleState.INCOMPLETE, "truncated"),
+        ("header_cut", SampleState.INCOMPLETE, "inside the header"),
+        ("zero_length", SampleState.INCOMPLETE, "empty file"),
+        ("garbage", SampleState.CORRUPT, "implausible"),
+        ("trailing", SampleState.CORRUPT, "trailing bytes"),
+        ("wrong_dtype", SampleState.CORRUPT, "hidden_states has dtype I64"),
+        ("missing_tensor", SampleState.CORRUPT, "missing tensor 'token_ids'"),
+        ("length_mismatch", SampleState.CORRUPT, "length mismatch"),
+        ("bad_json", SampleState.CORRUPT, "not valid JSON"),
     ],
 )
-def test_bad_data_files(hs_dir: Path, make: str, state: HealthState, words: str) -> None:
+def test_bad_data_files(hs_dir: Path, make: str, state: SampleState, words: str) -> None:
     good = write_samples(hs_dir, 1)[0].read_bytes()
     path = hs_dir / f"{make}.safetensors"
     if make == "truncated":
@@ -142,17 +141,17 @@ def test_unlocked_truncated_file_is_pending_while_young(hs_dir: Path) -> None:
     path.write_bytes(good[:-100])
     now = time.time()
     young = check_sample(hs_dir, path.name, now=now)
-    assert young.state is HealthState.PENDING and "may still be appending" in young.reason
-    later = check_sample(hs_dir, path.name, now=now + DEFAULT_GRACE + 1)
-    assert later.state is HealthState.INCOMPLETE
-    assert check_sample(hs_dir, path.name, grace=0).state is HealthState.INCOMPLETE
+    assert young.state is SampleState.PENDING and "may still be appending" in young.reason
+    later = check_sample(hs_dir, path.name, now=now + GRACE + 1)
+    assert later.state is SampleState.INCOMPLETE
+    assert check_sample(hs_dir, path.name, grace=0).state is SampleState.INCOMPLETE
 
 
 def test_truncated_file_with_a_released_lock_is_incomplete_at_once(hs_dir: Path) -> None:
     good = write_samples(hs_dir, 1)[0]
     good.write_bytes(good.read_bytes()[:-100])  # its (free) lock file stays
     health = check_sample(hs_dir, good.name)
-    assert health.state is HealthState.INCOMPLETE and health.lock is LockState.FREE
+    assert health.state is SampleState.INCOMPLETE and health.lock is LockState.FREE
 
 
 def test_checksums(hs_dir: Path) -> None:
@@ -164,13 +163,13 @@ def test_checksums(hs_dir: Path) -> None:
     bad.write_bytes(bytes(data))
     write_samples(hs_dir, 1)  # no CRC recorded
 
-    assert check_sample(hs_dir, "crc_bad.safetensors").state is HealthState.READY
+    assert check_sample(hs_dir, "crc_bad.safetensors").state is SampleState.READY
     checked = check_sample(hs_dir, "crc_bad.safetensors", checksums=True)
-    assert checked.state is HealthState.CORRUPT and "CRC32 mismatch" in checked.reason
+    assert checked.state is SampleState.CORRUPT and "CRC32 mismatch" in checked.reason
     ok = check_sample(hs_dir, "crc_ok.safetensors", checksums=True)
-    assert ok.state is HealthState.READY and ok.checksum_verified
+    assert ok.state is SampleState.READY and ok.checksum_verified
     plain = check_sample(hs_dir, "hs_0.safetensors", checksums=True)
-    assert plain.state is HealthState.READY and not plain.checksum_verified
+    assert plain.state is SampleState.READY and not plain.checksum_verified
 
 
 # -- locks --------------------------------------------------------------------------
@@ -184,21 +183,21 @@ def test_held_lock_is_pending_never_blocks(hs_dir: Path, holder: LockHolder) -> 
         health = check_sample(hs_dir, data.name)
         # A blocking check would sleep until the holder lets go: any bound catches it.
         assert time.monotonic() - start < 10
-        assert health.state is HealthState.PENDING and not health.problem
+        assert health.state is SampleState.PENDING and not health.problem
         assert health.lock is LockState.HELD
         assert f"pid {holder.proc.pid}" in health.reason
         # An old lock is still pending while held (a slow writer is not a dead one).
         age(hs_dir / "held.safetensors.lock")
-        assert check_sample(hs_dir, data.name).state is HealthState.PENDING
+        assert check_sample(hs_dir, data.name).state is SampleState.PENDING
         # vLLM writes in place under its lock: a partial data file is not "incomplete".
         good = write_samples(hs_dir, 1)[0].read_bytes()
         data.write_bytes(good[:-100])
         age(data)
-        assert check_sample(hs_dir, data.name).state is HealthState.PENDING
+        assert check_sample(hs_dir, data.name).state is SampleState.PENDING
     finally:
         holder.release(data)
     # Released with the partial file in place: now it is incomplete.
-    assert check_sample(hs_dir, data.name).state is HealthState.INCOMPLETE
+    assert check_sample(hs_dir, data.name).state is SampleState.INCOMPLETE
 
 
 def test_failed_lock(hs_dir: Path) -> None:
@@ -206,7 +205,7 @@ def test_failed_lock(hs_dir: Path) -> None:
     lock.mark_failed("CUDA out of memory")
     lock.release()
     health = check_sample(hs_dir, "failed.safetensors")  # young, still failed at once
-    assert health.state is HealthState.FAILED
+    assert health.state is SampleState.FAILED
     assert "CUDA out of memory" in health.reason
     assert health.lock_status is not None and health.lock_status.failed
     assert health.as_dict()["lock_status"]["state"] == "failed"
@@ -219,10 +218,10 @@ def test_stale_locks(hs_dir: Path) -> None:
     now = time.time()
     for name in ("stale.safetensors", "stale_vllm.safetensors"):
         young = check_sample(hs_dir, name, now=now)
-        assert young.state is HealthState.PENDING, "a fresh lock may be about to be locked"
+        assert young.state is SampleState.PENDING, "a fresh lock may be about to be locked"
         age(hs_dir / (name + ".lock"))
         old = check_sample(hs_dir, name)
-        assert old.state is HealthState.STALE
+        assert old.state is SampleState.STALE
         assert "data file never appeared" in old.reason
         assert old.size is None and old.header is None
 
@@ -261,11 +260,11 @@ def test_temp_files(hs_dir: Path, holder: LockHolder) -> None:
         holder.release(hs_dir / "hs_3.safetensors")
         holder.release(lock_tmp_held)
     assert {k: v.state for k, v in states.items()} == {
-        orphan.name: HealthState.ORPHAN_TEMP,
-        young.name: HealthState.PENDING,
-        owned.name: HealthState.PENDING,
-        lock_tmp_held.name: HealthState.PENDING,
-        lock_tmp_free.name: HealthState.ORPHAN_TEMP,
+        orphan.name: SampleState.ORPHAN_TEMP,
+        young.name: SampleState.PENDING,
+        owned.name: SampleState.PENDING,
+        lock_tmp_held.name: SampleState.PENDING,
+        lock_tmp_free.name: SampleState.ORPHAN_TEMP,
     }
     assert all(v.is_temp for v in states.values())
     assert states[orphan.name].problem and states[orphan.name].size == 10
@@ -274,7 +273,7 @@ def test_temp_files(hs_dir: Path, holder: LockHolder) -> None:
     assert temp_owner_lock(str(orphan)) == str(hs_dir / "hs_1.safetensors.lock")
     assert temp_owner_lock(str(lock_tmp_free)) == str(lock_tmp_free)
     assert temp_owner_lock("notes.txt.tmp.1.2") is None
-    assert check_temp(hs_dir, young.name, grace=0).state is HealthState.ORPHAN_TEMP
+    assert check_temp(hs_dir, young.name, grace=0).state is SampleState.ORPHAN_TEMP
 
 
 # -- whole directory ----------------------------------------------------------------
@@ -334,7 +333,7 @@ def test_scan_health_whole_directory(hs_dir: Path, holder: LockHolder) -> None:
         "corrupt": 1,
         "orphan_temp": 1,
     }
-    assert {r.state for r in results if r.problem} == PROBLEM_STATES - {HealthState.EMPTY}
+    assert {r.state for r in results if r.problem} == PROBLEM_STATES - {SampleState.EMPTY}
     samples, temps = list_entries(hs_dir)
     assert len(samples) == 9 and temps == ["hs_7.safetensors.tmp.1.abc"]
     assert [r.name for r in scan_health(hs_dir, include_temps=False)] == samples

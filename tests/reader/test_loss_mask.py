@@ -17,7 +17,8 @@ from hidden_state_reader import (
     read_header,
 )
 from hidden_state_reader.format import LOSS_MASK, lock_path, read_status, write_sample
-from hidden_state_reader.sample.load import MMAP_MIN_BYTES, LoadOptions
+from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.sample.load import MMAP_MIN_BYTES
 from hidden_state_reader.training.collate import PackCollate, PadCollate, pack_collate, pad_collate
 
 from samples import make_tensors

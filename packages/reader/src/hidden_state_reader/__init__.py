@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     )
     from hidden_state_reader.format import read_header, write_sample
     from hidden_state_reader.options import LoadOptions
-    from hidden_state_reader.read.stats import ReaderStats
+    from hidden_state_reader.read.counters import ReaderStats
     from hidden_state_reader.reader import HiddenStateReader
     from hidden_state_reader.sample.load import load_sample
     from hidden_state_reader.sample.sample import Sample
@@ -60,7 +60,7 @@ _EXPORTS = {
     "PackCollate": "hidden_state_reader.training.collate",
     "PadCollate": "hidden_state_reader.training.collate",
     "PathOutsideRootError": "hidden_state_reader.errors",
-    "ReaderStats": "hidden_state_reader.read.stats",
+    "ReaderStats": "hidden_state_reader.read.counters",
     "Sample": "hidden_state_reader.sample.sample",
     "SampleError": "hidden_state_reader.errors",
     "StaleLockError": "hidden_state_reader.errors",

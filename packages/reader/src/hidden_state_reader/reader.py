@@ -16,9 +16,9 @@ from typing import Any
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.options import ReaderOptions, takes_reader_options
 from hidden_state_reader.read.backend import Backend, Outcome
+from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.read.directory import DirectoryBackend
 from hidden_state_reader.read.policy import ErrorPolicy
-from hidden_state_reader.read.stats import ReaderStats
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.store.url import is_store_url
 

@@ -271,7 +271,8 @@ def _options(args: argparse.Namespace) -> Any:
 
 def _print_summary(result: Any, out: TextIO) -> None:
     from hidden_state_connector.offline.progress import format_duration
-    from hidden_state_reader.cli.common import format_bytes, format_si
+    from hidden_state_reader.cli.common import format_si
+    from hidden_state_reader.cli.table import format_bytes
 
     skipped = result.skipped_ok + result.skipped_failed
     if result.nothing_to_do:

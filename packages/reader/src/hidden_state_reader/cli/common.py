@@ -20,7 +20,6 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
-from hidden_state_reader.cli.table import format_bytes as format_bytes  # one home: table.py
 from hidden_state_reader.format.names import DATA_SUFFIX, Kind, classify
 
 if TYPE_CHECKING:

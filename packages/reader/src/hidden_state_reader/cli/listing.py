@@ -26,16 +26,16 @@ from hidden_state_reader.cli.common import (
 from hidden_state_reader.cli.table import format_bytes, format_count, format_pairs, format_table
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
+from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
 from hidden_state_reader.format.names import DATA_SUFFIX, LOCK_SUFFIX, lock_path
-from hidden_state_reader.read.sources import describe_empty
 from hidden_state_reader.sample.health import (
-    DEFAULT_GRACE,
     SampleHealth,
     check_sample,
     count_states,
     scan_health,
 )
+from hidden_state_reader.sample.states import GRACE
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ hidden-state ls /data/hs --json | jq '.[] | select(.state != "ready")'
     p.add_argument("-a", "--all", action="store_true", help="also list temporary files")
     p.add_argument("--bytes", action="store_true", help="print sizes in bytes")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    add_grace_argument(p, DEFAULT_GRACE)
+    add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
     p = add_command(
@@ -82,7 +82,7 @@ hidden-state stats /data/hs --json
     )
     p.add_argument("directory", metavar="DIR", help="the hidden-state directory")
     p.add_argument("--json", action="store_true", help="print JSON")
-    add_grace_argument(p, DEFAULT_GRACE)
+    add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
     p = add_command(
@@ -414,7 +414,8 @@ def _verify_data(path: str, info: dict[str, Any]) -> int:
     """Load the data, check the CRC32 and count non-finite values; fill ``info``."""
     import torch  # here, not at the top: `hidden-state --help` must not pay for torch
 
-    from hidden_state_reader.sample.load import LoadOptions, load_sample
+    from hidden_state_reader.options import LoadOptions
+    from hidden_state_reader.sample.load import load_sample
 
     try:
         sample = load_sample(path, LoadOptions(verify_checksum=True))

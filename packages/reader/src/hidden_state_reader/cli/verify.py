@@ -33,29 +33,24 @@ from hidden_state_reader.cli.common import (
     require_dir,
 )
 from hidden_state_reader.cli.table import format_bytes, format_table
+from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.format.lockfile import LockState, probe
 from hidden_state_reader.format.names import LOCK_SUFFIX
-from hidden_state_reader.read.sources import describe_empty
 from hidden_state_reader.sample.health import (
-    DEFAULT_GRACE,
-    HealthState,
     SampleHealth,
     count_states,
     scan_health,
     temp_owner_lock,
 )
+from hidden_state_reader.sample.states import GRACE, SampleState
 
 log = logging.getLogger(__name__)
 
 _ORPHAN_TEMP = "orphan temp file"
 _READY_LOCK = "lock of ready sample"
 
-_CLEANABLE = (HealthState.STALE, HealthState.FAILED, HealthState.ORPHAN_TEMP)
+_CLEANABLE = (SampleState.STALE, SampleState.FAILED, SampleState.ORPHAN_TEMP)
 
-DEFAULT_CLEAN_AGE = DEFAULT_GRACE
-"""``clean`` leaves alone anything modified less than this many seconds ago: the same
-grace period ``verify``, ``ls`` and the reader use, so what ``verify`` calls stale or
-orphaned, ``clean`` removes."""
 
 
 def register(subparsers: Any) -> None:
@@ -85,7 +80,7 @@ hidden-state verify /data/hs --json > report.json
         help="read every ready sample's data and check the writer's CRC32 (slower)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON report")
-    add_grace_argument(p, DEFAULT_GRACE)
+    add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
     p = add_command(
@@ -111,7 +106,7 @@ hidden-state clean /data/hs --older-than 0 --locks
     p.add_argument(
         "--older-than",
         type=non_negative_float,
-        default=DEFAULT_CLEAN_AGE,
+        default=GRACE,
         metavar="S",
         help="only remove files unchanged for at least S seconds",
     )
@@ -220,16 +215,16 @@ def _candidates(results: list[SampleHealth], *, locks: bool, older_than: float) 
 def _candidate(r: SampleHealth, *, locks: bool) -> Removal | None:
     """What ``clean`` does with one entry: remove it, keep it (saying why), or ignore it."""
     if r.is_temp:
-        if r.state is HealthState.ORPHAN_TEMP:
+        if r.state is SampleState.ORPHAN_TEMP:
             return Removal(r.path, _ORPHAN_TEMP, r.reason, r.size or 0)
         return Removal(r.path, "temp file", r.reason, outcome="kept", detail=r.reason)
-    if r.state in (HealthState.STALE, HealthState.FAILED):
+    if r.state in (SampleState.STALE, SampleState.FAILED):
         return Removal(_lock(r), f"{r.state.value} lock", r.reason)
-    if r.state is HealthState.READY and r.lock is LockState.FREE:
+    if r.state is SampleState.READY and r.lock is LockState.FREE:
         if locks:
             return Removal(_lock(r), _READY_LOCK, "sample complete, lock free")
         return None
-    if r.state is HealthState.PENDING:
+    if r.state is SampleState.PENDING:
         what = "lock" if r.lock is not LockState.ABSENT else "data file"
         detail = f"still being written: {r.reason}"
         return Removal(r.lock_path or r.path, f"pending {what}", r.reason, 0, "kept", detail)
@@ -318,7 +313,7 @@ def remove_temp(temp_file: str, *, older_than: float) -> str | None:
 def clean_directory(
     root: str,
     *,
-    older_than: float = DEFAULT_CLEAN_AGE,
+    older_than: float = GRACE,
     locks: bool = False,
     dry_run: bool = False,
     progress: Progress | None = None,
@@ -405,7 +400,6 @@ def run_clean(args: argparse.Namespace) -> int:
 
 
 __all__ = [
-    "DEFAULT_CLEAN_AGE",
     "Removal",
     "clean_directory",
     "register",

@@ -45,8 +45,8 @@ from hidden_state_reader.export.rows import RowWriter, require_datasets
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header_fd
 from hidden_state_reader.format.lockfile import SharedLock
-from hidden_state_reader.sample.health import HealthState, SampleHealth, scan_health
-from hidden_state_reader.sample.states import GRACE
+from hidden_state_reader.sample.health import SampleHealth, scan_health
+from hidden_state_reader.sample.states import GRACE, SampleState
 
 if TYPE_CHECKING:
     from hidden_state_reader.sample.sample import Sample
@@ -185,13 +185,13 @@ class _Export:
         return self.result
 
     def _take(self, health: SampleHealth, writer: RowWriter, mapping: IO[str]) -> None:
-        if health.state not in (HealthState.READY, HealthState.PENDING):
+        if health.state not in (SampleState.READY, SampleState.PENDING):
             self._skip(health.name, health.state.value, health.reason or health.state.value)
             return
         lock = SharedLock.acquire(health.path, timeout=max(0.0, self.deadline - time.monotonic()))
         if lock is None:
             reason = "its writer still holds the lock (export again later, or pass --wait S)"
-            self._skip(health.name, HealthState.PENDING.value, reason)
+            self._skip(health.name, SampleState.PENDING.value, reason)
             return
         with lock:
             try:
@@ -222,7 +222,7 @@ class _Export:
             return None
         sample = load_fd(fd, path)  # validates again; maps large files, reads no hidden data
         if sample.num_tokens == 0:
-            self._skip(health.name, HealthState.EMPTY.value, "no tokens")
+            self._skip(health.name, SampleState.EMPTY.value, "no tokens")
             return None
         mask, mask_source = loss_mask(sample, self.rule)
         supervised = int(mask.sum())

@@ -2,8 +2,9 @@
 
 ``backend`` is the contract every source of samples implements (and the ``Outcome`` of a
 decision); ``directory`` implements it for a storage directory, composing ``sources``
-(discover), ``waiting_set`` and ``stream`` (wait for many writers at once), ``decision``
-(decide about one sample, with ``claims`` across readers) and ``disposal`` (keep, delete
-or move). ``policy`` is the error policy of every backend, ``claim_lifecycle`` how a claim
-is settled, ``access`` checks the options first, ``stats`` counts.
+(discover, woken by ``inotify``), ``waiting_set`` and ``stream`` (wait for many writers
+at once), ``decision`` (decide about one sample, with ``claims`` across readers) and
+``disposal`` (keep, delete or move). ``policy`` is the error policy of every backend,
+``claim_lifecycle`` how a claim is settled, ``access`` checks the options first,
+``counters`` counts (``ReaderStats``).
 """

@@ -15,6 +15,7 @@ import os
 from collections.abc import Generator, Sequence
 
 from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
+from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.format.lockfile import SharedLock
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.access import check_modes
@@ -23,7 +24,7 @@ from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
 from hidden_state_reader.read.claims import ClaimStore
 from hidden_state_reader.read.decision import Decider
 from hidden_state_reader.read.disposal import dispose, quarantine
-from hidden_state_reader.read.sources import FollowSource, SnapshotSource, describe_empty
+from hidden_state_reader.read.sources import FollowSource, SnapshotSource
 from hidden_state_reader.read.stream import CompletionStream
 
 # The reader's messages keep the reader's logger name, wherever the code lives.

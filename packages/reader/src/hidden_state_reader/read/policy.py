@@ -16,7 +16,7 @@ from hidden_state_reader.errors import SampleError
 from hidden_state_reader.options import OnError
 from hidden_state_reader.read.backend import Backend, Outcome, OutcomeKind
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
-from hidden_state_reader.read.stats import ReaderStats
+from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.sample.states import SampleState
 

@@ -7,7 +7,7 @@ modifies a file: a lock is only *probed* (``flock(LOCK_SH | LOCK_NB)``), and a h
 read is a few hundred bytes. ``hidden-state ls``, ``verify`` and ``clean`` are built on
 this module.
 
-States (``HealthState`` is ``hidden_state_reader.sample.states.SampleState``): ``ready``,
+States (``hidden_state_reader.sample.states.SampleState``): ``ready``,
 ``pending``, ``failed``, ``stale``, ``incomplete``, ``corrupt``, ``empty`` and
 ``orphan_temp``; the rule that assigns them is ``states.judge``, the same one the reader
 uses to decide whether to yield, wait or skip, with the same grace period.
@@ -33,6 +33,7 @@ from typing import Any
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
+from hidden_state_reader.format.listing import list_entries
 from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
@@ -43,19 +44,11 @@ from hidden_state_reader.format.names import (
     lock_path,
     sample_key,
 )
-from hidden_state_reader.read.sources import list_entries
 from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
-
-DEFAULT_GRACE = GRACE
-"""Seconds a lock without data, a lock-less truncated file or a temporary file may be
-untouched and still count as work in progress (``pending``) rather than a leftover."""
 
 ProgressCallback = Callable[[int, int], None]
 """``progress(done, total)``: called by ``scan_health`` after each directory entry."""
 
-
-HealthState = SampleState
-"""The state of one sample (or temporary file); see ``hidden_state_reader.sample.states``."""
 
 PROBLEM_STATES = frozenset(s for s in SampleState if s.is_problem)
 """States that ``hidden-state verify`` reports as problems."""
@@ -83,7 +76,7 @@ class SampleHealth:
 
     name: str
     path: str
-    state: HealthState
+    state: SampleState
     reason: str = ""
     header: SampleHeader | None = None
     lock: LockState = LockState.ABSENT
@@ -96,7 +89,7 @@ class SampleHealth:
     @property
     def ok(self) -> bool:
         """The sample is ready to be read."""
-        return self.state is HealthState.READY
+        return self.state is SampleState.READY
 
     @property
     def problem(self) -> bool:
@@ -154,7 +147,7 @@ def check_sample(
     name: str,
     *,
     checksums: bool = False,
-    grace: float = DEFAULT_GRACE,
+    grace: float = GRACE,
     now: float | None = None,
 ) -> SampleHealth:
     """Classify one sample without blocking.
@@ -169,7 +162,7 @@ def check_sample(
             accepted too).
         checksums: Also read the tensor data and check the writer's CRC32, if recorded.
         grace: Seconds during which a released lock without data, or a truncated file
-            without a lock, still counts as ``pending`` (see ``DEFAULT_GRACE``).
+            without a lock, still counts as ``pending`` (see ``GRACE``).
         now: The current time (``time.time()``); for tests.
 
     Returns:
@@ -191,7 +184,7 @@ def check_sample(
     except FileNotFoundError:
         raise
     except OSError as exc:
-        return SampleHealth(key, data_path, HealthState.CORRUPT, f"cannot read: {exc}")
+        return SampleHealth(key, data_path, SampleState.CORRUPT, f"cannot read: {exc}")
 
 
 def _check_sample(
@@ -217,7 +210,8 @@ def _check_sample(
         if header is not None and checksums and lock is not LockState.HELD:
             # Imported here: sample_load needs torch, and the `hidden-state` command
             # imports this module to build its help (start-up stays well under 1 s).
-            from hidden_state_reader.sample.load import LoadOptions, load_sample
+            from hidden_state_reader.options import LoadOptions
+            from hidden_state_reader.sample.load import load_sample
 
             try:
                 load_sample(data_path, LoadOptions(verify_checksum=True))
@@ -281,7 +275,7 @@ def check_temp(
     root: str | os.PathLike[str],
     name: str,
     *,
-    grace: float = DEFAULT_GRACE,
+    grace: float = GRACE,
     now: float | None = None,
 ) -> SampleHealth:
     """Classify a temporary file (``NAME.safetensors.tmp.<pid>.<rand>``) without blocking.
@@ -320,19 +314,19 @@ def check_temp(
     age = max(0.0, now - st.st_mtime)
     base = os.path.basename(name)
 
-    def verdict(state: HealthState, reason: str) -> SampleHealth:
+    def verdict(state: SampleState, reason: str) -> SampleHealth:
         return SampleHealth(
             base, path, state, reason, lock=lock, size=st.st_size, age=age, is_temp=True
         )
 
     if lock is LockState.HELD:
         return verdict(
-            HealthState.PENDING, f"being written: {os.path.basename(owner or '')} is held"
+            SampleState.PENDING, f"being written: {os.path.basename(owner or '')} is held"
         )
     if age < grace:
-        return verdict(HealthState.PENDING, f"modified {age:.1f}s ago; may still be written")
+        return verdict(SampleState.PENDING, f"modified {age:.1f}s ago; may still be written")
     what = "no lock protects it" if lock is LockState.ABSENT else "its lock is not held"
-    return verdict(HealthState.ORPHAN_TEMP, f"{what} and it is unchanged for {age:.0f}s")
+    return verdict(SampleState.ORPHAN_TEMP, f"{what} and it is unchanged for {age:.0f}s")
 
 
 def scan_health(
@@ -340,7 +334,7 @@ def scan_health(
     progress: ProgressCallback | None = None,
     *,
     checksums: bool = False,
-    grace: float = DEFAULT_GRACE,
+    grace: float = GRACE,
     include_temps: bool = True,
 ) -> Iterator[SampleHealth]:
     """Check every sample (and temporary file) of a storage directory.
@@ -386,21 +380,18 @@ def scan_health(
 
 
 def count_states(results: Iterable[SampleHealth]) -> dict[str, int]:
-    """Count entries per state, in ``HealthState`` order, leaving out zero counts."""
+    """Count entries per state, in ``SampleState`` order, leaving out zero counts."""
     counts = Counter(r.state for r in results)
-    return {s.value: counts[s] for s in HealthState if counts[s]}
+    return {s.value: counts[s] for s in SampleState if counts[s]}
 
 
 __all__ = [
-    "DEFAULT_GRACE",
     "PROBLEM_STATES",
-    "HealthState",
     "ProgressCallback",
     "SampleHealth",
     "check_sample",
     "check_temp",
     "count_states",
-    "list_entries",
     "scan_health",
     "temp_owner_lock",
 ]

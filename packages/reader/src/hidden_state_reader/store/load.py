@@ -14,7 +14,8 @@ import os
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.store_keys import CommitRecord
-from hidden_state_reader.sample.load import LoadOptions, load_fd
+from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.sample.load import load_fd
 from hidden_state_reader.sample.sample import Sample
 
 

@@ -34,7 +34,7 @@ from typing import Any, cast
 from torch.utils.data import IterableDataset, get_worker_info
 
 from hidden_state_reader.options import ReaderOptions
-from hidden_state_reader.read.stats import ReaderStats
+from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.store.url import is_store_url, parse_store_url
 from hidden_state_reader.training.cursor import Cursor

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import read_header
+from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.options import ReaderOptions
-from hidden_state_reader.read.sources import describe_empty
-from hidden_state_reader.read.stats import ReaderStats
+from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.sample.health import count_states, scan_health
 from hidden_state_reader.sample.sample import Sample

@@ -1,0 +1,134 @@
+"""The kernel's file-system events for the readers: inotify through ``ctypes``.
+
+``Inotify`` keeps one inotify instance and one reader thread per process, shared by every
+directory a reader follows or watches (``sources``). Each watch delivers the names of
+sample and lock files that appeared in its directory (created, renamed into place) or
+were closed after writing (a writer releasing its lock) to a queue; nothing else, so a
+busy directory does not flood the queue and readers never see their own reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import struct
+import threading
+
+from hidden_state_reader.format.flockwait import threads_ignore_signals
+from hidden_state_reader.format.names import Kind, classify
+
+log = logging.getLogger(__name__)
+
+RESCAN = ""
+"""Put into every sink when the kernel dropped events (``IN_Q_OVERFLOW``): rescan now."""
+
+
+_IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x8, 0x80, 0x100
+_IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR, _IN_ONLYDIR = 0x4000, 0x8000, 0x40000000, 0x1000000
+_IN_CLOEXEC = 0o2000000
+# Appearances (created, renamed into place) and closes of files opened for writing (a
+# writer releasing its lock). Not opens, reads or plain writes: readers open files
+# read-only, so their own activity never comes back as events, and a busy directory does
+# not flood the queue.
+_MASK = _IN_CREATE | _IN_MOVED_TO | _IN_CLOSE_WRITE | _IN_ONLYDIR
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then name)
+
+
+Sink = queue.SimpleQueue[str | None]
+"""Where a watch delivers: names of files that appeared or were closed, ``RESCAN``, or None."""
+Handle = tuple[int, Sink]
+"""A watch, as ``Inotify.schedule`` returns it for ``unschedule``."""
+
+
+class Inotify:
+    """One inotify instance and one reader thread per process, shared by all followers.
+
+    The kernel's events go straight from ``read(2)`` to each follower's queue (no
+    move-pairing delay, no dispatcher thread in between). inotify instances are scarce
+    (128 per user on some machines), so there is one per process, with one watch per
+    directory.
+    """
+
+    _lock = threading.Lock()
+    _fd: int | None = None
+    _pid: int | None = None
+    _sinks: dict[int, set[Sink]] = {}
+
+    @classmethod
+    def _start(cls) -> int:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = int(libc.inotify_init1(_IN_CLOEXEC))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        cls._fd, cls._pid, cls._sinks = fd, os.getpid(), {}
+        thread = threading.Thread(target=cls._run, args=(fd,), name="hidden-state-inotify")
+        thread.daemon = True
+        with threads_ignore_signals():
+            thread.start()
+        return fd
+
+    @classmethod
+    def schedule(cls, root: str, sink: Sink) -> Handle:
+        """Watch ``root``; its events go to ``sink``. Returns the handle for ``unschedule``."""
+        with cls._lock:
+            fd = cls._fd if cls._fd is not None and cls._pid == os.getpid() else cls._start()
+            libc = ctypes.CDLL(None, use_errno=True)
+            wd = int(libc.inotify_add_watch(fd, os.fsencode(root), _MASK))
+            if wd < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"cannot watch {root}: {os.strerror(err)}")
+            cls._sinks.setdefault(wd, set()).add(sink)
+            return wd, sink
+
+    @classmethod
+    def unschedule(cls, handle: Handle) -> None:
+        """Stop delivering to a sink; the watch goes when its last sink does."""
+        wd, sink = handle
+        with cls._lock:
+            if cls._pid != os.getpid() or cls._fd is None:
+                return
+            sinks = cls._sinks.get(wd)
+            if sinks is None:
+                return
+            sinks.discard(sink)
+            if not sinks:
+                del cls._sinks[wd]
+                ctypes.CDLL(None, use_errno=True).inotify_rm_watch(cls._fd, wd)
+
+    @classmethod
+    def _run(cls, fd: int) -> None:
+        while True:
+            try:
+                buf = os.read(fd, 65536)
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                log.warning("inotify reader stopped: %s", exc)
+                return
+            cls._dispatch(buf)
+
+    @classmethod
+    def _dispatch(cls, buf: bytes) -> None:
+        offset = 0
+        with cls._lock:
+            while offset + _EVENT.size <= len(buf):
+                wd, mask, _, length = _EVENT.unpack_from(buf, offset)
+                raw = buf[offset + _EVENT.size : offset + _EVENT.size + length]
+                offset += _EVENT.size + length
+                if mask & _IN_Q_OVERFLOW:
+                    for sinks in cls._sinks.values():
+                        for sink in sinks:
+                            sink.put(RESCAN)  # events were lost: rescan now
+                    continue
+                if mask & _IN_IGNORED:
+                    cls._sinks.pop(wd, None)  # the directory is gone
+                    continue
+                if mask & _IN_ISDIR or not length:
+                    continue
+                name = os.fsdecode(raw.rstrip(b"\0"))
+                if classify(name) in (Kind.DATA, Kind.LOCK):
+                    for sink in cls._sinks.get(wd, ()):
+                        sink.put(name)
