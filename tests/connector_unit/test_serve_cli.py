@@ -20,7 +20,7 @@ import pytest
 
 from hidden_state_connector.cli.serve import resolve_layers
 from hidden_state_connector.server import default_layer_ids
-from hidden_state_reader.cli.common import CliError
+from hidden_state_reader.cli.toolkit import CliError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 HEAVY = ("torch", "vllm", "transformers", "numpy")

@@ -19,7 +19,8 @@ import torch
 
 from hidden_state_reader.cli import main as cli_main
 from hidden_state_reader.cli.common import Progress
-from hidden_state_reader.cli.table import format_bytes, format_table
+from hidden_state_reader.cli.table import format_table
+from hidden_state_reader.cli.toolkit import format_bytes
 from hidden_state_reader.format import WriterLock, write_sample
 
 from procs import LockHolder

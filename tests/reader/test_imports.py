@@ -45,6 +45,7 @@ def run_check(module: str, *, torch_free: bool) -> None:
         "hidden_state_reader.format.flockwait",
         "hidden_state_reader.errors",
         "hidden_state_reader.cli.common",
+        "hidden_state_reader.cli.toolkit",
     ],
 )
 def test_import_is_torch_free_and_installs_nothing(module: str) -> None:

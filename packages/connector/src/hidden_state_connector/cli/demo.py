@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hidden_state_connector.cli.serve import parse_layers
-from hidden_state_reader.cli.common import positive_float, positive_int
+from hidden_state_reader.cli.toolkit import positive_float, positive_int
 
 DESCRIPTION = """\
 A live vLLM server streaming hidden states into a training loop, in one command.
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from hidden_state_connector.demo.options import DemoError, DemoOptions
     from hidden_state_connector.demo.report import format_table
     from hidden_state_connector.demo.run import run_demo
-    from hidden_state_reader.cli.common import EXIT_INTERRUPTED
+    from hidden_state_reader.cli.toolkit import EXIT_INTERRUPTED
 
     options = DemoOptions(
         model=args.model,

@@ -19,7 +19,7 @@ from hidden_state_connector.cli.serve import (
     resolve_layers,
     with_storage,
 )
-from hidden_state_reader.cli.common import (
+from hidden_state_reader.cli.toolkit import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -271,8 +271,7 @@ def _options(args: argparse.Namespace) -> Any:
 
 def _print_summary(result: Any, out: TextIO) -> None:
     from hidden_state_connector.offline.progress import format_duration
-    from hidden_state_reader.cli.common import format_si
-    from hidden_state_reader.cli.table import format_bytes
+    from hidden_state_reader.cli.toolkit import format_bytes, format_si
 
     skipped = result.skipped_ok + result.skipped_failed
     if result.nothing_to_do:

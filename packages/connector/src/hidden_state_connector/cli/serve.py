@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hidden_state_connector.server import ServeOptions, default_layer_ids, server_argv
-from hidden_state_reader.cli.common import CliError, add_command
+from hidden_state_reader.cli.toolkit import CliError, add_command
 from hidden_state_reader.format.fp8 import STORAGE_DTYPES
 
 EXAMPLES = """\

@@ -12,7 +12,7 @@ from types import FrameType
 from typing import Any
 
 from hidden_state_connector.server import VllmServer
-from hidden_state_reader.cli.common import EXIT_INTERRUPTED
+from hidden_state_reader.cli.toolkit import EXIT_INTERRUPTED
 
 
 class Interrupts:

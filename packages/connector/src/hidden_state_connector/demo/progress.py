@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TextIO
 
-from hidden_state_reader.cli.common import format_rate
+from hidden_state_reader.cli.toolkit import format_rate
 
 MB = 1e6
 

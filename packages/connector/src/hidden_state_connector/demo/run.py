@@ -61,7 +61,7 @@ from hidden_state_connector.demo.serving import (
 )
 from hidden_state_connector.demo.trainer import Trainer, TrainerConfig
 from hidden_state_connector.server import VllmServer
-from hidden_state_reader.cli.common import EXIT_INTERRUPTED
+from hidden_state_reader.cli.toolkit import EXIT_INTERRUPTED
 
 __all__ = [  # the entry points, and names that were defined here before the split
     "DEFAULT_CACHE_DIR",

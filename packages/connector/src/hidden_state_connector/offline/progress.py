@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from hidden_state_reader.cli.common import format_si, isatty
+from hidden_state_reader.cli.toolkit import format_si, isatty
 
 
 def format_duration(seconds: float) -> str:

@@ -44,7 +44,7 @@ def verify_file(
         hidden_state_reader.SampleError: The file is incomplete or corrupt.
         OSError: It cannot be read.
     """
-    from hidden_state_reader.cli.common import read_token_ids
+    from hidden_state_reader.cli.toolkit import read_token_ids
     from hidden_state_reader.format import Meta, read_header
 
     header = read_header(path)

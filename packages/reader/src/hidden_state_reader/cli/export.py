@@ -11,16 +11,18 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from hidden_state_reader.cli.common import (
-    EXIT_FAILED,
-    EXIT_OK,
     PROG,
-    CliError,
     Progress,
-    add_command,
     add_grace_argument,
     add_progress_argument,
-    non_negative_float,
     print_json,
+)
+from hidden_state_reader.cli.toolkit import (
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    add_command,
+    non_negative_float,
 )
 from hidden_state_reader.sample.states import GRACE
 

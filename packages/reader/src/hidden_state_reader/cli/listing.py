@@ -11,19 +11,22 @@ from collections import Counter
 from typing import Any
 
 from hidden_state_reader.cli.common import (
-    EXIT_OK,
     EXIT_PROBLEMS,
-    CliError,
     Progress,
-    add_command,
     add_grace_argument,
     add_progress_argument,
     print_json,
-    read_token_ids,
     require_dir,
     require_sample_file,
 )
-from hidden_state_reader.cli.table import format_bytes, format_count, format_pairs, format_table
+from hidden_state_reader.cli.table import format_count, format_pairs, format_table
+from hidden_state_reader.cli.toolkit import (
+    EXIT_OK,
+    CliError,
+    add_command,
+    format_bytes,
+    read_token_ids,
+)
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.listing import describe_empty

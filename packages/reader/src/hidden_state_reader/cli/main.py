@@ -18,9 +18,9 @@ that adds its subcommand(s) to the ``argparse`` subparsers object and sets the h
         p.add_argument("--port", type=int, default=8000)
         p.set_defaults(handler=run)  # run(args: argparse.Namespace) -> int | None
 
-``hidden_state_reader.cli.common.add_command`` does the same with the house style
+``hidden_state_reader.cli.toolkit.add_command`` does the same with the house style
 (description, examples epilog, handler). A handler returns the exit status (None means
-0) and raises ``hidden_state_reader.cli.common.CliError`` for bad input (one line, exit
+0) and raises ``hidden_state_reader.cli.toolkit.CliError`` for bad input (one line, exit
 status 2). A plugin that fails to import or register is skipped, so a broken plugin
 never breaks the built-in commands; run ``hidden-state -v ...`` to see why.
 
@@ -40,14 +40,8 @@ from typing import Any
 
 from hidden_state_reader import __version__
 from hidden_state_reader.cli import export, listing, store, tail, verify
-from hidden_state_reader.cli.common import (
-    EXIT_INTERRUPTED,
-    EXIT_PROBLEMS,
-    EXIT_USAGE,
-    PROG,
-    CliError,
-    HelpFormatter,
-)
+from hidden_state_reader.cli.common import EXIT_PROBLEMS, PROG
+from hidden_state_reader.cli.toolkit import EXIT_INTERRUPTED, EXIT_USAGE, CliError, HelpFormatter
 from hidden_state_reader.errors import HiddenStateError
 from hidden_state_reader.format.flockwait import install_wake_handler
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
-from hidden_state_reader.cli.common import EXIT_OK, CliError, add_command
+from hidden_state_reader.cli.toolkit import EXIT_OK, CliError, add_command
 
 
 def register(subparsers: Any) -> None:

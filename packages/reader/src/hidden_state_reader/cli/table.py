@@ -1,26 +1,11 @@
-"""Plain-text formatting for the CLI: aligned tables, byte sizes, counts."""
+"""Plain-text formatting for the reader's commands: aligned tables, counts, pairs.
+
+Byte sizes: ``toolkit.format_bytes`` (shared with the connector's commands).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def format_bytes(n: int | float | None) -> str:
-    """Human-readable size: ``1023 B``, ``1.5 KiB``, ``12.0 GiB``; ``-`` for None.
-
-    Whole bytes are rounded (``1023.6`` -> ``1024 B``); larger sizes get one decimal, up
-    to PiB. The one size format of both packages' tables and progress lines.
-    """
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_count(n: int | float | None, digits: int = 1) -> str:

@@ -11,16 +11,15 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from hidden_state_reader.cli.common import (
+from hidden_state_reader.cli.common import PROG, require_dir
+from hidden_state_reader.cli.toolkit import (
     EXIT_OK,
-    PROG,
     CliError,
     add_command,
+    format_bytes,
     non_negative_float,
     positive_int,
-    require_dir,
 )
-from hidden_state_reader.cli.table import format_bytes
 from hidden_state_reader.errors import DirectoryNotWritableError
 from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.tensors import dtype_tables

@@ -22,17 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_reader.cli.common import (
-    EXIT_OK,
     EXIT_PROBLEMS,
     Progress,
-    add_command,
     add_grace_argument,
     add_progress_argument,
-    non_negative_float,
     print_json,
     require_dir,
 )
-from hidden_state_reader.cli.table import format_bytes, format_table
+from hidden_state_reader.cli.table import format_table
+from hidden_state_reader.cli.toolkit import EXIT_OK, add_command, format_bytes, non_negative_float
 from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.format.lockfile import LockState, probe
 from hidden_state_reader.format.names import LOCK_SUFFIX
