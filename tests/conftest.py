@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from procs import TEST_ENGINE_ENV, VLLM_MISSING
+from procs import TEST_ENGINE_ENV, VLLM_MISSING, LockHolder
 
 # Engines started by tests (and their children) use one OpenMP thread and no core pinning.
 # vLLM's CPU build pins its OpenMP threads to the same cores in every engine it starts;
@@ -63,6 +64,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def holder() -> Iterator[LockHolder]:
+    """A separate process that holds locks on request (``procs.LockHolder``): ``lock PATH``
+    takes a WriterLock as a writer does, ``flock PATH`` creates PATH and flocks it
+    ``LOCK_EX`` (a lock file in the making), ``release PATH`` lets go."""
+    h = LockHolder()
+    yield h
+    h.close()
 
 
 @pytest.fixture

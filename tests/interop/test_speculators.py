@@ -17,7 +17,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,13 +59,6 @@ def spec() -> SimpleNamespace:
         create_train_val_loaders=create_train_val_loaders,
         save_token_frequency_distribution=save_token_frequency_distribution,
     )
-
-
-@pytest.fixture(scope="module")
-def holder() -> Iterator[LockHolder]:
-    h = LockHolder()
-    yield h
-    h.close()
 
 
 def export(*args: object, spec_env: bool = True) -> subprocess.CompletedProcess[str]:

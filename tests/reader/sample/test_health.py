@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,16 +26,6 @@ from procs import LockHolder
 from samples import make_tensors, write_raw, write_samples, write_vllm_style
 
 PAST = time.time() - 3600
-
-
-# A separate process that holds locks on request: "lock PATH" takes a WriterLock (as a
-# writer does), "flock PATH" creates PATH and flocks it LOCK_EX (a lock file in the
-# making), "release PATH" lets go. Every command is answered with one line.
-@pytest.fixture(scope="module")
-def holder() -> Iterator[LockHolder]:
-    h = LockHolder()
-    yield h
-    h.close()
 
 
 def age(path: Path, when: float = PAST) -> None:

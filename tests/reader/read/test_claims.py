@@ -18,7 +18,7 @@ from resume_contract import check_resume_contract
 from procs import WRITER, start_together
 from samples import write_samples
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 READER = [sys.executable, str(TOOLS / "claim_reader.py")]
 
 

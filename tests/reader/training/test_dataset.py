@@ -273,7 +273,7 @@ print("done", flush=True)
 
 def test_follow_mode_with_claims_and_two_workers_reads_each_sample_once(hs_dir: Path) -> None:
     count = 24
-    script = WRITER.format(tests=str(Path(__file__).parents[1]), count=count, root=str(hs_dir))
+    script = WRITER.format(tests=str(Path(__file__).parents[2]), count=count, root=str(hs_dir))
     writer = subprocess.Popen(
         [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )

@@ -230,7 +230,7 @@ def test_format_and_fp8_module_import_no_torch() -> None:
 
 
 def test_the_reader_docs_fp8_example_runs_and_matches_the_default_read(hs_dir: Path) -> None:
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "reader.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "reader.md").read_text()
     block = doc.split("<!-- fp8-example -->", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     x = residual_like(tokens=16)
     fp8_path = write_sample(hs_dir / "a.safetensors", torch.arange(16), x, storage="fp8_e4m3")

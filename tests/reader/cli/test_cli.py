@@ -30,13 +30,6 @@ PAST = time.time() - 3600
 CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
 
 
-@pytest.fixture(scope="module")
-def holder() -> Iterator[LockHolder]:
-    h = LockHolder()
-    yield h
-    h.close()
-
-
 def run(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*CLI, *map(str, args)], capture_output=True, text=True, timeout=timeout, check=False
