@@ -246,7 +246,9 @@ def _options(args: argparse.Namespace) -> Any:
         raise UsageError(f"--input {args.input}: no such file or directory")
     engine_args = parse_json_object("--engine-args", args.engine_args)
     connector_config = with_storage(
-        parse_json_object("--connector-config", args.connector_config), args.storage_dtype
+        parse_json_object("--connector-config", args.connector_config),
+        args.storage_dtype,
+        checksum=args.checksum,
     )
     layers = resolve_layers(args.model, args.layers, args.include_last)
     return ExtractOptions(

@@ -165,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_storage_argument(parser: argparse.ArgumentParser) -> None:
-    """``--storage-dtype``: the connector's ``storage_dtype`` key (serve and extract)."""
+    """``--storage-dtype`` and ``--no-checksum``: how files are stored (serve and extract)."""
     parser.add_argument(
         "--storage-dtype",
         choices=STORAGE_DTYPES,
@@ -173,11 +173,29 @@ def add_storage_argument(parser: argparse.ArgumentParser) -> None:
         "(float8 with per-token, per-layer scales: about half the bytes of bf16; readers "
         "dequantize); sets storage_dtype in the connector config",
     )
+    parser.add_argument(
+        "--no-checksum",
+        dest="checksum",
+        action="store_false",
+        help="record no CRC32 in the files (default: each file carries one, computed as it "
+        "is written, so `hidden-state verify --checksums` can detect a changed byte); sets "
+        "checksum: false in the connector config",
+    )
 
 
-def with_storage(connector: dict[str, Any], storage_dtype: str | None) -> dict[str, Any]:
-    """The connector config with ``--storage-dtype`` applied (it wins over the JSON)."""
-    return connector if storage_dtype is None else {**connector, "storage_dtype": storage_dtype}
+def with_storage(
+    connector: dict[str, Any], storage_dtype: str | None, *, checksum: bool = True
+) -> dict[str, Any]:
+    """The connector config with ``--storage-dtype`` / ``--no-checksum`` applied.
+
+    Both win over the JSON; without them the JSON (or the connector's default) stands.
+    """
+    out = dict(connector)
+    if storage_dtype is not None:
+        out["storage_dtype"] = storage_dtype
+    if not checksum:
+        out["checksum"] = False
+    return out
 
 
 def register(subparsers: Any) -> None:
@@ -228,7 +246,9 @@ def run(args: argparse.Namespace) -> int:
         out_dir=os.path.abspath(args.out),
         layer_ids=layers,
         port=args.port,
-        connector=with_storage(args.connector_config, args.storage_dtype),
+        connector=with_storage(
+            args.connector_config, args.storage_dtype, checksum=args.checksum
+        ),
         vllm_args=list(args.vllm_args),
     )
     if args.dry_run:

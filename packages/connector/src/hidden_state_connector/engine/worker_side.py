@@ -28,6 +28,7 @@ import torch
 
 from hidden_state_connector import __version__
 from hidden_state_connector.engine import compat, local_handoff
+from hidden_state_connector.engine.capture import describe_capture
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.gather import Extractor
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
@@ -39,7 +40,6 @@ from hidden_state_connector.engine.store_backend import StoreBackend
 from hidden_state_connector.engine.writer import WritePipeline
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import sample_metadata
 
 log = get_logger(__name__)
 
@@ -69,8 +69,13 @@ class WorkerSide:
         self.layer_ids = layer_ids
         self.stats = stats
         self.vllm_config = vllm_config
-        self.model = str(getattr(vllm_config.model_config, "model", ""))
-        self.producer = f"hidden-state-connector/{__version__} vllm/{compat.vllm_version()}"
+        # Raises ValueError for layer ids the model does not have: vLLM does not start.
+        self.capture = describe_capture(
+            vllm_config,
+            layer_ids,
+            connector_version=__version__,
+            vllm_version=compat.vllm_version(),
+        )
         self.is_writer = True
         self.pipeline: WritePipeline | None = None
         self.store: StoreBackend | None = None  # storage_backend="mooncake"
@@ -110,10 +115,11 @@ class WorkerSide:
             storage=self.config.storage_dtype,
         )
         log.info(
-            "HiddenStateConnector: %s, layers %s, hidden %d, %s; cache %s (token axis %d), "
-            "%d blocks (%d tokens) per chunk; writing to %s%s",
+            "HiddenStateConnector: %s, layers %s of %s, hidden %d, %s; cache %s (token axis "
+            "%d), %d blocks (%d tokens) per chunk; writing to %s%s",
             kv_cache.device,
             self.layer_ids,
+            self.capture.num_hidden_layers or "?",
             layout.hidden_size,
             f"{kv_cache.dtype} stored as {extractor.storage}",
             tuple(kv_cache.shape),
@@ -240,12 +246,8 @@ class WorkerSide:
             block_ids=order.block_ids,
             lock=target.lock if target is not None else None,
             dir_fd=target.dir_fd if target is not None else None,
-            metadata=sample_metadata(
-                layer_ids=self.layer_ids,
-                model=self.model,
-                request_id=order.req_id,
-                num_prompt_tokens=order.num_prompt_tokens,
-                producer=self.producer,
+            metadata=self.capture.metadata(
+                request_id=order.req_id, num_prompt_tokens=order.num_prompt_tokens
             ),
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
