@@ -246,9 +246,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=os.path.abspath(args.out),
         layer_ids=layers,
         port=args.port,
-        connector=with_storage(
-            args.connector_config, args.storage_dtype, checksum=args.checksum
-        ),
+        connector=with_storage(args.connector_config, args.storage_dtype, checksum=args.checksum),
         vllm_args=list(args.vllm_args),
     )
     if args.dry_run:

@@ -84,7 +84,7 @@ class MissingLastLayerError(ExportError):
 def missing_last_layer_message(path: str, header: SampleHeader) -> str:
     """Why a capture without the model's last layer is refused, and the two ways out."""
     ids = header.layer_ids or []
-    n = header.num_hidden_layers
+    n = header.num_hidden_layers or 0  # recorded: the caller checked captures_last_layer
     model = f" ({header.model})" if header.model else ""
     fixed = ",".join(str(i) for i in sorted({*ids, n}))
     return (
