@@ -404,6 +404,74 @@ def test_one_layer_or_mixed_shapes_are_skipped(spec: SimpleNamespace, hs_dir: Pa
     assert "x 32 BF16, but the export has 4 layers" in reasons["hs_3.safetensors"]
 
 
+# -- the verifier layer: the model's last ---------------------------------------------------
+
+
+def write_capture(root: Path, count: int, layer_ids: list[int], model_layers: int | None) -> None:
+    """``count`` samples of a capture at ``layer_ids`` (``model_layers``: None = older writer)."""
+    root.mkdir(exist_ok=True)
+    for i in range(count):
+        ids, hidden = make_tensors(i, 8, len(layer_ids), HIDDEN)
+        meta = sample_metadata(
+            layer_ids=layer_ids, model="tiny", num_hidden_layers=model_layers, num_prompt_tokens=4
+        )
+        write_sample(root / f"hs_{i}.safetensors", ids, hidden, metadata=meta)
+
+
+def test_a_capture_without_the_models_last_layer_is_refused_unless_allowed(
+    spec: SimpleNamespace, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    src, dst = tmp_path / "hs", tmp_path / "spec"
+    write_capture(src, 3, [1, 2], 4)  # a 4-layer model captured at layers 1 and 2
+    refused = call(capsys, "--format", "speculators", src, dst)
+    assert refused.returncode == 1
+    assert (
+        f"{src / 'hs_0.safetensors'}: captured layers [1, 2], but the model (tiny) has 4 "
+        "layers and its last layer, id 4, is missing: speculators reads the last captured "
+        "layer (2) as the verifier's last hidden state"
+    ) in refused.stderr
+    assert (
+        "Re-capture with layer 4 appended (hidden-state extract or serve with --layers "
+        "1,2,4, or --include-last), or pass --allow-missing-last-layer to export anyway"
+    ) in refused.stderr
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hs"]
+    allowed = call(capsys, "--format", "speculators", src, dst, "--allow-missing-last-layer")
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stderr.count("warning:") == 1
+    assert "3 of 3 exported samples lack the model's last layer" in allowed.stderr
+    assert "reads layer 2 as the verifier's last hidden state (NOT the model's last layer 4)" in (
+        allowed.stdout
+    )
+    summary = json.loads((dst / "export.json").read_text())
+    assert summary["last_layer"] == {
+        "num_hidden_layers": 4, "present": 0, "missing": 3, "unchecked": 0,
+    }  # fmt: skip
+    assert summary["warnings"] == [allowed.stderr.split("warning: ", 1)[1].strip()]
+
+
+def test_a_capture_with_the_last_layer_exports_and_older_files_are_warned_about_once(
+    spec: SimpleNamespace, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    write_capture(tmp_path / "new", 2, [1, 2, 4], 4)
+    checked = call(capsys, "--format", "speculators", tmp_path / "new", tmp_path / "a")
+    assert checked.returncode == 0 and checked.stderr == ""
+    assert "reads layer 4 as the verifier's last hidden state (the model's last of 4 " in (
+        checked.stdout
+    )
+    write_capture(tmp_path / "old", 3, [1, 2], None)  # files that do not say: older writers
+    old = call(capsys, "--format", "speculators", tmp_path / "old", tmp_path / "b")
+    assert old.returncode == 0
+    assert old.stderr.count("warning:") == 1
+    assert (
+        "3 of 3 exported samples do not record the model's layer count (files of an older "
+        "writer or of vLLM's own connector): cannot check that their last layer (2) is the "
+        "model's last layer"
+    ) in old.stderr
+    result = export_speculators(tmp_path / "new", tmp_path / "c")  # the API says the same
+    assert result.warnings == []
+    assert (result.last_layer.present, result.last_layer.unchecked) == (2, 0)
+
+
 def test_help_has_an_example_and_start_up_imports_no_torch() -> None:
     code = (
         "import sys\nfrom hidden_state_reader.cli.main import main\n"
