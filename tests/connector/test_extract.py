@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from hidden_state_connector.cli import extract as extract_cli
+from hidden_state_connector.engine.compat import vllm_version
 from hidden_state_connector.offline.errors import UsageError
 from hidden_state_connector.offline.extract import VllmEngine, remove_stale_temp_files
 from hidden_state_connector.offline.inputs import PromptEncoder, open_input
@@ -736,5 +737,10 @@ def test_include_output_tokens_stores_prompt_and_generated_tokens(
         assert (state[index].tokens, state[index].prompt_tokens) == (len(prompt) + 3, len(prompt))
         header = read_header(sample.path)
         assert header.hidden.dtype == "F8_E4M3" and header.metadata["model_dtype"] == "F32"
+        # What the capture is (layers 1 and 3 of 4: not the last), with a CRC by default.
+        assert (
+            header.num_hidden_layers, header.captures_last_layer, header.vllm_version,
+            len(header.metadata.get("crc32", "")), header.model,
+        ) == (4, False, vllm_version(), 8, str(tiny_model_fp32))  # fmt: skip
         assert sample.hidden_states.dtype == torch.float32  # dequantized to the model's dtype
         assert_matches_reference(sample, hf_fp32, rtol=2**-4)  # the documented fp8 bound
