@@ -576,7 +576,7 @@ def test_training_doc_speculators_workflow_runs_as_written(
     for i in range(3):  # Llama-3.1-8B's layers: EAGLE-3's 2, 16, 29 and the last, 32
         ids, hidden = make_tensors(i, 12, LAYERS, HIDDEN)
         write_sample(src / f"hs_{i}.safetensors", ids, hidden, metadata=sample_metadata(
-            layer_ids=[2, 16, 29, 32], num_prompt_tokens=4))  # fmt: skip
+            layer_ids=[2, 16, 29, 32], num_hidden_layers=32, num_prompt_tokens=4))  # fmt: skip
     commands = shell_commands(bash.replace("/data/hs", str(src)).replace("/data/spec", str(dst)))
     assert [c[:2] for c in commands] == [
         ["hidden-state", "extract"],
@@ -588,8 +588,8 @@ def test_training_doc_speculators_workflow_runs_as_written(
     for argv in commands[:2]:  # real options of the real commands (not run: no model here)
         assert parser.parse_args(argv[1:]).include_last
     rc = cli_main.main(commands[2][1:])
-    out = capsys.readouterr().out
-    assert rc == 0 and "exported 3 samples" in out
+    out, err = capsys.readouterr()
+    assert rc == 0 and "exported 3 samples" in out and err == ""  # the last layer: checked
     train = commands[3]
     aux = train[train.index("--target-layer-ids") + 1 : train.index("--on-missing")]
     assert f"--target-layer-ids {' '.join(aux)}" in out  # what export told the user to pass

@@ -51,6 +51,10 @@ Prompts are tokenized here with the model's tokenizer; empty or invalid records 
 prompts longer than max_model_len - 1 are recorded as failed without being sent. The
 loss mask is stored in each file (Sample.loss_mask; generated tokens count 1).
 
+Each file records the model, its layer count, revision and dtype, the vLLM version and a
+CRC32 of its tensor bytes (--no-checksum: none), so `hidden-state verify DIR --checksums`
+detects a changed byte and `hidden-state export` can check the captured layers.
+
 Resumable: DIR/manifest.jsonl gets one line per sample once its file is final and
 verified. Rerun the same command after a crash or a kill and it continues where it
 stopped (files written but not yet recorded are verified, never trusted blindly);
@@ -75,6 +79,9 @@ examples:
   # regenerate responses: keep prompt + 255 generated tokens per sample
   hidden-state extract ./my-model --input prompts.jsonl --out /data/hs \\
       --max-tokens 256 --include-output-tokens
+
+  # no CRC32 in the files (default: one per file, computed as it is written)
+  hidden-state extract ./my-model --input data.jsonl --out /data/hs --no-checksum
 
   # a Hugging Face dataset folder, two GPUs, durable files
   hidden-state extract ./my-model --input ./sharegpt_ds --split train --out /data/hs \\
