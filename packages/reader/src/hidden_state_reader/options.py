@@ -33,7 +33,10 @@ class LoadOptions:
         layer_ids: Captured layer ids to keep (needs ``layer_ids`` metadata).
         dtype: Convert ``hidden_states`` to this dtype.
         pin_memory: Read into page-locked memory (faster host-to-GPU copies).
-        verify_checksum: Check the writer's CRC32 when the file has one.
+        verify_checksum: Check the writer's CRC32 when the file has one (our writers
+            record one by default). Off by default: it is a second pass over every byte
+            (docs/reader.md, "Integrity"); ``hidden-state verify --checksums`` checks a
+            whole directory on demand.
         mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them.
         raw_fp8: Give fp8 files' ``hidden_states`` as stored (float8_e4m3fn) with
             ``Sample.hidden_states_scales``, to dequantize later (e.g. on the GPU with
