@@ -191,7 +191,6 @@ class Variant:
     def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
         """One more trial with timers around each stage (thread-seconds per stage)."""
         from hidden_state_connector.engine import sample_write as writer_module
-
         from hidden_state_reader.format import publish as publish_module
 
         timers = _Timers()
