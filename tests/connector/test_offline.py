@@ -174,6 +174,18 @@ def test_custom_path_inside_root_is_used(engine: Engine) -> None:
     assert read(result["hidden_states_path"]).num_tokens == 12
 
 
+def test_one_changed_byte_in_a_default_file_fails_verify_checksums(engine: Engine) -> None:
+    from hidden_state_reader.cli.main import main as cli
+
+    [result] = generate(engine, [prompt(20, 7)], params={"hidden_states_path": "crc/a.safetensors"})
+    path = Path(read(result["hidden_states_path"]).path)  # published (and its CRC verified)
+    assert cli(["verify", str(path.parent), "--checksums"]) == 0
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # one bit of hidden_states (the CRC32 is on by default)
+    path.write_bytes(bytes(data))
+    assert cli(["verify", str(path.parent), "--checksums"]) == 1
+
+
 def test_unusable_custom_directory_is_refused_with_hidden_states_error(engine: Engine) -> None:
     (engine.out / "blocker").write_text("a regular file where a directory is asked for")
     bad, good = generate(
