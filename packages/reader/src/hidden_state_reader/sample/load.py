@@ -41,8 +41,10 @@ def _read_exact(fd: int, buffer: torch.Tensor, offset: int, path: str) -> None:
 def _view(buffer: torch.Tensor, info: TensorInfo, path: str) -> torch.Tensor:
     raw = buffer[info.begin : info.end]
     itemsize = info.torch_dtype.itemsize
-    if info.begin % itemsize:
-        raw = raw.clone()  # misaligned in a foreign file: copy so view() is legal
+    if raw.storage_offset() % itemsize:
+        # Misaligned in the buffer (a foreign file's offsets, or a mapped file whose
+        # header length is not a multiple of 8): copy so view() is legal.
+        raw = raw.clone()
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.torch_dtype)
     try:
