@@ -80,8 +80,9 @@ class SampleHealth:
         header: The validated header, when the data file has one.
         lock: What probing the lock file found (for a temporary file: the lock that
             would protect it).
-        lock_status: The status the writer left in the lock file, when one was read.
-        size: Size in bytes of the data (or temporary) file; None if there is none.
+        lock_status: The status the writer left in the lock file, when one was read (see
+            ``current_lock_status`` for whether it still describes the sample).
+        size: File bytes of the data (or temporary) file; None if there is none.
         age: Seconds since the newest of the data and lock files (or the temporary
             file) was modified.
         checksum_verified: True when a recorded CRC32 was checked and matched.
@@ -111,6 +112,22 @@ class SampleHealth:
         return self.state.is_problem
 
     @property
+    def current_lock_status(self) -> LockStatus | None:
+        """The writer's status in the lock file, when it describes the sample now.
+
+        A writer records ``writing`` (with its pid, host and request id) when it starts
+        and does not rewrite it once the data file is published. So for a sample whose
+        data file is there and whose lock is no longer held, that status is history and
+        this is None (``as_dict`` keeps the writer's details under ``writer``).
+        """
+        status = self.lock_status
+        if status is None or status.state is None:
+            return None
+        if self.lock is not LockState.HELD and self.size is not None and not status.failed:
+            return None
+        return status
+
+    @property
     def lock_path(self) -> str | None:
         """The lock file that governs this entry, if any can exist."""
         if not self.is_temp:
@@ -126,11 +143,14 @@ class SampleHealth:
             "reason": self.reason,
             "kind": "temp" if self.is_temp else "sample",
             "lock": self.lock.value,
-            "size": self.size,
+            "file_bytes": self.size,
             "age": None if self.age is None else round(self.age, 3),
         }
-        if self.lock_status is not None and self.lock_status.state is not None:
-            out["lock_status"] = {"state": self.lock_status.state, **self.lock_status.detail}
+        current = self.current_lock_status
+        if current is not None:
+            out["lock_status"] = {"state": current.state, **current.detail}
+        elif self.lock_status is not None and self.lock_status.detail:
+            out["writer"] = dict(self.lock_status.detail)  # who wrote it: pid, host, request
         if self.header is not None:
             h = self.header
             out.update(
