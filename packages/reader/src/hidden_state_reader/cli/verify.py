@@ -240,7 +240,8 @@ def _clean_hint(problems: list[SampleHealth], root: str) -> str:
         if n
     ]
     if not removes:
-        return "data files: `hidden-state clean` never removes them; delete them by hand"
+        them = "it" if data == 1 else "them"
+        return f"`hidden-state clean` never removes data files: delete {them} by hand"
     hint = f"`hidden-state clean {root}` removes the {' and the '.join(removes)}"
     if data:
         hint += f"; the {data} data file{'s' if data != 1 else ''} it never removes"
