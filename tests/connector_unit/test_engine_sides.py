@@ -494,7 +494,7 @@ def captured_states(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_connector.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()

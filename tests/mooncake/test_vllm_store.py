@@ -14,7 +14,7 @@ pytestmark = [needs_store, pytest.mark.vllm]  # skipped without vLLM (tests/conf
 
 
 def test_round_trip_through_the_connector(cluster: StoreCluster, tmp_path: Path) -> None:
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_connector.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny", dtype="float32")
     # The engine runs in the store's namespace; it hosts no store memory.

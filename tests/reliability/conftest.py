@@ -36,7 +36,7 @@ def figures(request: pytest.FixtureRequest, long_run: bool) -> Figures:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's 4-layer random Llama in bfloat16 (hidden size 128)."""
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_connector.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
 

@@ -1,8 +1,18 @@
-"""A small Llama-architecture model with random weights and a byte-level tokenizer.
+"""A tiny Llama-architecture model with random weights, to try things without a hub.
 
-Built locally with HF ``transformers``/``tokenizers`` (no downloads), cached on disk, and
-small enough for vLLM's CPU build: hidden 128, 2 heads (head_dim 64, the smallest the
-CPU attention backend accepts), 4 layers.
+``build_tiny_model(directory)`` (or ``hidden-state tiny-model DIR``) writes a complete
+Hugging Face model folder, built locally with ``transformers`` and ``tokenizers`` (no
+download): a Llama with random weights, hidden 128, 2 heads (head size 64, the smallest
+vLLM's CPU attention accepts), 4 layers by default, and a byte-level tokenizer with a
+chat template. vLLM (CPU or CUDA) and Hugging Face load it like any local model, so
+``hidden-state serve``, ``extract`` and the demo run on it in seconds. The states it
+produces are meaningless: it is for trying the pipeline, not for training a drafter.
+
+Example::
+
+    from hidden_state_connector.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model("/tmp/tiny-llama")  # reused if already built
 """
 
 from __future__ import annotations
@@ -12,6 +22,11 @@ import os
 from pathlib import Path
 
 BYTE_VOCAB = 256
+RECIPE_FILE = "tiny_model_recipe.json"
+"""Written last into a built model folder: how it was built (a rebuild is skipped when
+the recipe is the same)."""
+MIN_HEAD_SIZE = 64
+"""``hidden_size / num_heads`` at least this: vLLM's CPU attention backend needs it."""
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -63,6 +78,10 @@ def build_tiny_model(
 
     Returns:
         The model directory.
+
+    Raises:
+        ImportError: ``transformers`` or ``tokenizers`` is not installed
+            (``pip install "hidden-state-connector[demo]"``).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,7 +94,7 @@ def build_tiny_model(
         "dtype": dtype,
         "seed": seed,
     }
-    stamp = path / "tiny_model_recipe.json"
+    stamp = path / RECIPE_FILE
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
