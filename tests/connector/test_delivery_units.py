@@ -24,16 +24,16 @@ import pytest
 import torch
 from engine_fakes import finished_request, new_request, scheduler_output
 
-from hidden_state_connector.engine import local_handoff, order_channel
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.handoff import same_process, socket_channel
+from hidden_state_connector.engine.handoff.socket_channel import OrderListener, OrderSender
 from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.engine.metadata import SaveOrder
-from hidden_state_connector.engine.order_channel import OrderListener, OrderSender
-from hidden_state_connector.engine.save_job import SaveJob
 from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.writer import WritePipeline
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.job import SaveJob
+from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import (
     LockState,
@@ -76,18 +76,18 @@ def _finished(req_id: str, prompt: list[int], output: list[int]) -> SimpleNamesp
 
 
 class _Handoff:
-    """A same-process writing worker (``local_handoff``) that records what it is given."""
+    """A same-process writing worker (``handoff.same_process``) that records what it is given."""
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.orders: list[SaveOrder] = []
 
     def __enter__(self) -> _Handoff:
-        local_handoff.register(self.key, self.orders.append)
+        same_process.register(self.key, self.orders.append)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        local_handoff.unregister(self.key, self.orders.append)
+        same_process.unregister(self.key, self.orders.append)
 
 
 def test_prompt_in_two_chunks_is_ordered_once_in_the_step_that_completes_it(
@@ -428,7 +428,7 @@ def test_order_channel_round_trip(engine_key: str) -> None:
 def test_order_channel_refuses_clients_without_the_engine_key(engine_key: str) -> None:
     inbox = _Inbox()
     listener = OrderListener(engine_key, inbox)
-    address = order_channel._address(engine_key)
+    address = socket_channel._address(engine_key)
     try:
         with pytest.raises(AuthenticationError):
             Client(address, "AF_UNIX", authkey=b"not the engine's key")

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from hidden_state_connector.engine import compat
-from hidden_state_connector.engine.buffers import SlabPool
 from hidden_state_connector.engine.config import ConnectorConfig, parse_size
-from hidden_state_connector.engine.gather import plan_chunks
-from hidden_state_connector.server import ServeOptions, default_layer_ids
+from hidden_state_connector.engine.write.buffers import SlabPool
+from hidden_state_connector.engine.write.gather import plan_chunks
+from hidden_state_connector.layers import default_layer_ids
+from hidden_state_connector.server import ServeOptions
 
 
 def test_config_accepts_vllm_keys_and_sizes() -> None:

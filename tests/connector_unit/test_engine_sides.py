@@ -33,13 +33,13 @@ from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.gather import Extractor
 from hidden_state_connector.engine.layout import CacheLayout
-from hidden_state_connector.engine.save_job import JobState, SaveJob
 from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
-from hidden_state_connector.engine.writer import WritePipeline
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.job import JobState, SaveJob
+from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_reader import HiddenStateReader, LoadOptions, load_sample, read_header
 from hidden_state_reader.format import (
     LockState,

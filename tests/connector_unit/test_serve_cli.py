@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from hidden_state_connector.cli.serve import resolve_layers
-from hidden_state_connector.server import default_layer_ids
+from hidden_state_connector.layers import default_layer_ids, resolve_layers
 from hidden_state_reader.cli.common import CliError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"

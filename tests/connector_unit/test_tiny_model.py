@@ -92,8 +92,10 @@ def test_refuses_a_folder_in_use_and_an_unusable_head_size(
     err = capsys.readouterr().err
     assert f"{used} is not empty and holds no tiny model" in err and "nothing was written" in err
     assert os.listdir(used) == ["notes.txt"]
-    assert command.main([str(tmp_path / "new"), "--hidden", "128", "--heads", "4"]) == 2
-    assert "head size must be a whole number of at least 64" in capsys.readouterr().err
+    assert command.main([str(tmp_path / "new"), "--hidden", "128", "--heads", "8"]) == 2
+    assert "--hidden 128 / --heads 8 = 16: the head size must be one of 32, 64" in (
+        capsys.readouterr().err
+    )
     assert not (tmp_path / "new").exists()
 
 

@@ -1,8 +1,10 @@
 """``HiddenStateConnector``: the class vLLM instantiates, once per role.
 
 A thin adapter: vLLM's KV-connector interface on one side, ``SchedulerSide`` and
-``WorkerSide`` on the other. Store-only; use with the ``extract_hidden_states``
-speculative method.
+``WorkerSide`` (``hidden_state_connector.engine``) on the other. Store-only; use with the
+``extract_hidden_states`` speculative method. This module's path is
+``CONNECTOR_MODULE``, the one the plugin registers and users pass as
+``kv_connector_module_path``; importing it imports vLLM.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 # The connector API; its module path is the one vLLM 0.26-0.33 share. This module and
-# ``metrics`` are the only in-engine modules that need vLLM to be importable.
+# ``engine.metrics`` are the only modules run in the engine that need vLLM importable.
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,

@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=2,
         metavar="N",
-        help="attention heads (the head size, hidden / heads, must be at least 64 for vLLM's "
-        "CPU attention)",
+        help="attention heads (the head size, hidden / heads, must be one vLLM's CPU attention "
+        "takes: 32, 64, 80, ...)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
@@ -68,13 +68,14 @@ def register(subparsers: Any) -> None:
 
 def _check(args: argparse.Namespace) -> Path:
     """The output folder, once the options and the folder are known to be usable."""
-    from hidden_state_connector.tiny_model import MIN_HEAD_SIZE, RECIPE_FILE
+    from hidden_state_connector.tiny_model import CPU_HEAD_SIZES, RECIPE_FILE
 
-    if args.hidden % args.heads or args.hidden // args.heads < MIN_HEAD_SIZE:
+    if args.hidden % args.heads or args.hidden // args.heads not in CPU_HEAD_SIZES:
+        sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         raise CliError(
-            f"--hidden {args.hidden} / --heads {args.heads}: the head size must be a whole "
-            f"number of at least {MIN_HEAD_SIZE} (vLLM's CPU attention); e.g. --hidden "
-            f"{max(args.hidden, MIN_HEAD_SIZE)} --heads {max(1, args.hidden // MIN_HEAD_SIZE)}"
+            f"--hidden {args.hidden} / --heads {args.heads} = {args.hidden / args.heads:g}: "
+            f"the head size must be one of {sizes} (what vLLM's CPU attention takes); "
+            f"e.g. --hidden 128 --heads 2"
         )
     out = Path(args.out_dir)
     if out.exists() and not out.is_dir():

@@ -82,7 +82,7 @@ def capture_layers(options: DemoOptions, model: str, tiny: bool) -> list[int]:
     Raises:
         DemoError: A layer id is out of range.
     """
-    from hidden_state_connector.cli.serve import resolve_layers
+    from hidden_state_connector.layers import resolve_layers
     from hidden_state_reader.cli.common import CliError
 
     layers = options.layers if options.layers is not None else (TINY_LAYERS if tiny else None)
