@@ -489,15 +489,12 @@ def test_bad_storage_dtype_names_the_key(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def captured_states(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+def captured_states(tiny_model_bf16: Path) -> torch.Tensor:
     """Hidden states of the suite's tiny Llama (HF transformers, bf16), layers LAYER_IDS."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from hidden_state_connector.tiny_model import build_tiny_model
-
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_bf16, dtype=torch.bfloat16).eval()
     text = b"The quick brown fox jumps over the lazy dog; fp8 halves the bytes on disk."
     tokens = torch.tensor(list(text[: NUM_BLOCKS * BLOCK]))
     with torch.no_grad():

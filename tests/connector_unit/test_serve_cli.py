@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from hidden_state_connector.layers import default_layer_ids, resolve_layers
+from hidden_state_connector.server import ServeOptions
 from hidden_state_reader.cli.common import CliError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -210,3 +211,15 @@ def test_extract_storage_dtype_flag_reaches_the_validated_connector_settings(
     settings = connector_settings(options.connector_config, str(tmp_path / "out"))
     assert settings["storage_dtype"] == "fp8_e4m3"
     assert "storage_dtype" not in _options(parser.parse_args(argv)).connector_config
+
+
+def test_serve_command_carries_both_configs() -> None:
+    cmd = ServeOptions(model="m", out_dir="/d", layer_ids=[2, 16, 29], port=9).command()
+    joined = " ".join(cmd)
+    assert "extract_hidden_states" in joined and '"HiddenStateConnector"' in joined
+    assert '"shared_storage_path": "/d"' in joined and cmd[:3] == ["vllm", "serve", "m"]
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "30"  # Ctrl-C drains, not aborts
+    assert default_layer_ids(32) == [2, 16, 29]
+    assert default_layer_ids(4) == [1, 2]
+
+
