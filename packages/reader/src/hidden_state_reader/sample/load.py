@@ -1,16 +1,18 @@
 """Load a complete sample file into tensors: one read, zero-copy views, validation.
 
-The file is read with a single ``preadv`` into one byte buffer (pinned if asked), and
-every tensor is a view into it; layer selection and dtype conversion happen after. The
-header is validated first (``hidden_state_reader.format.header``), so a truncated or
-malformed file raises a typed error naming it instead of yielding garbage.
+A file of ``MMAP_MIN_BYTES`` (1 MiB) or more written by this project is memory-mapped
+(private, copy-on-write; ``LoadOptions.mmap``); any other file is read with a single
+``preadv`` into one byte buffer (pinned if asked). Every tensor is a view into that
+buffer; layer selection and dtype conversion happen after. The
+header is validated first (``hidden_state_reader.format.header``), then what only the
+bytes can show (``hidden_state_reader.sample.content``), so a truncated or malformed file
+raises a typed error naming it instead of yielding garbage.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import zlib
 
 import torch
 
@@ -20,6 +22,7 @@ from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
 from hidden_state_reader.format.loss_mask import loss_mask_view
 from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.sample.content import check_content, layer_positions
 from hidden_state_reader.sample.sample import Sample
 
 MMAP_MIN_BYTES = 1 << 20
@@ -38,40 +41,16 @@ def _read_exact(fd: int, buffer: torch.Tensor, offset: int, path: str) -> None:
 def _view(buffer: torch.Tensor, info: TensorInfo, path: str) -> torch.Tensor:
     raw = buffer[info.begin : info.end]
     itemsize = info.torch_dtype.itemsize
-    if info.begin % itemsize:
-        raw = raw.clone()  # misaligned in a foreign file: copy so view() is legal
+    if raw.storage_offset() % itemsize:
+        # Misaligned in the buffer (a foreign file's offsets, or a mapped file whose
+        # header length is not a multiple of 8): copy so view() is legal.
+        raw = raw.clone()
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.torch_dtype)
     try:
         return raw.view(info.torch_dtype).view(info.shape)
     except RuntimeError as exc:
         raise CorruptSampleError(path, f"cannot view tensor data: {exc}") from exc
-
-
-def _layer_positions(header: SampleHeader, options: LoadOptions) -> list[int] | None:
-    if options.layers is not None:
-        n = header.num_layers
-        positions = []
-        for p in options.layers:
-            if not -n <= p < n:
-                raise CorruptSampleError(
-                    header.path, f"layer position {p} out of range for {n} captured layers"
-                )
-            positions.append(p % n)
-        return positions
-    if options.layer_ids is not None:
-        ids = header.layer_ids
-        if ids is None:
-            raise CorruptSampleError(
-                header.path, "no layer_ids metadata; select layers by position instead"
-            )
-        try:
-            return [ids.index(i) for i in options.layer_ids]
-        except ValueError as exc:
-            raise CorruptSampleError(
-                header.path, f"requested layer ids {list(options.layer_ids)}, file has {ids}"
-            ) from exc
-    return None
 
 
 def _data_buffer(fd: int, header: SampleHeader, options: LoadOptions, path: str) -> torch.Tensor:
@@ -104,12 +83,10 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     options = options or LoadOptions()
     header = read_header_fd(fd, path)
     buffer = _data_buffer(fd, header, options, path)
-    if options.verify_checksum and Meta.CRC32 in header.metadata:
-        actual = f"{zlib.crc32(buffer.numpy().data) & 0xFFFFFFFF:08x}"
-        if actual != header.metadata[Meta.CRC32]:
-            raise CorruptSampleError(
-                path, f"CRC32 mismatch: file says {header.metadata[Meta.CRC32]}, data is {actual}"
-            )
+    data = buffer.numpy().data
+    # The one content rule (CRC, layer selection, fp8 target dtype, mask bytes): the
+    # listing commands apply the same function to the file, so they count what loads.
+    check_content(header, options, lambda begin, end: data[begin:end])
     token_ids = _view(buffer, header.tokens, path)
     if token_ids.dtype != torch.int64:
         token_ids = token_ids.to(torch.int64)
@@ -117,7 +94,7 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     scales_info = header.tensors.get(fp8.SCALES)
     scales = None if scales_info is None else _view(buffer, scales_info, path)
     layer_ids = header.layer_ids
-    positions = _layer_positions(header, options)
+    positions = layer_positions(header, options)
     if positions is not None:
         hidden = hidden[:, positions]
         if scales is not None and scales.shape[1] != 1:  # per-layer scales follow their rows
@@ -132,8 +109,7 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     mask_info = header.loss_mask
     loss_mask = None
     if mask_info is not None:  # a bool view of the stored bytes; layer/dtype options do not apply
-        raw = buffer[mask_info.begin : mask_info.end]
-        loss_mask = loss_mask_view(raw, path)
+        loss_mask = loss_mask_view(buffer[mask_info.begin : mask_info.end])
     return Sample(
         token_ids,
         hidden,
