@@ -19,5 +19,8 @@ BENCHMARKS = (
     "fp8",
     "store",
     "cli_startup",
+    "watchers",
+    "loaders",
+    "locks",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

@@ -101,9 +101,9 @@ class Variant:
     """One connector configuration with its own pipeline (threads and slabs live across trials)."""
 
     def __init__(self, name: str, cache: Any, layout: Any, settings: dict[str, Any]) -> None:
-        from hidden_state_connector.engine.gather import Extractor
         from hidden_state_connector.engine.stats import WriteStats
-        from hidden_state_connector.engine.writer import WritePipeline
+        from hidden_state_connector.engine.write.gather import Extractor
+        from hidden_state_connector.engine.write.pipeline import WritePipeline
 
         self.name = name
         self.settings = settings
@@ -133,7 +133,7 @@ class Variant:
         """Write ``requests`` (tokens, block ids) into ``directory``; time it."""
         import torch
 
-        from hidden_state_connector.engine.save_job import SaveJob
+        from hidden_state_connector.engine.write.job import SaveJob
         from hidden_state_reader.format import WriterLock, sample_metadata
 
         pipeline, extractor = self.pipeline, self.extractor
@@ -190,7 +190,7 @@ class Variant:
 
     def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
         """One more trial with timers around each stage (thread-seconds per stage)."""
-        from hidden_state_connector.engine import sample_write as writer_module
+        from hidden_state_connector.engine.write import sample_file as writer_module
         from hidden_state_reader.format import publish as publish_module
 
         timers = _Timers()

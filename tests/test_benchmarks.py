@@ -33,6 +33,9 @@ SECTIONS = (
     "## 9. fp8 storage",
     "## 10. Mooncake Store vs files",
     "## 11. CLI start-up",
+    "## 12. Directory watchers",
+    "## 13. Loading a file",
+    "## 14. Lock libraries",
     "## GPU (NVIDIA H200)",
 )
 

@@ -310,7 +310,7 @@ def spawn_one(
 
 def validate(args: argparse.Namespace) -> int:
     """Values on CUDA vs HF transformers, chunked prefill, prefix caching, output tokens."""
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_connector.tiny_model import build_tiny_model
     from hidden_state_reader import HiddenStateReader
 
     # In-process engine: the path users of notebooks and offline scripts run, and no

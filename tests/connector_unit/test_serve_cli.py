@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from hidden_state_connector.cli.serve import resolve_layers
-from hidden_state_connector.server import default_layer_ids
+from hidden_state_connector.layers import default_layer_ids, resolve_layers
+from hidden_state_connector.server import ServeOptions
 from hidden_state_reader.cli.common import CliError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -243,3 +243,15 @@ def test_no_checksum_flag_turns_the_default_crc32_off_in_serve_and_extract(
         settings = connector_settings(options.connector_config, str(out))
         checked[tuple(flags)] = ConnectorConfig.from_extra_config(settings).checksum
     assert checked == {(): True, ("--no-checksum",): False}  # on by default
+
+
+def test_serve_command_carries_both_configs() -> None:
+    cmd = ServeOptions(model="m", out_dir="/d", layer_ids=[2, 16, 29], port=9).command()
+    joined = " ".join(cmd)
+    assert "extract_hidden_states" in joined and '"HiddenStateConnector"' in joined
+    assert '"shared_storage_path": "/d"' in joined and cmd[:3] == ["vllm", "serve", "m"]
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "30"  # Ctrl-C drains, not aborts
+    assert default_layer_ids(32) == [2, 16, 29]
+    assert default_layer_ids(4) == [1, 2]
+
+

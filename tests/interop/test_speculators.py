@@ -35,7 +35,7 @@ from hidden_state_reader.sample.sample import Sample
 
 from procs import LockHolder
 from samples import make_tensors, write_samples
-from speculators_env import env, use_speculators
+from speculators_env import env, spec_packages, use_speculators
 
 CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
 LAYERS, HIDDEN = 4, 16  # 3 auxiliary layers + the verifier's last, as EAGLE-3 trains
@@ -596,3 +596,39 @@ def test_training_doc_speculators_workflow_runs_as_written(
     cfg = TrainConfig.resolve(train[2:])  # speculators' own parsing of the command line
     assert cfg.data.data_path == str(dst) and cfg.speculator_type == "eagle3"
     exec(compile(python.replace("/data/spec", str(dst)), str(DOC), "exec"), {})
+
+
+def _pip_is_uv(bin_dir: Path) -> None:
+    """A ``pip`` on PATH that is ``uv pip`` for this interpreter, with the machine's pip
+    configuration (``tools/uv_flags.py``, as the Makefile): pip itself takes 30-40 s here
+    for these wheels, uv 4 s from the cache ``make install`` filled with the same list."""
+    uv = Path(sys.executable).with_name("uv")
+    assert uv.exists(), f"{uv} missing: run `make install`"
+    root = Path(__file__).resolve().parents[2]
+    flags = subprocess.run([sys.executable, str(root / "tools" / "uv_flags.py")],
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    extra = " ".join(shlex.quote(f) for f in ["--python", sys.executable, *flags])
+    pip = bin_dir / "pip"
+    pip.write_text(f'#!/bin/sh\nexec {shlex.quote(str(uv))} pip "$@" {extra}\n')
+    pip.chmod(0o755)
+
+
+def test_training_doc_speculators_install_runs_as_written(tmp_path: Path) -> None:
+    """The documented install keeps this venv's torch and gives a working `speculators`."""
+    [bash] = doc_blocks("How do I install speculators without replacing my torch?")["bash"]
+    install = shell_commands(bash)[0]
+    assert install[:5] == ["pip", "install", "--no-deps", "--target", "./speculators-0.9.0"]
+    assert install[5:] == spec_packages()  # the Makefile's list: one route, tested by all
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    _pip_is_uv(bin_dir)
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", bash], cwd=work, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PATH": path})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{torch.__version__} 0.9.0" in proc.stdout.splitlines()  # this venv's torch
+    assert "--data-path" in proc.stdout and "--speculator-type" in proc.stdout  # train --help
+    target = work / "speculators-0.9.0"
+    assert (target / "speculators").is_dir()
+    assert not [p.name for p in target.iterdir() if p.name.startswith(("torch", "nvidia"))]

@@ -13,12 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from hidden_state_connector.cli.serve import (
-    add_arguments,
-    add_storage_argument,
-    resolve_layers,
-    with_storage,
-)
+from hidden_state_connector.cli.serve import add_arguments, add_storage_argument, with_storage
+from hidden_state_connector.layers import resolve_layers
 from hidden_state_reader.cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,

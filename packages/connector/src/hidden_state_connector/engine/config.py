@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hidden_state_connector.engine.store_config import check_store_keys
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.format import fp8
 from hidden_state_reader.store.client import StoreSettings
@@ -168,8 +169,6 @@ class ConnectorConfig:
         if self.shutdown_timeout < 0 or self.stats_interval < 0:
             raise ValueError("shutdown_timeout and stats_interval must be >= 0")
         fp8.check_storage(self.storage_dtype)
-        from hidden_state_connector.engine.store_config import check_store_keys
-
         check_store_keys(self)
 
 

@@ -14,7 +14,7 @@ Per engine step (vLLM calls these in this order):
   states): create new locks, start saves of prompts this step completed.
 
 Orders can also arrive between steps from the scheduler half in the same process
-(``accept``, see ``local_handoff``).
+(``accept``, see ``handoff.same_process``).
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ from typing import Any
 import torch
 
 from hidden_state_connector import __version__
-from hidden_state_connector.engine import compat, local_handoff
+from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.capture import describe_capture
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.handoff import same_process
+from hidden_state_connector.engine.handoff.socket_channel import OrderListener
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
-from hidden_state_connector.engine.order_channel import OrderListener
-from hidden_state_connector.engine.sample_target import SampleTarget, pin_sample
-from hidden_state_connector.engine.save_job import SaveJob
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.store_backend import StoreBackend
-from hidden_state_connector.engine.writer import WritePipeline
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.job import SaveJob
+from hidden_state_connector.engine.write.pipeline import WritePipeline
+from hidden_state_connector.engine.write.store_backend import StoreBackend
+from hidden_state_connector.engine.write.target import SampleTarget, pin_sample
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
 
@@ -147,7 +148,7 @@ class WorkerSide:
             fsync=self.config.fsync,
             stats=self.stats,
         )
-        local_handoff.register(self._engine_key, self.accept)
+        same_process.register(self._engine_key, self.accept)
         try:
             self._listener = OrderListener(self._engine_key, self.accept)
         except OSError as exc:  # finish-time orders then travel in the step metadata
@@ -176,7 +177,7 @@ class WorkerSide:
                     self._start(order)
 
     def accept(self, order: SaveOrder) -> None:
-        """Start a save handed over between steps (``local_handoff``, ``order_channel``)."""
+        """Start a save handed over between steps (``handoff``: same process or socket)."""
         with self._mutex:
             if self.pipeline is not None:
                 self._start(order, engine_thread=False)  # after shutdown: failed, with why
@@ -267,7 +268,7 @@ class WorkerSide:
             if self._closed:
                 return
             self._closed = True
-        local_handoff.unregister(self._engine_key, self.accept)
+        same_process.unregister(self._engine_key, self.accept)
         if self._listener is not None:
             self._listener.close()  # hands over the orders already sent first
         abandoned = 0

@@ -25,6 +25,7 @@ The per-event cost is a set lookup; only rescans are O(number of files).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import queue
@@ -197,6 +198,8 @@ class _Inotify:
     @classmethod
     def _start(cls) -> int:
         libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(libc, "inotify_init1"):  # not Linux: the callers fall back to polling
+            raise OSError(errno.ENOSYS, "inotify is not available on this system")
         fd = int(libc.inotify_init1(_IN_CLOEXEC))
         if fd < 0:
             err = ctypes.get_errno()
