@@ -326,23 +326,38 @@ def _check_data_size(
         )
 
 
-def read_header_fd(fd: int, path: str) -> SampleHeader:
-    """Read and validate the header of an open sample file."""
-    file_size = os.fstat(fd).st_size
+def header_length(path: str, prefix: bytes | memoryview, file_size: int) -> int:
+    """The JSON header's length from the file's first 8 bytes, checked against its size.
+
+    Args:
+        path: The file, for error messages.
+        prefix: The file's first bytes (at least 8 of them unless the file is shorter).
+        file_size: Size of the whole file in bytes.
+
+    Raises:
+        IncompleteSampleError: The file ends before the prefix or inside the header.
+        CorruptSampleError: An implausible header length.
+    """
     if file_size == 0:
         raise IncompleteSampleError(path, "empty file (0 bytes)")
-    prefix = os.pread(fd, 8, 0)
     if len(prefix) < 8:
         raise IncompleteSampleError(path, f"only {file_size} bytes, shorter than the header prefix")
-    (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > MAX_HEADER_BYTES:
-        raise CorruptSampleError(path, f"header length {header_len} is implausible")
-    if 8 + header_len > file_size:
+    (length,) = struct.unpack_from("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise CorruptSampleError(path, f"header length {length} is implausible")
+    if 8 + length > file_size:
         raise IncompleteSampleError(
-            path, f"truncated inside the header ({file_size} of {8 + header_len} bytes)"
+            path, f"truncated inside the header ({file_size} of {8 + length} bytes)"
         )
-    header_bytes = os.pread(fd, header_len, 8)
-    return parse_header(path, header_bytes, file_size)
+    return int(length)
+
+
+def read_header_fd(fd: int, path: str, file_size: int | None = None) -> SampleHeader:
+    """Read and validate the header of an open sample file (``file_size``: from fstat)."""
+    if file_size is None:
+        file_size = os.fstat(fd).st_size
+    length = header_length(path, os.pread(fd, 8, 0) if file_size else b"", file_size)
+    return parse_header(path, os.pread(fd, length, 8), file_size)
 
 
 def read_header(path: str | os.PathLike[str]) -> SampleHeader:

@@ -1,9 +1,12 @@
 """Load a complete sample file into tensors: one read, zero-copy views, validation.
 
-The file is read with a single ``preadv`` into one byte buffer (pinned if asked), and
-every tensor is a view into it; layer selection and dtype conversion happen after. The
-header is validated first (``hidden_state_reader.format.header``), so a truncated or
-malformed file raises a typed error naming it instead of yielding garbage.
+A small file (under ``MMAP_MIN_BYTES``) is read whole, length prefix, header and data,
+with a single ``preadv`` into one byte buffer (pinned if asked); a large one has its
+header read and its data mapped (or read with one ``preadv``). Every tensor is a view
+into that buffer; layer selection, dtype conversion, dequantization and the move to
+``LoadOptions.device`` happen after. The header is validated before any tensor is made
+(``hidden_state_reader.format.header``), so a truncated or malformed file raises a typed
+error naming it instead of yielding garbage.
 """
 
 from __future__ import annotations
@@ -17,9 +20,17 @@ import torch
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import open_sample
-from hidden_state_reader.format.header import Meta, SampleHeader, TensorInfo, read_header_fd
+from hidden_state_reader.format.header import (
+    Meta,
+    SampleHeader,
+    TensorInfo,
+    header_length,
+    parse_header,
+    read_header_fd,
+)
 from hidden_state_reader.format.loss_mask import loss_mask_view
 from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.sample.placement import to_device
 from hidden_state_reader.sample.sample import Sample
 
 MMAP_MIN_BYTES = 1 << 20
@@ -38,7 +49,7 @@ def _read_exact(fd: int, buffer: torch.Tensor, offset: int, path: str) -> None:
 def _view(buffer: torch.Tensor, info: TensorInfo, path: str) -> torch.Tensor:
     raw = buffer[info.begin : info.end]
     itemsize = info.torch_dtype.itemsize
-    if info.begin % itemsize:
+    if raw.storage_offset() % itemsize:
         raw = raw.clone()  # misaligned in a foreign file: copy so view() is legal
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.torch_dtype)
@@ -74,8 +85,10 @@ def _layer_positions(header: SampleHeader, options: LoadOptions) -> list[int] | 
     return None
 
 
-def _data_buffer(fd: int, header: SampleHeader, options: LoadOptions, path: str) -> torch.Tensor:
-    """The data section as a byte tensor: mapped for large files, else read with one call.
+def _data_buffer(
+    fd: int, header: SampleHeader, options: LoadOptions, path: str
+) -> torch.Tensor:
+    """A large file's data section as a byte tensor: mapped, else read with one call.
 
     A mapping avoids copying into fresh memory, whose page faults dominate reading large
     files from the page cache (measured 10x on the benchmark machine). It is private
@@ -86,12 +99,7 @@ def _data_buffer(fd: int, header: SampleHeader, options: LoadOptions, path: str)
     carry ``format_version`` and are published by rename, never rewritten in place.
     Files of other writers (vLLM's example connector) are copied.
     """
-    if (
-        options.mmap
-        and not options.pin_memory
-        and header.file_size >= MMAP_MIN_BYTES
-        and Meta.FORMAT in header.metadata
-    ):
+    if options.mmap and not options.pin_memory and Meta.FORMAT in header.metadata:
         mapping = mmap.mmap(fd, header.file_size, flags=mmap.MAP_PRIVATE)
         return torch.frombuffer(mapping, dtype=torch.uint8)[header.data_start :]
     buffer = torch.empty(header.data_bytes, dtype=torch.uint8, pin_memory=options.pin_memory)
@@ -99,11 +107,28 @@ def _data_buffer(fd: int, header: SampleHeader, options: LoadOptions, path: str)
     return buffer
 
 
+def _read_file(fd: int, path: str, options: LoadOptions) -> tuple[SampleHeader, torch.Tensor]:
+    """The validated header and the data section (a byte tensor) of an open file.
+
+    Small files take one read for everything: the per-file cost of a sample of a few
+    hundred KiB is its system calls, not its bytes.
+    """
+    file_size = os.fstat(fd).st_size
+    if file_size >= MMAP_MIN_BYTES:
+        header = read_header_fd(fd, path, file_size)
+        return header, _data_buffer(fd, header, options, path)
+    whole = torch.empty(file_size, dtype=torch.uint8, pin_memory=options.pin_memory)
+    _read_exact(fd, whole, 0, path)
+    view = whole.numpy().data
+    length = header_length(path, view[:8], file_size)
+    header = parse_header(path, bytes(view[8 : 8 + length]), file_size)
+    return header, whole[header.data_start :]
+
+
 def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     """Load a sample from an open file descriptor (see ``load_sample``)."""
     options = options or LoadOptions()
-    header = read_header_fd(fd, path)
-    buffer = _data_buffer(fd, header, options, path)
+    header, buffer = _read_file(fd, path, options)
     if options.verify_checksum and Meta.CRC32 in header.metadata:
         actual = f"{zlib.crc32(buffer.numpy().data) & 0xFFFFFFFF:08x}"
         if actual != header.metadata[Meta.CRC32]:
@@ -124,16 +149,21 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
             scales = scales[:, positions]
         if layer_ids is not None:
             layer_ids = [layer_ids[p] for p in positions]
-    if scales is not None and not options.raw_fp8:
-        target = options.dtype or fp8.model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
-        hidden, scales = fp8.dequantize(hidden, scales, target, pin_memory=options.pin_memory), None
-    elif scales is None and options.dtype is not None and hidden.dtype != options.dtype:
-        hidden = hidden.to(options.dtype)
     mask_info = header.loss_mask
     loss_mask = None
     if mask_info is not None:  # a bool view of the stored bytes; layer/dtype options do not apply
         raw = buffer[mask_info.begin : mask_info.end]
         loss_mask = loss_mask_view(raw, path)
+    if options.device is not None:  # moved as stored: fp8 is half the bytes of bf16
+        token_ids, hidden = to_device(token_ids, options.device), to_device(hidden, options.device)
+        scales = None if scales is None else to_device(scales, options.device)
+        loss_mask = None if loss_mask is None else to_device(loss_mask, options.device)
+    if scales is not None and not options.raw_fp8:
+        target = options.dtype or fp8.model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
+        pin = options.pin_memory and options.device is None
+        hidden, scales = fp8.dequantize(hidden, scales, target, pin_memory=pin), None
+    elif scales is None and options.dtype is not None and hidden.dtype != options.dtype:
+        hidden = hidden.to(options.dtype)
     return Sample(
         token_ids,
         hidden,

@@ -84,6 +84,7 @@ class StoreReader(HiddenStateReader):
         verify_checksum: bool = False,
         mmap: bool = True,
         raw_fp8: bool = False,
+        device: str | torch.device | None = None,
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
@@ -103,7 +104,8 @@ class StoreReader(HiddenStateReader):
         self._names = list(names) if names is not None else None
         self._poll_max = max(_POLL_MIN, min(poll_interval, 0.1))
         self._load = LoadOptions(
-            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8
+            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8,
+            device=device,
         )
         self._cancel = CancelToken()
         self._closed = False
