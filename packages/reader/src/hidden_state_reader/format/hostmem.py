@@ -15,6 +15,7 @@ from contextlib import suppress
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 HUGE_PAGE = 2 << 20
@@ -44,3 +45,10 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = Fals
     with suppress(OSError):  # advice refused (an old kernel, THP compiled out): ordinary pages
         mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def empty_bytes(nbytes: int) -> np.ndarray:
+    """``empty((nbytes,), torch.uint8)`` as a numpy array (it keeps the memory alive)."""
+    import torch
+
+    return empty((nbytes,), torch.uint8).numpy()

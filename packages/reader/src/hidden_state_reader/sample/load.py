@@ -136,14 +136,39 @@ def _read_file(fd: int, path: str, options: LoadOptions) -> tuple[SampleHeader, 
         return header, _large_file(fd, header, options, path)
     file = _empty(file_size, options)
     _read_exact(fd, file, 0, path)
-    length = header_length(path, file[:8].tobytes(), file_size)
-    return parse_header(path, file[8 : 8 + length].tobytes(), file_size), file
+    return _parse(path, file), file
+
+
+def _parse(path: str, file: np.ndarray) -> SampleHeader:
+    """The validated header of a whole file held in ``file``."""
+    length = header_length(path, file[:8].tobytes(), len(file))
+    return parse_header(path, file[8 : 8 + length].tobytes(), len(file))
+
+
+def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None) -> Sample:
+    """Load a sample from a whole file's bytes in memory (e.g. a store object).
+
+    The tensors are views of ``file`` (which must not be reused afterwards), validated
+    as ``load_sample`` validates a file.
+
+    Args:
+        path: Where the bytes came from, for errors and ``Sample.path``.
+        file: The file's bytes, ``uint8``.
+        options: As for ``load_sample``.
+    """
+    options = options or LoadOptions()
+    return _sample(_parse(path, file), file, path, options)
 
 
 def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
     """Load a sample from an open file descriptor (see ``load_sample``)."""
     options = options or LoadOptions()
     header, file = _read_file(fd, path, options)
+    return _sample(header, file, path, options)
+
+
+def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOptions) -> Sample:
+    """The sample made of a validated header and the file's bytes."""
     start = header.data_start
     if options.verify_checksum and Meta.CRC32 in header.metadata:
         actual = f"{zlib.crc32(file[start:].data) & 0xFFFFFFFF:08x}"

@@ -225,7 +225,7 @@ class StoreReader(HiddenStateReader):
             reason = str(json.loads(raw).get("reason", "no reason recorded"))
             self._bad(FailedSampleError(where, f"the writer gave up: {reason}"), "failed")
             return None
-        data = self.client.get(data_key(self.prefix, name))
+        data = self.client.get_object(data_key(self.prefix, name))
         if data is None:
             self.stats.vanished += 1  # consumed and deleted by another reader
             return None
