@@ -19,5 +19,6 @@ BENCHMARKS = (
     "fp8",
     "store",
     "cli_startup",
+    "consume",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

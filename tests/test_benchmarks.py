@@ -33,6 +33,7 @@ SECTIONS = (
     "## 9. fp8 storage",
     "## 10. Mooncake Store vs files",
     "## 11. CLI start-up",
+    "## 12. Consume",
     "## GPU (NVIDIA H200)",
 )
 
