@@ -77,6 +77,12 @@ def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, An
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": out},
         }
+    elif kind == "null":  # extraction, blocks freed at once, nothing copied or written
+        kw["kv_transfer_config"] = {
+            "kv_connector": "NullSinkConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_module_path": "benchmarks.null_sink",
+        }
     elif kind != "extract-only":
         raise SystemExit(f"unknown kind {kind}")
     return kw
@@ -151,12 +157,17 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if args.kind == "ours":  # the connector's per-sample stage times (same clock as ours)
         os.environ["HIDDEN_STATE_CONNECTOR_TRACE"] = str(trace)
     llm = LLM(**engine_kwargs(args, args.kind, out))
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    # From the engine's own reservation on (weights, KV cache, CUDA graphs): what the
+    # warm-up and the timed run add beyond it, as nvidia-smi sees the engine process.
+    smi = None if in_process else DeviceMemoryPoll()
     vocab = 128256 if args.dummy else 250
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True
+    )
     warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, seed=1)
     llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, seed=2)
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if in_process:
         torch.cuda.synchronize()
         base_alloc = torch.cuda.memory_allocated()
@@ -167,6 +178,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
     paths = [p for p in paths if p]
     result = _throughput_row(args, paths, t0, elapsed, in_process)
+    if smi is not None:
+        result["peak_extra_device_mb_smi"] = smi.stop()
     if in_process:
         torch.cuda.synchronize()
         result["peak_extra_device_mb"] = (torch.cuda.max_memory_allocated() - base_alloc) / 2**20
@@ -199,7 +212,9 @@ def _throughput_row(
         "graphs": args.graphs,
         "prompts": args.num_prompts,
         "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
         "tok_s": args.num_prompts * args.prompt_len / elapsed,
+        "out_tok_s": args.num_prompts * args.max_tokens / elapsed,
         "elapsed_s": elapsed,
         "files": len(paths),
         "all_written_s": drained,
@@ -212,6 +227,43 @@ def _throughput_row(
         result["bytes"] = total
         result["write_gb_s"] = total / drained / 1e9
     return result
+
+
+class DeviceMemoryPoll:
+    """Peak GPU memory used (nvidia-smi, every 20 ms) above its value at start, in MiB.
+
+    For multiprocess engines, whose allocations the driving process cannot see through
+    torch's allocator statistics.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.base = self._used()
+        self.peak = self.base
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _used() -> float:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=5, check=True,
+            )  # fmt: skip
+            return float(out.stdout.split()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return float("nan")
+
+    def _run(self) -> None:
+        while not self._halt.wait(0.02):
+            self.peak = max(self.peak, self._used())
+
+    def stop(self) -> float:
+        self._halt.set()
+        self._thread.join()
+        return self.peak - self.base
 
 
 def _read_back(paths: list[str]) -> int:
@@ -423,6 +475,10 @@ def suite_throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         "--check",
         "--connector",
         args.connector,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--max-model-len",
+        str(args.max_model_len),
     ]
     if args.dummy:
         base.append("--dummy")
@@ -444,6 +500,8 @@ def suite_long(args: argparse.Namespace) -> list[dict[str, Any]]:
     extra = [
         "--model",
         args.model,
+        "--max-tokens",
+        str(args.max_tokens),
         "--num-prompts",
         "2",
         "--prompt-len",
@@ -455,7 +513,10 @@ def suite_long(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
     if args.dummy:
         extra.append("--dummy")
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # In-process by default (torch's peak statistics); --long-multiprocess runs vLLM's
+    # default layout and reads the device memory with nvidia-smi instead (vLLM's example
+    # connector saves on a thread pool that an in-process engine stops driving).
+    env = {} if args.long_multiprocess else {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     for kind in args.kinds:
         r = spawn_one(args, kind, args.storages[0], extra, env)
         if r:
@@ -481,6 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--long-len", type=int, default=32768)
+    parser.add_argument("--long-multiprocess", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt")
     parser.add_argument("--gpu-mem", type=float, default=0.85)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--graphs", action="store_true")
@@ -528,6 +591,7 @@ THROUGHPUT_COLUMNS = [
     "kind",
     "storage",
     "graphs",
+    "max_tokens",
     "tok_s",
     "write_gb_s",
     "release_after_return_p50_ms",
@@ -535,7 +599,14 @@ THROUGHPUT_COLUMNS = [
     "all_written_s",
     "files",
 ]
-LONG_COLUMNS = ["kind", "prompt_len", "tok_s", "peak_extra_device_mb", "pinned_pool_mb"]
+LONG_COLUMNS = [
+    "kind",
+    "prompt_len",
+    "tok_s",
+    "peak_extra_device_mb",
+    "peak_extra_device_mb_smi",
+    "pinned_pool_mb",
+]
 
 
 if __name__ == "__main__":

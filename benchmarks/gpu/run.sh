@@ -5,8 +5,12 @@
 set -uo pipefail
 plan=${1:-smoke}
 source .gpu/install.sh || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl || exit 4
-export PYTHONPATH=$PWD/packages/reader/src:$PWD/packages/connector/src:$PYTHONPATH
+# Wheels the image lacks, if the runner put any in .gpu/extra (none are needed today).
+if compgen -G ".gpu/extra/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl || exit 4
+fi
+# The repo root too: the null-sink baseline connector is benchmarks.null_sink.
+export PYTHONPATH=$PWD/packages/reader/src:$PWD/packages/connector/src:$PWD:$PYTHONPATH
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -85,6 +89,37 @@ case "$plan" in
       --json "$OUT/t.json" 2>>"$OUT/v12d.log" | tail -4
     $B long --kinds example,ours --timeout 200 --json "$OUT/t.json" 2>>"$OUT/v12d.log" | tail -4
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  # Issue 24 (2026-12-02). Every RESULT line goes to $OUT/results.jsonl as it exists.
+  v24a)  # eager: none / example / ours (CRC on, the new default) interleaved twice; then
+         # 32k-token requests, multiprocess, device memory from nvidia-smi
+    $B throughput --num-prompts 256 --kinds none,example,ours --repeats 2 --timeout 150 \
+      --connector '{"checksum": true}' --json "$OUT/t.json" 2>>"$OUT/v24a.log" | tail -8
+    $B long --kinds example,ours --long-multiprocess --timeout 150 \
+      --json "$OUT/t.json" 2>>"$OUT/v24a.log" | tail -4
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  v24b)  # CUDA graphs: none / example / ours (CRC on) interleaved twice
+    $B throughput --num-prompts 256 --kinds none,example,ours --repeats 2 --graph-modes graphs \
+      --timeout 170 --connector '{"checksum": true}' --json "$OUT/t.json" 2>>"$OUT/v24b.log" | tail -8
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  v24d)  # decode-heavy (512-token prompts, 256 generated): none / null sink / ours
+    $B throughput --num-prompts 256 --prompt-len 512 --max-tokens 256 --max-model-len 1024 \
+      --kinds none,null,ours --timeout 150 --json "$OUT/t.json" 2>>"$OUT/v24d.log" | tail -5
+    # 32k again, device memory counted from the engine's reservation (before the warm-up)
+    $B long --kinds example,ours --long-multiprocess --timeout 150 \
+      --json "$OUT/t.json" 2>>"$OUT/v24d.log" | tail -4
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  v24c)  # sustained: engine + 3 follow/claim/delete readers; none first, bf16 >= 100 GB, fp8
+    S="python3 benchmarks/gpu/sustain.py --jsonl $OUT/results.jsonl"
+    timeout 120 $S --kind none --batches 4 2>>"$OUT/v24c.log" | tail -1
+    timeout 240 $S --kind ours --target-gb 100 2>>"$OUT/v24c.log" | tail -1
+    timeout 150 $S --kind ours --batches 6 --connector '{"storage_dtype": "fp8_e4m3"}' \
+      2>>"$OUT/v24c.log" | tail -1
+    timeout 120 $S --kind ours --batches 4 --connector '{"storage_dtype": "fp8_e4m3"}' \
+      --reader-device cuda 2>>"$OUT/v24c.log" | tail -1
     ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

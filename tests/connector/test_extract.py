@@ -587,10 +587,15 @@ def test_mixed_input_writes_ok_samples_and_records_failures(
         "128",
         "--batch-size",
         "2",
-        env=IN_PROCESS_ENGINE,
+        env={**IN_PROCESS_ENGINE, "VLLM_LOGGING_LEVEL": "INFO"},
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    # vLLM's logs go to stderr; stdout is the summary alone, ending with the manifest.
+    assert "INFO" in result.stderr and "INFO" not in result.stdout, result.stdout[:3000]
+    summary = result.stdout.splitlines()
+    assert summary[0].startswith("done: 6 ok"), result.stdout[:3000]
+    assert summary[-1] == f"manifest: {out / 'manifest.jsonl'}"
     assert "extract: 11/11 (100.0%), 5 failed" in result.stderr  # the final progress line
     _check_mixed_ok_samples(out, tokenizer)
     state = Manifest(str(out)).samples

@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from benchmarks.consume import check_device
-from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, HiddenStateReader, LoadOptions
+from hidden_state_reader import (
+    HiddenStateDataset,
+    HiddenStateLoader,
+    HiddenStateReader,
+    LoadOptions,
+)
 from hidden_state_reader.format import write_sample
 
 

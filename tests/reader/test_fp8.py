@@ -248,7 +248,7 @@ def _codes_times_scales() -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
     scales = torch.tensor(
         [1.0, 1e-12, 3.7e-3, 0.1234567, 1 / 448, 7.3, -2.5, 0.0, 1e20, 7.5e35, 2.0**-126,
-         1e-40, float("inf"), float("nan"), 2.0**119, 3e38]  # fmt: skip
+         1e-40, float("inf"), float("nan"), 2.0**119, 3e38]
     )
     return codes.view(1, 1, 256).expand(len(scales), 2, 256).contiguous(), scales.view(-1, 1, 1)
 

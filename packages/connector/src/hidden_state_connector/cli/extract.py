@@ -56,6 +56,9 @@ verified. Rerun the same command after a crash or a kill and it continues where 
 stopped (files written but not yet recorded are verified, never trusted blindly);
 a finished run prints "nothing to do" without starting vLLM.
 
+Output: progress lines and vLLM's logs on stderr (set VLLM_LOGGING_STREAM to change where
+vLLM logs); the summary, last, on stdout.
+
 Exit status: 0 all samples ok, 1 some samples failed (listed at the end) or vLLM failed,
 2 bad usage (missing input, bad JSON in --engine-args/--connector-config, ...).
 """
@@ -210,6 +213,7 @@ def run(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     from hidden_state_connector.offline.errors import UsageError
 
     err = stream or sys.stderr
+    _vllm_logs_to_stderr()
     try:
         options = _options(args)
         from hidden_state_connector.offline.extract import run_extract
@@ -236,6 +240,23 @@ def run(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     if result.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_FAILED if result.failures else EXIT_OK
+
+
+def _vllm_logs_to_stderr() -> None:
+    """Send vLLM's logs to stderr (its default is stdout), where the progress lines go.
+
+    stdout is for the summary, which must be the last thing there. The variable reaches
+    vLLM's engine processes too; a user who set ``VLLM_LOGGING_STREAM`` keeps it. If vLLM
+    was already imported in this process, its handlers are moved as well.
+    """
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if os.environ["VLLM_LOGGING_STREAM"] != "ext://sys.stderr" or "vllm" not in sys.modules:
+        return
+    import logging
+
+    for handler in logging.getLogger("vllm").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _options(args: argparse.Namespace) -> Any:

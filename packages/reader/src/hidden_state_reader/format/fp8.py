@@ -180,6 +180,31 @@ def _blocks(tensor: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
     ]
 
 
+DEQUANT_DTYPES = ("BF16", "F16", "F32")
+"""``model_dtype`` values an fp8 file may record: the dtypes it is dequantized to."""
+
+
+def check_model_dtype(name: str | None, path: str) -> str:
+    """The safetensors name of the dtype to dequantize to: the recorded one, else BF16.
+
+    Torch-free, so the listing commands apply the same rule as the loader.
+
+    Args:
+        name: The ``model_dtype`` metadata value, or None.
+        path: The file, for error messages.
+
+    Raises:
+        CorruptSampleError: The recorded name is not one of ``DEQUANT_DTYPES``.
+    """
+    if name is None:
+        return "BF16"
+    if name not in DEQUANT_DTYPES:
+        raise CorruptSampleError(
+            path, f"metadata model_dtype {name!r} is not one of {sorted(DEQUANT_DTYPES)}"
+        )
+    return name
+
+
 def model_dtype(name: str | None, path: str) -> torch.dtype:
     """The dtype to dequantize to: the one recorded by the writer, else bfloat16.
 
@@ -193,10 +218,4 @@ def model_dtype(name: str | None, path: str) -> torch.dtype:
     import torch
 
     known = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    if name is None:
-        return torch.bfloat16
-    if name not in known:
-        raise CorruptSampleError(
-            path, f"metadata model_dtype {name!r} is not one of {sorted(known)}"
-        )
-    return known[name]
+    return known[check_model_dtype(name, path)]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 
 import numpy as np
 import torch
@@ -31,6 +30,7 @@ from hidden_state_reader.format.header import (
 )
 from hidden_state_reader.format.loss_mask import loss_mask_view
 from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.sample.content import check_content, layer_positions
 from hidden_state_reader.sample.placement import to_device
 from hidden_state_reader.sample.sample import Sample
 
@@ -69,32 +69,6 @@ def _view(file: np.ndarray, data_start: int, info: TensorInfo, path: str) -> tor
         raise CorruptSampleError(path, f"cannot view tensor data: {exc}") from exc
     tensor = torch.from_numpy(array)
     return tensor if tensor.dtype == dtype else tensor.view(dtype)
-
-
-def _layer_positions(header: SampleHeader, options: LoadOptions) -> list[int] | None:
-    if options.layers is not None:
-        n = header.num_layers
-        positions = []
-        for p in options.layers:
-            if not -n <= p < n:
-                raise CorruptSampleError(
-                    header.path, f"layer position {p} out of range for {n} captured layers"
-                )
-            positions.append(p % n)
-        return positions
-    if options.layer_ids is not None:
-        ids = header.layer_ids
-        if ids is None:
-            raise CorruptSampleError(
-                header.path, "no layer_ids metadata; select layers by position instead"
-            )
-        try:
-            return [ids.index(i) for i in options.layer_ids]
-        except ValueError as exc:
-            raise CorruptSampleError(
-                header.path, f"requested layer ids {list(options.layer_ids)}, file has {ids}"
-            ) from exc
-    return None
 
 
 def _large_file(fd: int, header: SampleHeader, options: LoadOptions, path: str) -> np.ndarray:
@@ -170,12 +144,10 @@ def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
 def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOptions) -> Sample:
     """The sample made of a validated header and the file's bytes."""
     start = header.data_start
-    if options.verify_checksum and Meta.CRC32 in header.metadata:
-        actual = f"{zlib.crc32(file[start:].data) & 0xFFFFFFFF:08x}"
-        if actual != header.metadata[Meta.CRC32]:
-            raise CorruptSampleError(
-                path, f"CRC32 mismatch: file says {header.metadata[Meta.CRC32]}, data is {actual}"
-            )
+    data = file[start:].data
+    # The one content rule (CRC, layer selection, fp8 target dtype, mask bytes): the
+    # listing commands apply the same function to the file, so they count what loads.
+    check_content(header, options, lambda begin, end: data[begin:end])
     token_ids = _view(file, start, header.tokens, path)
     if token_ids.dtype != torch.int64:
         token_ids = token_ids.to(torch.int64)
@@ -183,7 +155,7 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
     scales_info = header.tensors.get(fp8.SCALES)
     scales = None if scales_info is None else _view(file, start, scales_info, path)
     layer_ids = header.layer_ids
-    positions = _layer_positions(header, options)
+    positions = layer_positions(header, options)
     if positions is not None:
         hidden = hidden[:, positions]
         if scales is not None and scales.shape[1] != 1:  # per-layer scales follow their rows
@@ -194,7 +166,7 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
     loss_mask = None
     if mask_info is not None:  # a bool view of the stored bytes; layer/dtype options do not apply
         raw = file[start + mask_info.begin : start + mask_info.end]
-        loss_mask = loss_mask_view(torch.from_numpy(raw), path)
+        loss_mask = loss_mask_view(torch.from_numpy(raw))
     if options.device is not None:  # moved as stored: fp8 is half the bytes of bf16
         token_ids, hidden = to_device(token_ids, options.device), to_device(hidden, options.device)
         scales = None if scales is None else to_device(scales, options.device)

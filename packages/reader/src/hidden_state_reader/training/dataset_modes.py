@@ -155,11 +155,15 @@ class FollowedSamples:
 def usable_names(dataset: HiddenStateDataset) -> list[str]:
     """The samples a reader will yield now: ready, or still being written.
 
-    The same rule as ``hidden-state stats`` and ``verify`` (``states.judge``, with the
-    dataset's ``orphan_grace``); reads headers only, and warns about what it leaves out.
+    The same rule as ``hidden-state stats`` and ``verify`` (``health.check_sample``, with
+    the dataset's load options and ``orphan_grace``): no tensors are loaded, and what it
+    leaves out is what the dataset's readers would reject. Warns about what it leaves out.
     """
     root = dataset.root
-    found = list(scan_health(root, grace=dataset.options.orphan_grace, include_temps=False))
+    options = dataset.options
+    found = list(
+        scan_health(root, grace=options.orphan_grace, include_temps=False, options=options)
+    )
     if not found:
         log.warning("%s", describe_empty(root))
     left_out = [h for h in found if not h.state.usable]
