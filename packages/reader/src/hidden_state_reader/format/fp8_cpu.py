@@ -17,8 +17,8 @@ and its 10 mantissa bits hold e4m3's 3). float16 -> float32 is exact, and so is
 ``scale * 256`` (a power of two; finite for every scale below 2**119), so
 ``half * (scale * 256)`` is the exact product ``value * scale`` rounded once to float32:
 bit for bit the reference ``fp8.float() * scale``, then one rounding to the target dtype.
-The two NaN codes (0x7f, 0xff) would read as +-480; two byte reductions find them and
-those elements are set to NaN. Samples whose scales are not all below 2**119 (no writer
+The two NaN codes (0x7f, 0xff) would read as +-480; two byte reductions per chunk find
+them and those elements are set to NaN. Samples whose scales are not all below 2**119 (no writer
 of this format makes one: a scale is at most float32's maximum / 448) take the reference
 path.
 """
@@ -68,22 +68,22 @@ def dequantize_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     flat = out.view(rows, hidden)
     step = max(1, CHUNK_ELEMS // hidden)
     bits = torch.empty(min(step, rows), hidden, dtype=torch.int16)
+    nan_codes = False
     for start in range(0, rows, step):
         stop = min(start + step, rows)
+        nan_codes = nan_codes or _has_nan_code(codes[start:stop])
         chunk = bits[: stop - start]
         chunk.copy_(codes[start:stop])  # sign-extends
         chunk.bitwise_left_shift_(7).bitwise_and_(_CLEAR_BIT_14)
         # float16 * float32 computes in float32 and rounds once into out's dtype.
         torch.mul(chunk.view(torch.float16), scaled[start:stop], out=flat[start:stop])
-    _restore_nans(codes, flat)
+    if nan_codes:  # rare: NaN codes come only from non-finite inputs
+        flat[codes.bitwise_and(0x7F) == 0x7F] = float("nan")
     return out
 
 
-def _restore_nans(codes: torch.Tensor, flat: torch.Tensor) -> None:
-    """Set the elements whose code is NaN (0x7f or 0xff) to NaN."""
+def _has_nan_code(codes: torch.Tensor) -> bool:
+    """Whether a chunk holds a NaN code: 0x7f is int8's maximum, 0xff uint8's."""
     import torch
 
-    if int(codes.max()) < 0x7F and int(codes.view(torch.uint8).max()) < 0xFF:
-        return  # no NaN code: the common case costs two byte reductions
-    nan = codes.bitwise_and(0x7F) == 0x7F
-    flat[nan] = float("nan")
+    return int(codes.max()) == 0x7F or int(codes.view(torch.uint8).max()) == 0xFF
