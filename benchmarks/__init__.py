@@ -22,5 +22,6 @@ BENCHMARKS = (
     "watchers",
     "loaders",
     "locks",
+    "consume",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

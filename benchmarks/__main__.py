@@ -42,6 +42,8 @@ benchmarks (run in this order):
   watchers    the reader's inotify reader and poller vs watchdog's observers: latency, CPU
   loaders     the reader's loader vs safetensors' load_file / safe_open on the same files
   locks       the reader's SharedLock vs filelock against a raw-flock writer
+  consume     a producer at a fixed rate, N follow + claim + delete readers: bf16, fp8
+              (CPU; device where CUDA is), store: GB/s per reader, backlog, latency
 
 examples:
   python -m benchmarks                          # full run (~15 min here), writes docs/

@@ -43,6 +43,10 @@ class LoadOptions:
             ``format.fp8.dequantize``); ``dtype`` then applies to other files only. By
             default fp8 files are dequantized on read (on the CPU) to ``dtype``, else
             to the ``model_dtype`` the writer recorded.
+        device: Put the sample's tensors on this torch device (``"cuda"``,
+            ``"cuda:1"``, ...) as stored, then convert there: fp8 files cross to the
+            device as fp8 plus scales (half the bytes of bf16) and are dequantized on
+            it. None (the default): the CPU.
     """
 
     layers: Sequence[int] | None = None
@@ -52,10 +56,15 @@ class LoadOptions:
     verify_checksum: bool = False
     mmap: bool = True
     raw_fp8: bool = False
+    device: str | torch.device | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None and self.layer_ids is not None:
             raise ValueError("pass either layers (positions) or layer_ids, not both")
+        if self.device is not None:
+            from hidden_state_reader.sample.placement import check_device
+
+            check_device(self.device)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,9 @@ class HiddenStateReader:
         raw_fp8: Yield files stored in fp8 as stored (``hidden_states`` float8_e4m3fn
             plus ``Sample.hidden_states_scales``) instead of dequantizing them on the
             CPU; dequantize on the GPU with ``hidden_state_reader.format.fp8.dequantize``.
+        device: Yield the tensors on this torch device (``"cuda"``): moved as stored
+            (fp8 files: fp8 plus scales, half the bytes of bf16; pinned staging for
+            CUDA), then dequantized or converted there. None: the CPU.
         watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
         rescan_interval: Safety rescan period in follow mode, seconds.
         poll_interval: Rescan period with ``watch="poll"``, seconds.
@@ -119,6 +122,7 @@ class HiddenStateReader:
         verify_checksum: bool = False,
         mmap: bool = True,
         raw_fp8: bool = False,
+        device: str | torch.device | None = None,
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
@@ -144,7 +148,8 @@ class HiddenStateReader:
         self._rescan_interval = rescan_interval
         self._poll_interval = poll_interval
         self._load = LoadOptions(
-            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8
+            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8,
+            device=device,
         )
         self._claims = ClaimStore(self.root, claim_group) if claim else None
         # Files are the reader's to tidy up when it consumes them exclusively.

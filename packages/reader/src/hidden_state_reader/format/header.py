@@ -312,28 +312,33 @@ def _parse_json(path: str, header_bytes: bytes) -> tuple[dict[str, Any], dict[st
 
 
 def _parse_tensor(path: str, name: str, spec: Any) -> TensorInfo:
-    """One tensor entry: a known dtype, a sane shape, offsets spanning exactly its bytes."""
-    if not isinstance(spec, dict):
+    """One tensor entry: a known dtype, a sane shape, offsets spanning exactly its bytes.
+
+    Written for speed (it runs for every tensor of every file): JSON gives exact types,
+    so ``type(x) is int`` is ``isinstance(x, int)`` without ``bool``.
+    """
+    if type(spec) is not dict:
         raise CorruptSampleError(path, f"tensor {name!r}: entry is not an object")
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+    if type(dtype) is not str or dtype not in DTYPE_SIZES:
         raise CorruptSampleError(path, f"tensor {name!r}: unsupported dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
-    ):
+    nbytes = DTYPE_SIZES[dtype]
+    if type(shape) is not list:
         raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
+            raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
+        nbytes *= d
+    if type(offsets) is not list or len(offsets) != 2:
         raise CorruptSampleError(path, f"tensor {name!r}: bad data_offsets {offsets!r}")
-    if offsets[1] - offsets[0] != _shape_bytes(dtype, shape):
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        raise CorruptSampleError(path, f"tensor {name!r}: bad data_offsets {offsets!r}")
+    if end - begin != nbytes:
         raise CorruptSampleError(
-            path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} {dtype}"
+            path, f"tensor {name!r}: {end - begin} bytes for shape {shape} {dtype}"
         )
-    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+    return TensorInfo(dtype, tuple(shape), begin, end)
 
 
 def _check_sample_tensors(path: str, tensors: Mapping[str, TensorInfo]) -> None:
@@ -390,23 +395,38 @@ def _check_data_size(
         )
 
 
-def read_header_fd(fd: int, path: str) -> SampleHeader:
-    """Read and validate the header of an open sample file."""
-    file_size = os.fstat(fd).st_size
+def header_length(path: str, prefix: bytes | memoryview, file_size: int) -> int:
+    """The JSON header's length from the file's first 8 bytes, checked against its size.
+
+    Args:
+        path: The file, for error messages.
+        prefix: The file's first bytes (at least 8 of them unless the file is shorter).
+        file_size: Size of the whole file in bytes.
+
+    Raises:
+        IncompleteSampleError: The file ends before the prefix or inside the header.
+        CorruptSampleError: An implausible header length.
+    """
     if file_size == 0:
         raise IncompleteSampleError(path, "empty file (0 bytes)")
-    prefix = os.pread(fd, 8, 0)
     if len(prefix) < 8:
         raise IncompleteSampleError(path, f"only {file_size} bytes, shorter than the header prefix")
-    (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > MAX_HEADER_BYTES:
-        raise CorruptSampleError(path, f"header length {header_len} is implausible")
-    if 8 + header_len > file_size:
+    (length,) = struct.unpack_from("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise CorruptSampleError(path, f"header length {length} is implausible")
+    if 8 + length > file_size:
         raise IncompleteSampleError(
-            path, f"truncated inside the header ({file_size} of {8 + header_len} bytes)"
+            path, f"truncated inside the header ({file_size} of {8 + length} bytes)"
         )
-    header_bytes = os.pread(fd, header_len, 8)
-    return parse_header(path, header_bytes, file_size)
+    return int(length)
+
+
+def read_header_fd(fd: int, path: str, file_size: int | None = None) -> SampleHeader:
+    """Read and validate the header of an open sample file (``file_size``: from fstat)."""
+    if file_size is None:
+        file_size = os.fstat(fd).st_size
+    length = header_length(path, os.pread(fd, 8, 0) if file_size else b"", file_size)
+    return parse_header(path, os.pread(fd, length, 8), file_size)
 
 
 def read_header(path: str | os.PathLike[str]) -> SampleHeader:

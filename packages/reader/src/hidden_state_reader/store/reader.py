@@ -84,6 +84,7 @@ class StoreReader(HiddenStateReader):
         verify_checksum: bool = False,
         mmap: bool = True,
         raw_fp8: bool = False,
+        device: str | torch.device | None = None,
         watch: str = "auto",
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
@@ -103,7 +104,8 @@ class StoreReader(HiddenStateReader):
         self._names = list(names) if names is not None else None
         self._poll_max = max(_POLL_MIN, min(poll_interval, 0.1))
         self._load = LoadOptions(
-            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8
+            layers, layer_ids, dtype, pin_memory, verify_checksum, mmap, raw_fp8=raw_fp8,
+            device=device,
         )
         self._cancel = CancelToken()
         self._closed = False
@@ -223,7 +225,7 @@ class StoreReader(HiddenStateReader):
             reason = str(json.loads(raw).get("reason", "no reason recorded"))
             self._bad(FailedSampleError(where, f"the writer gave up: {reason}"), "failed")
             return None
-        data = self.client.get(data_key(self.prefix, name))
+        data = self.client.get_object(data_key(self.prefix, name))
         if data is None:
             self.stats.vanished += 1  # consumed and deleted by another reader
             return None
