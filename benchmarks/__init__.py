@@ -19,5 +19,9 @@ BENCHMARKS = (
     "fp8",
     "store",
     "cli_startup",
+    "watchers",
+    "loaders",
+    "locks",
+    "consume",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

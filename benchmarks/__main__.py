@@ -39,6 +39,11 @@ benchmarks (run in this order):
   store       Mooncake Store vs files: samples/s and GB/s, put/get over loopback (needs root);
               full mode adds vLLM CPU prompt tok/s, store backend vs file backend
   cli_startup  hidden-state --help/--version/argument errors: wall time of a fresh process
+  watchers    the reader's inotify reader and poller vs watchdog's observers: latency, CPU
+  loaders     the reader's loader vs safetensors' load_file / safe_open on the same files
+  locks       the reader's SharedLock vs filelock against a raw-flock writer
+  consume     a producer at a fixed rate, N follow + claim + delete readers: bf16, fp8
+              (CPU; device where CUDA is), store: GB/s per reader, backlog, latency
 
 examples:
   python -m benchmarks                          # full run (~15 min here), writes docs/

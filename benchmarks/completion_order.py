@@ -59,10 +59,10 @@ def _record_event_arrivals() -> dict[tuple[str, str], int]:
     "release")`` for the writer closing (releasing) its lock; the last of each.
     """
     from hidden_state_reader.format.names import LOCK_SUFFIX, sample_key
-    from hidden_state_reader.read import sources as discovery
+    from hidden_state_reader.read import inotify as discovery
 
     arrivals: dict[tuple[str, str], int] = {}
-    real = discovery._Inotify._dispatch.__func__  # type: ignore[attr-defined]
+    real = discovery.Inotify._dispatch.__func__  # type: ignore[attr-defined]
     event = discovery._EVENT
 
     def dispatch(cls: Any, buf: bytes) -> None:
@@ -81,7 +81,7 @@ def _record_event_arrivals() -> dict[tuple[str, str], int]:
                 arrivals[(key, "data")] = now
         real(cls, buf)
 
-    discovery._Inotify._dispatch = classmethod(dispatch)  # type: ignore[assignment]
+    discovery.Inotify._dispatch = classmethod(dispatch)  # type: ignore[assignment]
     return arrivals
 
 

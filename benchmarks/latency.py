@@ -7,7 +7,7 @@ takes a ``CLOCK_MONOTONIC`` timestamp and releases the lock. The reader, in this
 process, records the same clock when the sample is yielded. Both clocks are the same
 system-wide clock.
 
-* ``reader``: ``HiddenStateReader(dir, follow=True)`` (inotify via watchdog, then a
+* ``reader``: ``HiddenStateReader(dir, follow=True)`` (the reader's own inotify thread, then a
   blocking ``flock(LOCK_SH)`` that the kernel wakes on release).
 * ``polling loop``: list the directory every 100 ms; for each new sample try
   ``flock(LOCK_EX | LOCK_NB)`` every 100 ms until it succeeds, then

@@ -24,8 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hidden_state_connector.connector import HiddenStateConnector
-from hidden_state_connector.engine.save_job import SaveJob
-from hidden_state_connector.engine.writer import WritePipeline
+from hidden_state_connector.engine.write.job import SaveJob
+from hidden_state_connector.engine.write.pipeline import WritePipeline
 
 
 class NullSinkConnector(KVConnectorBase_V1, SupportsHMA):

@@ -1,17 +1,17 @@
 """Scale: follow mode over a directory growing to 100,000 files (50,000 samples + locks).
 
 Three processes: a writer (``write_sample`` with locks, as fast as it can), a follower
-(``HiddenStateReader(dir, follow=True)`` with its defaults, as shipped: watchdog asked
-for creations and renames only, an immediate rescan when watchdog reports an inotify
-queue overflow, and a 30 s safety rescan; ``on_consumed="keep"``, so the directory and
-the reader's set of known names grow to the end), and, once the directory is full, a
-fresh process that times the initial scan and measures the memory each tracked sample
-costs (``tracemalloc``).
+(``HiddenStateReader(dir, follow=True)`` with its defaults, as shipped: the reader's own
+inotify thread asks for creations, renames and closes only, an immediate rescan when the
+kernel reports an inotify queue overflow, and a 30 s safety rescan; ``on_consumed="keep"``,
+so the directory and the reader's set of known names grow to the end), and, once the
+directory is full, a fresh process that times the initial scan and measures the memory
+each tracked sample costs (``tracemalloc``).
 
 For every bucket of 10,000 files the follower records its wall time, the CPU time of
 its consumer thread (discovery bookkeeping, rescans, lock, load: the per-sample work of
-the reader itself), of watchdog's threads (inotify reader, emitter, dispatcher) and of
-the whole process, its RSS, its rescans and the inotify queue overflows watchdog
+the reader itself), of the reader's inotify thread (``hidden-state-inotify``) and of
+the whole process, its RSS, its rescans and the inotify queue overflows the kernel
 reported. The writer and the follower report the time of their last write and of the
 last sample yielded on the same monotonic clock.
 """
@@ -66,41 +66,26 @@ def writer_main(argv: list[str]) -> None:
     )
 
 
-def _count_overflows() -> list[float]:
-    """Watch watchdog's log for overflow reports; the list gets one time per report."""
-    import logging
-
-    overflows: list[float] = []
-
-    class CountOverflows(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "overflow" in record.getMessage().lower():
-                overflows.append(time.perf_counter())
-
-    logging.getLogger("watchdog").addHandler(CountOverflows())
-    return overflows
-
-
 def _thread_cpu(proc: Any, main_tid: int) -> tuple[float, float]:
-    """CPU seconds so far of the consumer (this) thread and of watchdog's threads."""
+    """CPU seconds so far of the consumer (this) thread and of the reader's inotify thread."""
     import threading
 
-    watchdog_tids = {
+    inotify_tids = {
         t.native_id
         for t in threading.enumerate()
-        if type(t).__module__.startswith("watchdog") and t.native_id is not None
+        if t.name == "hidden-state-inotify" and t.native_id is not None
     }
-    main = watchdog = 0.0
+    main = inotify = 0.0
     for th in proc.threads():
         if th.id == main_tid:
             main += th.user_time + th.system_time
-        elif th.id in watchdog_tids:
-            watchdog += th.user_time + th.system_time
-    return main, watchdog
+        elif th.id in inotify_tids:
+            inotify += th.user_time + th.system_time
+    return main, inotify
 
 
 def _follow(
-    reader: Any, proc: Any, count: int, bucket: int, overflows: list[float]
+    reader: Any, proc: Any, count: int, bucket: int
 ) -> tuple[int, float, list[dict[str, Any]]]:
     """Iterate the follow-mode reader, one row of costs per ``bucket`` samples.
 
@@ -111,7 +96,7 @@ def _follow(
     main_tid = threading.get_native_id()
     rows = []
     t_prev, cpu_prev = time.perf_counter(), time.process_time()
-    main_prev, watchdog_prev = _thread_cpu(proc, main_tid)
+    main_prev, inotify_prev = _thread_cpu(proc, main_tid)
     n = 0
     t_last = float("nan")
     for sample in reader:
@@ -121,7 +106,7 @@ def _follow(
             t_last = time.monotonic()
         if n % bucket == 0:
             t, cpu = time.perf_counter(), time.process_time()
-            main, watchdog = _thread_cpu(proc, main_tid)
+            main, inotify = _thread_cpu(proc, main_tid)
             source = reader._backend.source
             rows.append(
                 {
@@ -131,22 +116,20 @@ def _follow(
                     "wall_s": t - t_prev,
                     "cpu_s": cpu - cpu_prev,
                     "consumer_cpu_s": main - main_prev,
-                    "watchdog_cpu_s": watchdog - watchdog_prev,
+                    "inotify_cpu_s": inotify - inotify_prev,
                     "rss_mb": proc.memory_info().rss / 2**20,
                     "rescans": getattr(source, "rescans", None),
-                    "overflows": len(overflows),
+                    "overflows": getattr(source, "overflows", None),
                     "known": len(getattr(source, "_known", ())),
                 }
             )
-            t_prev, cpu_prev, main_prev, watchdog_prev = t, cpu, main, watchdog
+            t_prev, cpu_prev, main_prev, inotify_prev = t, cpu, main, inotify
     return n, t_last, rows
 
 
 def follower_main(argv: list[str]) -> None:
     directory, count, bucket = Path(argv[0]), int(argv[1]), int(argv[2])
     import psutil
-
-    overflows = _count_overflows()
 
     from hidden_state_reader import HiddenStateReader
 
@@ -155,7 +138,7 @@ def follower_main(argv: list[str]) -> None:
     rss0 = proc.memory_info().rss
 
     print("following", flush=True)
-    n, t_last, rows = _follow(reader, proc, count, bucket, overflows)
+    n, t_last, rows = _follow(reader, proc, count, bucket)
     source = reader._backend.source
     print(
         json.dumps(
@@ -166,8 +149,7 @@ def follower_main(argv: list[str]) -> None:
                 "rss_start_mb": rss0 / 2**20,
                 "rss_end_mb": proc.memory_info().rss / 2**20,
                 "stats": reader.stats.as_dict(),
-                "inotify_overflows": len(overflows),
-                "overflow_rescans": getattr(source, "overflows", None),
+                "inotify_overflows": getattr(source, "overflows", None),
                 "rescans": getattr(source, "rescans", None),
             }
         ),
@@ -246,16 +228,16 @@ def _follow_run(directory: Path, count: int, bucket: int) -> dict[str, Any]:
     for row in follow["buckets"]:
         log(
             f"scale: {row['files']:>7,} files: consumer "
-            f"{row['consumer_cpu_s'] / bucket * 1e6:4.0f} \u00b5s CPU/sample, watchdog "
-            f"{row['watchdog_cpu_s'] / bucket * 1e6:4.0f} \u00b5s, all threads "
+            f"{row['consumer_cpu_s'] / bucket * 1e6:4.0f} \u00b5s CPU/sample, inotify thread "
+            f"{row['inotify_cpu_s'] / bucket * 1e6:4.0f} \u00b5s, all threads "
             f"{row['cpu_s'] / bucket * 1e6:5.0f} \u00b5s, wall {row['wall_s'] / bucket * 1e6:6.0f} "
             f"\u00b5s; {row['rescans']} rescans, {row['overflows']} overflows"
         )
     buckets = follow["buckets"]
-    watchdog = [b["watchdog_cpu_s"] / bucket * 1e6 for b in buckets]
+    inotify = [b["inotify_cpu_s"] / bucket * 1e6 for b in buckets]
     consumer = [b["consumer_cpu_s"] / bucket for b in buckets]
-    follow["watchdog_us_per_sample_first_bucket"] = watchdog[0] if watchdog else float("nan")
-    follow["watchdog_us_per_sample"] = sum(b["watchdog_cpu_s"] for b in buckets) / count * 1e6
+    follow["inotify_us_per_sample_first_bucket"] = inotify[0] if inotify else float("nan")
+    follow["inotify_us_per_sample"] = sum(b["inotify_cpu_s"] for b in buckets) / count * 1e6
     follow["consumer_us_per_sample"] = sum(b["consumer_cpu_s"] for b in buckets) / count * 1e6
     follow["consumer_cpu_last_over_first"] = (
         consumer[-1] / consumer[0] if len(consumer) > 1 and consumer[0] > 0 else 1.0
@@ -344,16 +326,17 @@ def _consumer_finding(shipped: dict[str, Any], scan: dict[str, Any], setup: dict
     return text
 
 
-def _watchdog_finding(shipped: dict[str, Any], setup: dict[str, Any]) -> str:
-    """The finding on watchdog's CPU, the writer's and follower's rates and the overflows."""
+def _inotify_finding(shipped: dict[str, Any], setup: dict[str, Any]) -> str:
+    """The finding on the inotify thread's CPU, the writer's and follower's rates, overflows."""
     b = setup["bucket_samples"]
     buckets = shipped["buckets"]
     writer = shipped["writer"]
     overflows = shipped.get("inotify_overflows") or 0
     text = (
-        "Watchdog's threads (the watch asks for creations and renames only): "
-        f"{shipped['watchdog_us_per_sample_first_bucket']:,.0f} \u00b5s of CPU per sample in "
-        f"the first bucket, {shipped['watchdog_us_per_sample']:,.0f} \u00b5s over the whole "
+        "The reader's inotify thread (the watch asks for creations, renames and closes "
+        f"only): {shipped['inotify_us_per_sample_first_bucket']:,.0f} \u00b5s of CPU per "
+        f"sample in the first bucket, {shipped['inotify_us_per_sample']:,.0f} \u00b5s over the "
+        "whole "
         f"run, against {shipped['consumer_us_per_sample']:,.0f} \u00b5s for the reader's "
         f"consumer thread. The writer wrote {writer['count'] / writer['seconds']:,.0f} "
         f"samples/s; the follower delivered all {shipped['yielded']:,} at "
@@ -371,17 +354,16 @@ def _watchdog_finding(shipped: dict[str, Any], setup: dict[str, Any]) -> str:
             f"writing; the one in which it finished ({r['files'] - setup['bucket_files']:,}"
             f"\u2013{r['files']:,} files) took {r['wall_s']:.2f} s: "
             f"{r['wall_s'] / b * 1e6:,.0f} \u00b5s of wall time per sample, against "
-            f"{r['cpu_s'] / b * 1e6:,.0f} \u00b5s of follower CPU (watchdog's threads "
-            f"{r['watchdog_cpu_s'] / b * 1e6:,.0f} \u00b5s, the consumer thread "
+            f"{r['cpu_s'] / b * 1e6:,.0f} \u00b5s of follower CPU (the inotify thread "
+            f"{r['inotify_cpu_s'] / b * 1e6:,.0f} \u00b5s, the consumer thread "
             f"{r['consumer_cpu_s'] / b * 1e6:,.0f} \u00b5s)."
         )
     rescans = shipped.get("rescans")
-    noted = shipped.get("overflow_rescans")
     if overflows:
         text += (
             f" The inotify queue ({setup['inotify_max_queued_events']} events) overflowed "
-            f"{_n(overflows, 'time')} (watchdog's reports); {noted} "
-            "reached the follower, each making its next step a rescan of the directory, and "
+            f"{_n(overflows, 'time')} (the kernel's reports), each making the follower's next "
+            "step a rescan of the directory, and "
             f"it scanned the directory {_n(rescans, 'time')} in all (the initial scan included)."
         )
     else:
@@ -397,7 +379,7 @@ def findings(res: dict[str, Any]) -> list[str]:
     """Data-driven conclusions for the report's findings list."""
     runs, scan, setup = res["runs"], res["scan"], res["setup"]
     shipped = runs[SHIPPED]
-    return [_consumer_finding(shipped, scan, setup), _watchdog_finding(shipped, setup)]
+    return [_consumer_finding(shipped, scan, setup), _inotify_finding(shipped, setup)]
 
 
 def _bucket_table(res: dict[str, Any]) -> str:
@@ -411,7 +393,7 @@ def _bucket_table(res: dict[str, Any]) -> str:
                     variant,
                     r["files"],
                     r["consumer_cpu_s"] / b * 1e6,
-                    r["watchdog_cpu_s"] / b * 1e6,
+                    r["inotify_cpu_s"] / b * 1e6,
                     r["cpu_s"] / b * 1e6,
                     r["wall_s"] / b * 1e6,
                     r["ended_s"],
@@ -426,7 +408,7 @@ def _bucket_table(res: dict[str, Any]) -> str:
             "follower",
             "files so far",
             "consumer CPU \u00b5s/sample",
-            "watchdog CPU \u00b5s/sample",
+            "inotify thread CPU \u00b5s/sample",
             "all threads CPU \u00b5s/sample",
             "wall \u00b5s/sample",
             "bucket ended, s",
@@ -449,7 +431,7 @@ def _summary_table(res: dict[str, Any]) -> str:
             "follower samples/s overall",
             "consumer CPU \u00b5s/sample",
             "consumer CPU last \u00f7 first",
-            "watchdog CPU \u00b5s/sample (first bucket)",
+            "inotify thread CPU \u00b5s/sample (first bucket)",
             "inotify overflows",
             "scans",
             "last sample after writer done, s",
@@ -463,8 +445,8 @@ def _summary_table(res: dict[str, Any]) -> str:
                 run["yielded"] / run["elapsed_s"],
                 run["consumer_us_per_sample"],
                 run["consumer_cpu_last_over_first"],
-                f"{fmt(run['watchdog_us_per_sample'])} "
-                f"({fmt(run['watchdog_us_per_sample_first_bucket'])})",
+                f"{fmt(run['inotify_us_per_sample'])} "
+                f"({fmt(run['inotify_us_per_sample_first_bucket'])})",
                 run.get("inotify_overflows"),
                 run.get("rescans"),
                 run["lag_after_writer_s"],
@@ -486,9 +468,8 @@ def render(res: dict[str, Any]) -> str:
         "as fast as it can while one follower process reads them with the reader's "
         f"defaults (the two share the {s.get('cpus')} CPUs). inotify queue: "
         f"{s['inotify_max_queued_events']} events. Per bucket of {s['bucket_files']:,} files "
-        f'({b:,} samples); "consumer" is the thread iterating the reader, "watchdog" '
-        'watchdog\'s threads (inotify reader, emitter, dispatcher), "all threads" the whole '
-        "follower process:",
+        f'({b:,} samples); "consumer" is the thread iterating the reader, "inotify '
+        'thread" the reader\'s one inotify thread, "all threads" the whole follower process:',
         "",
     ]
     out.append(_bucket_table(res))

@@ -110,6 +110,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw["kv_transfer_config"] = kv_transfer_config(
             args.out, {"stats_interval": 0, "check_nonfinite": False}
         )
+    elif args.config == "ours-nocrc":
+        kw["kv_transfer_config"] = kv_transfer_config(
+            args.out, {"stats_interval": 0, "checksum": False}
+        )
     elif args.config == "ours-fp8":
         kw["kv_transfer_config"] = kv_transfer_config(
             args.out, {"stats_interval": 0, "storage_dtype": "fp8_e4m3"}
@@ -379,7 +383,8 @@ def _measure(
 def run(ctx: Context) -> dict[str, Any]:
     work = ctx.workdir("server")
     configs = ctx.pick(
-        ["null", "ours"], ["none", "null", "discard", "ours-nocheck", "ours-fp8", "ours"]
+        ["null", "ours"],
+        ["none", "null", "discard", "ours-nocheck", "ours-nocrc", "ours-fp8", "ours"],
     )
     rounds = ctx.pick(2, 7)
     count, length = ctx.pick((8, 256), (64, 512))
@@ -401,7 +406,7 @@ def run(ctx: Context) -> dict[str, Any]:
             "engine_env": engine_env,
             "storage": str(work),
             "connector_settings": "defaults (8 writer threads, 2 GiB host buffers, "
-            "16 MiB chunks, check_nonfinite on, no fsync)",
+            "16 MiB chunks, check_nonfinite on, CRC32 on, no fsync)",
         },
     }
     try:
@@ -468,6 +473,7 @@ def _summarise(per: dict[str, list[dict[str, Any]]], configs: list[str]) -> dict
     pairs = (
         ("ours", "null"),
         ("ours-nocheck", "null"),
+        ("ours-nocrc", "null"),
         ("ours-fp8", "null"),
         ("discard", "null"),
         ("null", "none"),
@@ -516,6 +522,11 @@ def findings(res: dict[str, Any]) -> list[str]:
         text += (
             " With `check_nonfinite` off (no NaN/inf check in the writer threads): "
             f"{ratios['ours-nocheck/null']['published']:.3f}\u00d7."
+        )
+    if "ours-nocrc/null" in ratios:
+        text += (
+            " With `checksum` off (no CRC32 in the writer threads): "
+            f"{ratios['ours-nocrc/null']['published']:.3f}\u00d7."
         )
     if "ours-fp8/null" in ratios:
         text += (
@@ -574,6 +585,7 @@ def _config_table(setup: dict[str, Any], summary: dict[str, Any]) -> str:
         "null": "extraction + null sink (baseline)",
         "discard": "ours, data discarded (no disk)",
         "ours-nocheck": "ours, check_nonfinite off",
+        "ours-nocrc": "ours, checksum off",
         "ours-fp8": "ours, fp8 storage",
         "ours": "ours (HiddenStateConnector)",
     }

@@ -70,7 +70,7 @@ def _connector(backend: str, out: str, master: str) -> dict[str, Any]:
 
 def _time_puts(puts: dict[str, tuple[float, float]]) -> None:
     """Record (start, end) of every put by staged path (the trace's ``path``)."""
-    from hidden_state_connector.engine import store_backend
+    from hidden_state_connector.engine.write import store_backend
 
     release = store_backend.StoreLock.release
 

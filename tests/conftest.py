@@ -7,6 +7,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,6 +75,30 @@ def holder() -> Iterator[LockHolder]:
     h = LockHolder()
     yield h
     h.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The public tiny random Llama (4 layers) in float32: exact comparisons with HF."""
+    from hidden_state_connector.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-fp32", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same architecture in bfloat16, as a server would usually run."""
+    from hidden_state_connector.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_fp32: Path) -> Any:
+    """The tiny model's tokenizer (byte level, with a chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_fp32)
 
 
 @pytest.fixture

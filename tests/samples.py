@@ -36,15 +36,19 @@ def write_samples(
     dtype: torch.dtype = torch.bfloat16,
     start: int = 0,
     layer_ids: list[int] | None = None,
+    checksum: bool = True,
 ) -> list[Path]:
-    """Write ``count`` complete samples named ``{prefix}{i}.safetensors``."""
+    """Write ``count`` complete samples named ``{prefix}{i}.safetensors``.
+
+    ``checksum=False`` writes them without a CRC32, as writers before CRC-by-default did.
+    """
     paths = []
     for i in range(start, start + count):
         n = tokens[i - start] if isinstance(tokens, list) else tokens
         token_ids, hidden_states = make_tensors(i, n, layers, hidden, dtype)
         meta = sample_metadata(layer_ids=layer_ids or list(range(layers)), request_id=f"req-{i}")
         path = Path(root) / f"{prefix}{i}.safetensors"
-        write_sample(path, token_ids, hidden_states, metadata=meta)
+        write_sample(path, token_ids, hidden_states, metadata=meta, checksum=checksum)
         paths.append(path)
     return paths
 

@@ -2,7 +2,9 @@
 
 ``make install`` installs speculators, hs-connectors and the packages of Hugging Face
 ``datasets`` that the venv lacks into ``.venv-spec/`` (``--no-deps``: speculators'
-declared dependencies would replace the CPU torch with a CUDA build; see the Makefile).
+declared dependencies would replace the CPU torch with a CUDA build; see the Makefile and
+docs/training.md, "How do I install speculators without replacing my torch?", which
+gives users the same list: ``spec_packages()``).
 ``use_speculators()`` appends that folder to ``sys.path`` (after the venv, so it never
 shadows a package the venv has) and ``env()`` gives a subprocess the same view.
 """
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
-SPEC_DIR = Path(__file__).resolve().parents[1] / ".venv-spec"
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_DIR = ROOT / ".venv-spec"
 NEEDED = ("speculators", "hs_connectors", "datasets", "pyarrow")
 
 
@@ -36,3 +40,11 @@ def env() -> dict[str, str]:
     """``os.environ`` with ``.venv-spec`` at the end of ``PYTHONPATH``."""
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*parts, str(SPEC_DIR)])}
+
+
+def spec_packages() -> list[str]:
+    """The Makefile's ``SPEC_PKGS``: what goes into ``.venv-spec``, pinned."""
+    text = (ROOT / "Makefile").read_text()
+    found = re.search(r"^SPEC_PKGS := ((?:.*\\\n)*.*)$", text, re.MULTILINE)
+    assert found, "Makefile: no SPEC_PKGS line"
+    return found.group(1).replace("\\\n", " ").split()

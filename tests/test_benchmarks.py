@@ -33,6 +33,10 @@ SECTIONS = (
     "## 9. fp8 storage",
     "## 10. Mooncake Store vs files",
     "## 11. CLI start-up",
+    "## 12. Directory watchers",
+    "## 13. Loading a file",
+    "## 14. Lock libraries",
+    "## 15. Consume",
     "## GPU (NVIDIA H200)",
 )
 
@@ -48,7 +52,8 @@ def run_bench(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess[
     # (tests/conftest.py): with vLLM's own settings (a pinned, spinning OpenMP thread per
     # core) they fought the other test processes for both cores. `make bench` runs them
     # with vLLM's settings.
-    env = {**os.environ, **TEST_ENGINE_ENV, "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, **TEST_ENGINE_ENV, "PYTHONPATH": path}
     return subprocess.run(
         [sys.executable, "-m", "benchmarks", *args],
         cwd=REPO,
@@ -190,3 +195,23 @@ def test_store_engine_ratio_pairs_each_files_round_with_its_store_round() -> Non
     text = render_engines(res)
     assert "0.800\u00d7 until published" in text and "|---|" in text
     assert "0.800\u00d7" in engine_finding(res) and "4.0 ms" in engine_finding(res)
+
+
+def test_consume_quick_section_measures_every_kind_it_can(tmp_path: Path) -> None:
+    # Not a vLLM test: the consume section alone, in quick mode (seconds).
+    out = tmp_path / "out"
+    proc = run_bench("--quick", "--only", "consume", "--out", str(out), "--scratch",
+                     str(tmp_path / "s"), timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads((out / "benchmarks.json").read_text())
+    res = doc["benchmarks"]["consume"]
+    assert "error" not in res, res.get("error")
+    assert {"bf16", "fp8"} <= set(res["kinds"])
+    for kind, row in res["kinds"].items():
+        assert row["consumed"] == row["produced"] > 0 and row["duplicates"] == 0, kind
+        assert row["gb_s_per_reader_busy"] > 0 and row["raw_gb_s"] > 0, kind
+        assert row["yield_latency_p99_ms"] >= row["yield_latency_p50_ms"] > 0, kind
+    metrics = " ".join(g["metric"] for g in res["goals"])
+    assert "fp8 files / bf16 files" in metrics
+    md = (out / "benchmarks.md").read_text()
+    assert "## 15. Consume" in md and "yield p50 / p99 ms" in md

@@ -157,6 +157,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if args.kind == "ours":  # the connector's per-sample stage times (same clock as ours)
         os.environ["HIDDEN_STATE_CONNECTOR_TRACE"] = str(trace)
     llm = LLM(**engine_kwargs(args, args.kind, out))
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    # From the engine's own reservation on (weights, KV cache, CUDA graphs): what the
+    # warm-up and the timed run add beyond it, as nvidia-smi sees the engine process.
+    smi = None if in_process else DeviceMemoryPoll()
     vocab = 128256 if args.dummy else 250
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True
@@ -164,12 +168,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, seed=1)
     llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, seed=2)
-    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     if in_process:
         torch.cuda.synchronize()
         base_alloc = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    smi = None if in_process else DeviceMemoryPoll()
     t0 = time.monotonic()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
     elapsed = time.monotonic() - t0
@@ -308,7 +310,7 @@ def spawn_one(
 
 def validate(args: argparse.Namespace) -> int:
     """Values on CUDA vs HF transformers, chunked prefill, prefix caching, output tokens."""
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_connector.tiny_model import build_tiny_model
     from hidden_state_reader import HiddenStateReader
 
     # In-process engine: the path users of notebooks and offline scripts run, and no

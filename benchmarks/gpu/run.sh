@@ -99,11 +99,17 @@ case "$plan" in
       --json "$OUT/t.json" 2>>"$OUT/v24a.log" | tail -4
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
-  v24b)  # CUDA graphs: none / example / ours interleaved twice; decode-heavy with null sink
+  v24b)  # CUDA graphs: none / example / ours (CRC on) interleaved twice
     $B throughput --num-prompts 256 --kinds none,example,ours --repeats 2 --graph-modes graphs \
       --timeout 170 --connector '{"checksum": true}' --json "$OUT/t.json" 2>>"$OUT/v24b.log" | tail -8
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  v24d)  # decode-heavy (512-token prompts, 256 generated): none / null sink / ours
     $B throughput --num-prompts 256 --prompt-len 512 --max-tokens 256 --max-model-len 1024 \
-      --kinds none,null,ours --timeout 150 --json "$OUT/t.json" 2>>"$OUT/v24b.log" | tail -5
+      --kinds none,null,ours --timeout 150 --json "$OUT/t.json" 2>>"$OUT/v24d.log" | tail -5
+    # 32k again, device memory counted from the engine's reservation (before the warm-up)
+    $B long --kinds example,ours --long-multiprocess --timeout 150 \
+      --json "$OUT/t.json" 2>>"$OUT/v24d.log" | tail -4
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
   v24c)  # sustained: engine + 3 follow/claim/delete readers; none first, bf16 >= 100 GB, fp8

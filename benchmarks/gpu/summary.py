@@ -59,7 +59,9 @@ def render(rows: list[dict[str, Any]], date: str) -> str:
                 f"{r['tolerance']:.0e} | {r['layer0_rel_err']:.2g} | {len(r['failures'])} |"
             )
         out.append("")
-    thr = [r for r in rows if r.get("kind") in ("none", "example", "ours")]
+    thr = [r for r in rows if r.get("kind") in ("none", "example", "ours", "null")]
+    decode = [r for r in thr if r.get("max_tokens", 1) > 1]
+    thr = [r for r in thr if r.get("max_tokens", 1) == 1]
     short = [r for r in thr if r.get("prompt_len") == 1024]
     if short:
         out += [
@@ -77,20 +79,77 @@ def render(rows: list[dict[str, Any]], date: str) -> str:
                 f"{_f(r.get('write_gb_s'), 2)} | {rel} |"
             )
         out.append("")
-    long_rows = [r for r in thr if r.get("prompt_len", 0) > 1024]
-    if long_rows:
-        out += [
-            "| 32k-token requests | prefill tok/s | peak extra device MiB (torch, above "
-            "idle) | pinned host MiB |",
-            "|---|---|---|---|",
-        ]
-        for r in long_rows:
-            out.append(
-                f"| {r['kind']} | {_f(r['tok_s'], 0)} | {_f(r.get('peak_extra_device_mb'), 0)} "
-                f"| {_f(r.get('pinned_pool_mb'), 0)} |"
-            )
-        out.append("")
+    out += _long_table([r for r in thr if r.get("prompt_len", 0) > 1024])
+    out += _decode_table(decode)
+    out += _sustain_table([r for r in rows if r.get("kind") == "sustain"])
     return "\n".join(out)
+
+
+def _long_table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    out = [
+        "| 32k-token requests | engine | prefill tok/s | peak extra device MiB (torch, above "
+        "idle) | peak extra device MiB (nvidia-smi, above the engine's reservation) | "
+        "pinned host MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['kind']} | {r.get('engine', '')} | {_f(r['tok_s'], 0)} | "
+            f"{_f(r.get('peak_extra_device_mb'), 0)} | {_f(r.get('peak_extra_device_mb_smi'), 0)} "
+            f"| {_f(r.get('pinned_pool_mb'), 0)} |"
+        )
+    return [*out, ""]
+
+
+NULL_SINK = "null sink (extraction, nothing copied or written)"
+
+
+def _decode_table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    none = [r["tok_s"] for r in rows if r["kind"] == "none"]
+    out = [
+        "| decode-heavy (prompt tokens, generated) | kind | prompt tok/s | generated tok/s | "
+        "vs none |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = r["tok_s"] / none[0] if none else None
+        kind = NULL_SINK if r["kind"] == "null" else r["kind"]
+        out.append(
+            f"| {r['prompt_len']}, {r['max_tokens']} | {kind} | {_f(r['tok_s'], 0)} | "
+            f"{_f(r.get('out_tok_s'), 0)} | {_f(ratio, 3)} |"
+        )
+    return [*out, ""]
+
+
+def _sustain_table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    none = [r["tok_s"] for r in rows if r.get("producer") == "none"]
+    out = [
+        "| sustained run | readers | reader device | produced (samples, GB on disk) | consumed "
+        "exactly once | max backlog (files) | yield p50 / p99 ms | tok/s (median batch) | vs "
+        "none |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("producer") == "none":
+            dash = "\u2013"
+            cells = " | ".join([dash] * 6)
+            out.append(f"| no extraction | {cells} | {_f(r['tok_s'], 0)} | 1.000 |")
+            continue
+        ratio = r["tok_s"] / none[0] if none else None
+        out.append(
+            f"| {r['storage_dtype']} storage | {r['readers']} | {r['reader_device']} | "
+            f"{r['produced']}, {r['produced_bytes'] / 1e9:,.1f} | "
+            f"{r['consumed']} ({'yes' if r['exactly_once'] else 'NO'}) | "
+            f"{r['max_backlog_files']} | {_f(r['yield_latency_p50_ms'])} / "
+            f"{_f(r['yield_latency_p99_ms'])} | {_f(r['tok_s'], 0)} | {_f(ratio, 3)} |"
+        )
+    return [*out, ""]
 
 
 def main() -> int:

@@ -20,22 +20,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 collect_ignore_glob = ["*.py"] if VLLM_MISSING else []
 
 
-@pytest.fixture(scope="session")
-def tiny_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 4-layer random Llama in float32 (exact comparisons with HF transformers)."""
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-fp32", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def tiny_model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same architecture in bfloat16, as a server would usually run."""
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
-
-
 class HFReference:
     """HF transformers' hidden states for the same weights: the golden values."""
 

@@ -11,9 +11,10 @@ import psutil
 import pytest
 import torch
 
+from hidden_state_connector.engine.compat import vllm_version
 from hidden_state_connector.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader, Sample
-from hidden_state_reader.format import LockState, lock_path, probe
+from hidden_state_reader.format import LockState, lock_path, probe, read_header
 
 from conftest import HFReference, assert_matches_reference
 from procs import IN_PROCESS_ENGINE
@@ -67,8 +68,7 @@ def engine(tiny_model_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> E
         kv_transfer_config=kv_transfer_config(
             str(out),
             {
-                "allow_custom_save_path": True,
-                "checksum": True,
+                "allow_custom_save_path": True,  # CRC32: on by default, verified by read()
                 # Tiny buffers: many chunks per request and slab back-pressure.
                 "chunk_bytes": 64 * 1024,
                 "host_buffer_bytes": 256 * 1024,
@@ -116,7 +116,7 @@ def read(path: str) -> Sample:
 
 
 def test_values_equal_hf_transformers_including_chunked_prefill(
-    engine: Engine, hf_fp32: HFReference
+    engine: Engine, hf_fp32: HFReference, tiny_model_fp32: Path
 ) -> None:
     lengths = [1, 7, 16, 17, 129, 300]  # block edges, and prompts split by chunked prefill
     prompts = [prompt(n, seed=n) for n in lengths]
@@ -129,6 +129,13 @@ def test_values_equal_hf_transformers_including_chunked_prefill(
         assert sample.metadata["request_id"]
         assert sample.metadata["num_prompt_tokens"] == str(len(p))
         assert sample.metadata["nonfinite"] == "0"
+        # What the capture is: the model, its layer count and dtype, the vLLM; a CRC by default.
+        header = read_header(sample.path)
+        assert (
+            header.model, header.num_hidden_layers, header.captures_last_layer,
+            header.model_dtype, header.vllm_version, header.model_revision,
+            len(header.metadata.get("crc32", "")),
+        ) == (str(tiny_model_fp32), 4, True, "F32", vllm_version(), None, 8)  # fmt: skip
         assert_matches_reference(sample, hf_fp32)
 
 
@@ -165,6 +172,18 @@ def test_custom_path_inside_root_is_used(engine: Engine) -> None:
     )
     assert result["hidden_states_path"] == str(engine.out / "custom" / "sample_a.safetensors")
     assert read(result["hidden_states_path"]).num_tokens == 12
+
+
+def test_one_changed_byte_in_a_default_file_fails_verify_checksums(engine: Engine) -> None:
+    from hidden_state_reader.cli.main import main as cli
+
+    [result] = generate(engine, [prompt(20, 7)], params={"hidden_states_path": "crc/a.safetensors"})
+    path = Path(read(result["hidden_states_path"]).path)  # published (and its CRC verified)
+    assert cli(["verify", str(path.parent), "--checksums"]) == 0
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # one bit of hidden_states (the CRC32 is on by default)
+    path.write_bytes(bytes(data))
+    assert cli(["verify", str(path.parent), "--checksums"]) == 1
 
 
 def test_unusable_custom_directory_is_refused_with_hidden_states_error(engine: Engine) -> None:

@@ -33,13 +33,13 @@ from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.gather import Extractor
 from hidden_state_connector.engine.layout import CacheLayout
-from hidden_state_connector.engine.save_job import JobState, SaveJob
 from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
-from hidden_state_connector.engine.writer import WritePipeline
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.job import JobState, SaveJob
+from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_reader import HiddenStateReader, LoadOptions, load_sample, read_header
 from hidden_state_reader.format import (
     LockState,
@@ -489,15 +489,12 @@ def test_bad_storage_dtype_names_the_key(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def captured_states(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
+def captured_states(tiny_model_bf16: Path) -> torch.Tensor:
     """Hidden states of the suite's tiny Llama (HF transformers, bf16), layers LAYER_IDS."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
-
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_bf16, dtype=torch.bfloat16).eval()
     text = b"The quick brown fox jumps over the lazy dog; fp8 halves the bytes on disk."
     tokens = torch.tensor(list(text[: NUM_BLOCKS * BLOCK]))
     with torch.no_grad():

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from hidden_state_connector.cli.serve import resolve_layers
-from hidden_state_connector.server import default_layer_ids
+from hidden_state_connector.layers import default_layer_ids, resolve_layers
+from hidden_state_connector.server import ServeOptions
 from hidden_state_reader.cli.toolkit import CliError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -211,3 +211,47 @@ def test_extract_storage_dtype_flag_reaches_the_validated_connector_settings(
     settings = connector_settings(options.connector_config, str(tmp_path / "out"))
     assert settings["storage_dtype"] == "fp8_e4m3"
     assert "storage_dtype" not in _options(parser.parse_args(argv)).connector_config
+
+
+def test_no_checksum_flag_turns_the_default_crc32_off_in_serve_and_extract(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    from hidden_state_connector.cli.extract import _options, add_extract_arguments
+    from hidden_state_connector.engine.config import ConnectorConfig
+    from hidden_state_connector.offline.settings import connector_settings
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 8}))
+    out = tmp_path / "out"
+    proc = hidden_state("serve", str(model), "--out", str(out), "--dry-run", "--no-checksum")
+    assert proc.returncode == 0, proc.stderr
+    marker = "--kv-transfer-config "
+    start = proc.stdout.index(marker) + len(marker)
+    config = json.loads(shlex.split(proc.stdout[start:])[0])["kv_connector_extra_config"]
+    assert config["checksum"] is False
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"text": "one two three"}\n')
+    parser = argparse.ArgumentParser()
+    add_extract_arguments(parser)
+    argv = [str(model), "--input", str(data), "--out", str(out)]
+    checked = {}
+    for flags in ([], ["--no-checksum"]):
+        options = _options(parser.parse_args([*argv, *flags]))
+        settings = connector_settings(options.connector_config, str(out))
+        checked[tuple(flags)] = ConnectorConfig.from_extra_config(settings).checksum
+    assert checked == {(): True, ("--no-checksum",): False}  # on by default
+
+
+def test_serve_command_carries_both_configs() -> None:
+    cmd = ServeOptions(model="m", out_dir="/d", layer_ids=[2, 16, 29], port=9).command()
+    joined = " ".join(cmd)
+    assert "extract_hidden_states" in joined and '"HiddenStateConnector"' in joined
+    assert '"shared_storage_path": "/d"' in joined and cmd[:3] == ["vllm", "serve", "m"]
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "30"  # Ctrl-C drains, not aborts
+    assert default_layer_ids(32) == [2, 16, 29]
+    assert default_layer_ids(4) == [1, 2]
+
+

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.store_backend import transfer_params
+from hidden_state_connector.engine.write.store_backend import transfer_params
 from hidden_state_reader.store.url import parse_store_url
 
 

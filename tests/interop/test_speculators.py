@@ -34,7 +34,7 @@ from hidden_state_reader.sample.sample import Sample
 
 from procs import LockHolder
 from samples import make_tensors, write_samples
-from speculators_env import env, use_speculators
+from speculators_env import env, spec_packages, use_speculators
 
 CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
 LAYERS, HIDDEN = 4, 16  # 3 auxiliary layers + the verifier's last, as EAGLE-3 trains
@@ -396,6 +396,74 @@ def test_one_layer_or_mixed_shapes_are_skipped(spec: SimpleNamespace, hs_dir: Pa
     assert "x 32 BF16, but the export has 4 layers" in reasons["hs_3.safetensors"]
 
 
+# -- the verifier layer: the model's last ---------------------------------------------------
+
+
+def write_capture(root: Path, count: int, layer_ids: list[int], model_layers: int | None) -> None:
+    """``count`` samples of a capture at ``layer_ids`` (``model_layers``: None = older writer)."""
+    root.mkdir(exist_ok=True)
+    for i in range(count):
+        ids, hidden = make_tensors(i, 8, len(layer_ids), HIDDEN)
+        meta = sample_metadata(
+            layer_ids=layer_ids, model="tiny", num_hidden_layers=model_layers, num_prompt_tokens=4
+        )
+        write_sample(root / f"hs_{i}.safetensors", ids, hidden, metadata=meta)
+
+
+def test_a_capture_without_the_models_last_layer_is_refused_unless_allowed(
+    spec: SimpleNamespace, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    src, dst = tmp_path / "hs", tmp_path / "spec"
+    write_capture(src, 3, [1, 2], 4)  # a 4-layer model captured at layers 1 and 2
+    refused = call(capsys, "--format", "speculators", src, dst)
+    assert refused.returncode == 1
+    assert (
+        f"{src / 'hs_0.safetensors'}: captured layers [1, 2], but the model (tiny) has 4 "
+        "layers and its last layer, id 4, is missing: speculators reads the last captured "
+        "layer (2) as the verifier's last hidden state"
+    ) in refused.stderr
+    assert (
+        "Re-capture with layer 4 appended (hidden-state extract or serve with --layers "
+        "1,2,4, or --include-last), or pass --allow-missing-last-layer to export anyway"
+    ) in refused.stderr
+    assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hs"]
+    allowed = call(capsys, "--format", "speculators", src, dst, "--allow-missing-last-layer")
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stderr.count("warning:") == 1
+    assert "3 of 3 exported samples lack the model's last layer" in allowed.stderr
+    assert "reads layer 2 as the verifier's last hidden state (NOT the model's last layer 4)" in (
+        allowed.stdout
+    )
+    summary = json.loads((dst / "export.json").read_text())
+    assert summary["last_layer"] == {
+        "num_hidden_layers": 4, "present": 0, "missing": 3, "unchecked": 0,
+    }  # fmt: skip
+    assert summary["warnings"] == [allowed.stderr.split("warning: ", 1)[1].strip()]
+
+
+def test_a_capture_with_the_last_layer_exports_and_older_files_are_warned_about_once(
+    spec: SimpleNamespace, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    write_capture(tmp_path / "new", 2, [1, 2, 4], 4)
+    checked = call(capsys, "--format", "speculators", tmp_path / "new", tmp_path / "a")
+    assert checked.returncode == 0 and checked.stderr == ""
+    assert "reads layer 4 as the verifier's last hidden state (the model's last of 4 " in (
+        checked.stdout
+    )
+    write_capture(tmp_path / "old", 3, [1, 2], None)  # files that do not say: older writers
+    old = call(capsys, "--format", "speculators", tmp_path / "old", tmp_path / "b")
+    assert old.returncode == 0
+    assert old.stderr.count("warning:") == 1
+    assert (
+        "3 of 3 exported samples do not record the model's layer count (files of an older "
+        "writer or of vLLM's own connector): cannot check that their last layer (2) is the "
+        "model's last layer"
+    ) in old.stderr
+    result = export_speculators(tmp_path / "new", tmp_path / "c")  # the API says the same
+    assert result.warnings == []
+    assert (result.last_layer.present, result.last_layer.unchecked) == (2, 0)
+
+
 def test_help_has_an_example_and_start_up_imports_no_torch() -> None:
     code = (
         "import sys\nfrom hidden_state_reader.cli.main import main\n"
@@ -500,7 +568,7 @@ def test_training_doc_speculators_workflow_runs_as_written(
     for i in range(3):  # Llama-3.1-8B's layers: EAGLE-3's 2, 16, 29 and the last, 32
         ids, hidden = make_tensors(i, 12, LAYERS, HIDDEN)
         write_sample(src / f"hs_{i}.safetensors", ids, hidden, metadata=sample_metadata(
-            layer_ids=[2, 16, 29, 32], num_prompt_tokens=4))  # fmt: skip
+            layer_ids=[2, 16, 29, 32], num_hidden_layers=32, num_prompt_tokens=4))  # fmt: skip
     commands = shell_commands(bash.replace("/data/hs", str(src)).replace("/data/spec", str(dst)))
     assert [c[:2] for c in commands] == [
         ["hidden-state", "extract"],
@@ -512,11 +580,47 @@ def test_training_doc_speculators_workflow_runs_as_written(
     for argv in commands[:2]:  # real options of the real commands (not run: no model here)
         assert parser.parse_args(argv[1:]).include_last
     rc = cli_main.main(commands[2][1:])
-    out = capsys.readouterr().out
-    assert rc == 0 and "exported 3 samples" in out
+    out, err = capsys.readouterr()
+    assert rc == 0 and "exported 3 samples" in out and err == ""  # the last layer: checked
     train = commands[3]
     aux = train[train.index("--target-layer-ids") + 1 : train.index("--on-missing")]
     assert f"--target-layer-ids {' '.join(aux)}" in out  # what export told the user to pass
     cfg = TrainConfig.resolve(train[2:])  # speculators' own parsing of the command line
     assert cfg.data.data_path == str(dst) and cfg.speculator_type == "eagle3"
     exec(compile(python.replace("/data/spec", str(dst)), str(DOC), "exec"), {})
+
+
+def _pip_is_uv(bin_dir: Path) -> None:
+    """A ``pip`` on PATH that is ``uv pip`` for this interpreter, with the machine's pip
+    configuration (``tools/uv_flags.py``, as the Makefile): pip itself takes 30-40 s here
+    for these wheels, uv 4 s from the cache ``make install`` filled with the same list."""
+    uv = Path(sys.executable).with_name("uv")
+    assert uv.exists(), f"{uv} missing: run `make install`"
+    root = Path(__file__).resolve().parents[2]
+    flags = subprocess.run([sys.executable, str(root / "tools" / "uv_flags.py")],
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    extra = " ".join(shlex.quote(f) for f in ["--python", sys.executable, *flags])
+    pip = bin_dir / "pip"
+    pip.write_text(f'#!/bin/sh\nexec {shlex.quote(str(uv))} pip "$@" {extra}\n')
+    pip.chmod(0o755)
+
+
+def test_training_doc_speculators_install_runs_as_written(tmp_path: Path) -> None:
+    """The documented install keeps this venv's torch and gives a working `speculators`."""
+    [bash] = doc_blocks("How do I install speculators without replacing my torch?")["bash"]
+    install = shell_commands(bash)[0]
+    assert install[:5] == ["pip", "install", "--no-deps", "--target", "./speculators-0.9.0"]
+    assert install[5:] == spec_packages()  # the Makefile's list: one route, tested by all
+    bin_dir, work = tmp_path / "bin", tmp_path / "work"
+    bin_dir.mkdir()
+    work.mkdir()
+    _pip_is_uv(bin_dir)
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", bash], cwd=work, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PATH": path})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{torch.__version__} 0.9.0" in proc.stdout.splitlines()  # this venv's torch
+    assert "--data-path" in proc.stdout and "--speculator-type" in proc.stdout  # train --help
+    target = work / "speculators-0.9.0"
+    assert (target / "speculators").is_dir()
+    assert not [p.name for p in target.iterdir() if p.name.startswith(("torch", "nvidia"))]

@@ -13,10 +13,10 @@ from store_cluster import MASTER, StoreCluster, finish, needs_store
 pytestmark = [needs_store, pytest.mark.vllm]  # skipped without vLLM (tests/conftest.py)
 
 
-def test_round_trip_through_the_connector(cluster: StoreCluster, tmp_path: Path) -> None:
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
-
-    model = build_tiny_model(tmp_path / "tiny", dtype="float32")
+def test_round_trip_through_the_connector(
+    cluster: StoreCluster, tmp_path: Path, tiny_model_fp32: Path
+) -> None:
+    model = tiny_model_fp32
     # The engine runs in the store's namespace; it hosts no store memory.
     proc = cluster.net.popen([sys.executable, "-m", "tools.store_vllm", str(model), MASTER, "vllm"],
                              stdout=subprocess.PIPE)  # fmt: skip

@@ -33,14 +33,6 @@ def figures(request: pytest.FixtureRequest, long_run: bool) -> Figures:
     return Figures(module, request.node.name, long_run)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's 4-layer random Llama in bfloat16 (hidden size 128)."""
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
-
-
 @pytest.fixture
 def start_server() -> Iterator[Any]:
     """Start ``VllmServer``s that are always stopped (or already killed) at teardown."""

@@ -64,12 +64,13 @@ def small_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def full_server(
-    tiny_model: Path, small_disk: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_bf16: Path, small_disk: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
     from hidden_state_connector.server import VllmServer
 
     log = tmp_path_factory.mktemp("full-log") / "server.log"
-    server = VllmServer(serve_options(tiny_model, small_disk), log_file=log, env=IN_PROCESS_ENGINE)
+    options = serve_options(tiny_model_bf16, small_disk)
+    server = VllmServer(options, log_file=log, env=IN_PROCESS_ENGINE)
     server.start()
     try:
         yield server

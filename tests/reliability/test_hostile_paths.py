@@ -31,7 +31,7 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def hostile(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def hostile(tiny_model_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from hidden_state_connector.server import VllmServer
 
     base = tmp_path_factory.mktemp("hostile")
@@ -41,7 +41,7 @@ def hostile(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     os.symlink(outside, root / "escape")
     os.symlink(outside / "target.safetensors", root / "link.safetensors")
     server = VllmServer(
-        serve_options(tiny_model, root, allow_custom_save_path=True),
+        serve_options(tiny_model_bf16, root, allow_custom_save_path=True),
         log_file=base / "server.log",
         env=IN_PROCESS_ENGINE,
     )

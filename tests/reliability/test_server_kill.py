@@ -121,11 +121,11 @@ class Follower:
 
 
 def test_server_killed_mid_load(
-    tiny_model: Path, tmp_path: Path, start_server: Any, figures: Figures
+    tiny_model_bf16: Path, tmp_path: Path, start_server: Any, figures: Figures
 ) -> None:
     out = tmp_path / "hs"
     shm_before = vllm_shm_segments()
-    server = start_server(serve_options(tiny_model, out), tmp_path / "server.log")
+    server = start_server(serve_options(tiny_model_bf16, out), tmp_path / "server.log")
     rng = random.Random(7)
 
     follower = Follower(out)

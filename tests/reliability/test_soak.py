@@ -66,13 +66,13 @@ RSS_PER_REQUEST_BOUND = 128 * 1024
 
 
 @pytest.fixture(scope="module")
-def soak_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def soak_server(tiny_model_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from hidden_state_connector.server import VllmServer
 
     base = tmp_path_factory.mktemp("soak")
     # A small KV cache: the engine touches all of its pages (RSS grows until it has) in
     # the warm-up, not during the measured part of the run.
-    options = serve_options(tiny_model, base / "hs", kv_cache_bytes=KV_CACHE_BYTES)
+    options = serve_options(tiny_model_bf16, base / "hs", kv_cache_bytes=KV_CACHE_BYTES)
     server = VllmServer(options, log_file=base / "server.log", env=IN_PROCESS_ENGINE)
     server.start()
     try:

@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from hidden_state_reader.format.store_keys import CommitRecord, data_key
 from hidden_state_reader.store.client import StoreClient, StoreSettings
@@ -88,15 +89,22 @@ def read_once(args: argparse.Namespace) -> None:
         kwargs["names"] = args.names.split(",")
     reader = HiddenStateReader(args.url, **kwargs)
     names, wrong, error = [], [], None
+    kept = []  # every sample, checked again at the end: no later read may overwrite one
+
+    def check(name: str, sample: Any) -> None:
+        held = name.startswith("held-")  # copies of --hold's file
+        expected = load_sample(Path(args.hold) if held else Path(args.files) / name)
+        if not (sample.token_ids.equal(expected.token_ids)
+                and sample.hidden_states.equal(expected.hidden_states)):  # fmt: skip
+            wrong.append(name)
+
     try:
         for sample in reader:
             name = sample.path.rsplit("/", 1)[1]
             names.append(name)
-            held = name.startswith("held-")  # copies of --hold's file
-            expected = load_sample(Path(args.hold) if held else Path(args.files) / name)
-            if not (sample.token_ids.equal(expected.token_ids)
-                    and sample.hidden_states.equal(expected.hidden_states)):  # fmt: skip
-                wrong.append(name)
+            check(name, sample)
+            if not name.startswith("held-"):
+                kept.append((name, sample))
             if args.announce or args.hold_first:
                 print(json.dumps({"got": name}), flush=True)
             if args.hold_first:  # dies in its first training step: the test kills it
@@ -105,7 +113,10 @@ def read_once(args: argparse.Namespace) -> None:
                 time.sleep(args.slow)  # stands for a training step
     except SampleError as exc:
         error = {"type": type(exc).__name__, "message": str(exc)}
-    out = {"names": names, "wrong": wrong, "stats": reader.stats.as_dict(), "error": error}
+    for name, sample in kept:
+        check(name, sample)
+    out = {"names": names, "wrong": sorted(set(wrong)), "stats": reader.stats.as_dict(),
+           "error": error}  # fmt: skip
     print(json.dumps(out), flush=True)
 
 

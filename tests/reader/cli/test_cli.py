@@ -77,7 +77,7 @@ ZOO_TEMPS = {
 def build_zoo(root: Path, holder: LockHolder) -> Path:
     """A directory with one file of every kind (see ZOO_STATES / ZOO_TEMPS)."""
     root.mkdir(exist_ok=True)
-    write_samples(root, 3, tokens=[4, 8, 12], layer_ids=[5, 10, 15])
+    write_samples(root, 3, tokens=[4, 8, 12], layer_ids=[5, 10, 15], checksum=False)  # no CRC32
     write_vllm_style(root / "vllm_0.safetensors", 0)
     token_ids, hidden = make_tensors(7)
     write_sample(root / "crc_ok.safetensors", token_ids, hidden, checksum=True)
@@ -184,7 +184,9 @@ def test_ls(zoo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     proc = run("ls", zoo, "--all")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "TOKENS", "LAYERS", "HIDDEN", "DTYPE", "SIZE", "STATE"]
+    assert lines[0].split() == [
+        "NAME", "TOKENS", "LAYERS", "HIDDEN", "DTYPE", "FILE", "BYTES", "STATE"
+    ]  # fmt: skip
     rows = ls_rows(proc.stdout)
     assert {name: cells[-1] for name, cells in rows.items()} == {**ZOO_STATES, **ZOO_TEMPS}
     assert rows["hs_2.safetensors"][1:5] == ["12", "3", "16", "BF16"]
@@ -202,7 +204,7 @@ def test_ls(zoo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     entries = json.loads(out)
     assert {e["name"]: e["state"] for e in entries} == ZOO_STATES  # no temps without --all
     hs0 = next(e for e in entries if e["name"] == "hs_0.safetensors")
-    assert hs0["tokens"] == 4 and hs0["size"] == (zoo / "hs_0.safetensors").stat().st_size
+    assert hs0["tokens"] == 4 and hs0["file_bytes"] == (zoo / "hs_0.safetensors").stat().st_size
 
 
 def test_stats(zoo: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,11 +214,11 @@ def test_stats(zoo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ready = [n for n, s in ZOO_STATES.items() if s == "ready"]
     assert stats["count"] == len(ready) == 6
     assert stats["total_tokens"] == 4 + 8 + 12 + 8 * 3
-    assert stats["total_bytes"] == sum((zoo / n).stat().st_size for n in ready)
+    assert stats["file_bytes"] == sum((zoo / n).stat().st_size for n in ready)
     assert (stats["min_tokens"], stats["max_tokens"], stats["mean_tokens"]) == (4, 12, 8.0)
     assert stats["layers"] == {"3": 6} and stats["hidden"] == {"16": 6}
     assert stats["dtypes"] == {"BF16": 6}
-    assert stats["bytes_per_token"] == round(stats["total_bytes"] / stats["total_tokens"], 2)
+    assert stats["file_bytes_per_token"] == round(stats["file_bytes"] / stats["total_tokens"], 2)
     assert stats["states"] == {
         "ready": 6,
         "pending": 1,
@@ -228,7 +230,9 @@ def test_stats(zoo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert stats["temp_files"] == {"pending": 2, "orphan_temp": 1}
 
     text = call(capsys, "stats", zoo)[1]
-    assert "ready samples:   6" in text and "total tokens:    48" in text
+    words = " ".join(text.split())
+    assert "ready samples: 6" in words and "total tokens: 48" in words
+    assert f"file bytes: {format_bytes(stats['file_bytes'])}" in words
     assert "min 4  mean 8  median 8  max 12" in text
 
 
@@ -255,8 +259,8 @@ def test_verify_reports_each_problem(zoo: Path) -> None:
     assert "writer reported failure: CUDA out of memory" in proc.stdout
     assert "checked 15 samples" in proc.stdout
     assert proc.stdout.endswith(
-        f"{len(expected)} problems found (`hidden-state clean {zoo}` removes the 3 "
-        "stale/failed lock(s) and orphan temp file(s); data files it never removes)\n"
+        f"{len(expected)} problems found (`hidden-state clean {zoo}` removes the 2 "
+        "stale/failed locks and the 1 orphan temp file; the 6 data files it never removes)\n"
     )
 
 
@@ -339,26 +343,34 @@ def test_inspect_problems(zoo: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert rc == 1
     assert "verify:      FAILED: CRC32 mismatch" in out
 
+    # Not a valid sample: shown as far as it can be read, exit status 1 (a data problem).
     proc = run("inspect", zoo / "garbage.safetensors")
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith(f"hidden-state: error: {zoo / 'garbage.safetensors'}: corrupt:")
-    assert len(proc.stderr.splitlines()) == 1
+    assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+    assert "state:      corrupt: header length" in proc.stdout
+    assert "header: unreadable" in proc.stdout
     no_traceback(proc)
 
     cases = {
         "truncated.safetensors": "incomplete: truncated",
         "empty.safetensors": "incomplete: empty file",
         "wrong_dtype.safetensors": "corrupt: hidden_states has dtype I64",
-        "nope.safetensors": "no such file",
     }
     # Only its lock exists: shown from the lock (the lock's own name works too).
     for name in ("held.safetensors", "held.safetensors.lock"):
         rc, out, _ = call(capsys, "inspect", zoo / name)
         assert rc == 0 and "pending: writer holds the lock" in out
     for name, words in cases.items():
-        assert cli_main.main(["inspect", str(zoo / name)]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"hidden-state: error: {zoo / name}: {words}"), err
+        rc, out, err = call(capsys, "inspect", zoo / name)
+        assert rc == 1 and err == "", err
+        assert f"state:      {words}" in out, out
+    rc, out, _ = call(capsys, "inspect", zoo / "truncated.safetensors", "--json")
+    info = json.loads(out)
+    assert rc == 1 and info["state"] == "incomplete"
+    assert info["file_bytes"] == (zoo / "truncated.safetensors").stat().st_size
+    assert set(info["header_as_written"]["tensors"]) == {"token_ids", "hidden_states"}
+    # Bad usage stays exit status 2.
+    assert cli_main.main(["inspect", str(zoo / "nope.safetensors")]) == 2
+    assert "no such file" in capsys.readouterr().err
     assert cli_main.main(["inspect", str(zoo)]) == 2
     assert "is a directory" in capsys.readouterr().err
 
@@ -388,8 +400,10 @@ def test_clean(tmp_path: Path, holder: LockHolder, capsys: pytest.CaptureFixture
             "garbage.safetensors",
             "truncated.safetensors",
         } <= kept
+        nbytes = (root / "stale.safetensors.lock").stat().st_size + 100  # + the temp file
         assert out.splitlines()[-1] == (
-            f"would remove 2 files (100 B) in {root}; {len(kept)} kept (see DETAIL)"
+            f"would remove 2 files ({format_bytes(nbytes)}) in {root}; {len(kept)} kept "
+            "(see DETAIL)"
         )
 
         proc = run("clean", root)

@@ -61,9 +61,12 @@ def test_mask_is_a_view_and_ignores_layer_and_dtype_options(hs_dir: Path) -> Non
     assert sample.hidden_states.shape == (tokens, 1, 8)
     assert sample.hidden_states.dtype == torch.float32
     assert sample.loss_mask is not None and sample.loss_mask.tolist() == mask
+    header = read_header(path)
+    assert header.loss_mask is not None
+    # Both are views of the one mapped file, at the header's offsets (no copy).
     assert (
-        sample.loss_mask.untyped_storage().data_ptr()
-        == sample.token_ids.untyped_storage().data_ptr()
+        sample.loss_mask.data_ptr() - sample.token_ids.data_ptr()
+        == header.loss_mask.begin - header.tokens.begin
     )
     copied = load_sample(path, LoadOptions(mmap=False))
     assert copied.loss_mask is not None and torch.equal(copied.loss_mask, sample.loss_mask)

@@ -175,3 +175,34 @@ def test_a_writer_stuck_past_lock_timeout_does_not_keep_the_reader_alive(
         proc.kill()
         proc.wait()
         reader.close()
+
+
+def test_without_inotify_follow_polls_and_inotify_mode_says_why(
+    hs_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a system without inotify (macOS, BSD) the reader polls with its own poller."""
+    import ctypes
+
+    from hidden_state_reader.read import inotify, sources
+
+    class NoInotifyLibc:  # fault injection: this Linux libc has the symbol
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    monkeypatch.setattr(inotify.ctypes, "CDLL", NoInotifyLibc)
+    monkeypatch.setattr(inotify.Inotify, "_fd", None)  # as in a process not watching yet
+    assert ctypes.CDLL is NoInotifyLibc
+    with pytest.raises(OSError, match="inotify is not available"):
+        sources.FollowSource(str(hs_dir), watch="inotify")
+    write_samples(hs_dir, 2)
+    with caplog.at_level("WARNING"):
+        source = sources.FollowSource(str(hs_dir), watch="auto", poll_interval=0.1)
+    try:
+        assert not source.watching
+        assert "polling every 0.1s" in caplog.text
+        assert {source.next(timeout=1), source.next(timeout=1)} == {
+            "hs_0.safetensors",
+            "hs_1.safetensors",
+        }
+    finally:
+        source.close()

@@ -9,12 +9,11 @@ After ``pip install hidden-state-connector`` vLLM finds the connector by name::
       --kv-transfer-config '{"kv_connector": "HiddenStateConnector", "kv_role": "kv_producer",
                              "kv_connector_extra_config": {"shared_storage_path": "/data/hs"}}'
 
-The vLLM-facing class is importable as ``hidden_state_connector.connector``
-(``CONNECTOR_MODULE``, the path users give as ``kv_connector_module_path``), a stable
-re-export of ``hidden_state_connector.engine.connector``. Everything that runs inside
-vLLM lives in ``hidden_state_connector.engine``; launchers and clients (``server``,
-``client``, ``cli``, ``demo``, ``offline``) beside it. Neither is imported here, so this
-package can be imported without vLLM.
+The vLLM-facing class lives in ``hidden_state_connector.connector`` (``CONNECTOR_MODULE``,
+the path users give as ``kv_connector_module_path``); the parts behind it that run inside
+vLLM in ``hidden_state_connector.engine``; launchers and clients (``server``, ``layers``,
+``client``, ``cli``, ``demo``, ``offline``, ``tiny_model``) beside them. None is imported
+here, so this package can be imported without vLLM.
 """
 
 __version__ = "0.1.0"

@@ -1,11 +1,249 @@
-"""Stable import path of the vLLM-facing class: ``hidden_state_connector.connector``.
+"""``HiddenStateConnector``: the class vLLM instantiates, once per role.
 
-Users configure ``kv_connector_module_path="hidden_state_connector.connector"`` and the
-plugin registers this path (``CONNECTOR_MODULE``), so it stays importable although the
-class now lives in ``hidden_state_connector.engine.connector``. This module only
-re-exports it; importing it imports vLLM.
+A thin adapter: vLLM's KV-connector interface on one side, ``SchedulerSide`` and
+``WorkerSide`` (``hidden_state_connector.engine``) on the other. Store-only; use with the
+``extract_hidden_states`` speculative method. This module's path is
+``CONNECTOR_MODULE``, the one the plugin registers and users pass as
+``kv_connector_module_path``; importing it imports vLLM.
 """
 
-from hidden_state_connector.engine.connector import HiddenStateConnector, refuse_sleep_mode
+from __future__ import annotations
 
-__all__ = ["HiddenStateConnector", "refuse_sleep_mode"]
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+# The connector API; its module path is the one vLLM 0.26-0.33 share. This module and
+# ``engine.metrics`` are the only modules run in the engine that need vLLM importable.
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata
+from hidden_state_connector.engine.scheduler_side import SchedulerSide
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.storage_check import check_storage_root
+from hidden_state_connector.engine.worker_side import WorkerSide
+from hidden_state_connector.logs import get_logger
+
+if TYPE_CHECKING:
+    from hidden_state_connector.engine.metrics import HiddenStateConnectorStats
+
+log = get_logger(__name__)
+
+
+class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
+    """Writes each request's captured hidden states to ``NAME.safetensors``.
+
+    Configure through ``kv_connector_extra_config`` (see ``ConnectorConfig``). Clients get
+    the file path in ``kv_transfer_params["hidden_states_path"]`` and can sleep on
+    ``LOCK_SH`` of ``path + ".lock"`` until it is complete.
+    """
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        compat.check_vllm_version()
+        # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
+        # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
+        KVConnectorMetadata.register(HiddenStateConnectorMetadata)
+        self.config = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        refuse_sleep_mode(vllm_config)
+        files = self.config.storage_backend == "files"
+        if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
+            # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
+            check_storage_root(self.config.shared_storage_path)
+        group = compat.hidden_state_group(kv_cache_config)
+        block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
+        self._group = group
+        configured = compat.configured_layer_ids(vllm_config)
+        captured = compat.captured_layer_ids(configured)
+        self._stats = WriteStats(self.config.stats_interval)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if captured != configured:
+                log.warning(
+                    "eagle_aux_hidden_state_layer_ids %s are captured in the order %s; files "
+                    "record that order in their layer_ids metadata",
+                    configured,
+                    captured,
+                )
+            if 0 in captured and torch.cuda.is_available():
+                log.warning(
+                    "layer id 0 (embeddings) is unreliable on CUDA: vLLM's fused add-RMSNorm "
+                    "updates the captured tensor in place (seen with vLLM 0.26 on an H200). "
+                    "Capture layers >= 1."
+                )
+            self._scheduler = SchedulerSide(
+                self.config, vllm_config, block_size, group, self._stats
+            )
+        else:
+            self._worker = WorkerSide(self.config, vllm_config, block_size, captured, self._stats)
+
+    # -- shared -----------------------------------------------------------------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """Sleep mode is declined (vLLM >= 0.33 asks; older releases never do).
+
+        Sleeping discards the KV cache, and with it the hidden states of finished
+        requests whose blocks the connector still holds while their copies are in
+        flight. vLLM 0.33 then refuses to start with ``enable_sleep_mode``
+        ("HiddenStateConnector does not support sleep mode."); on older releases
+        ``__init__`` refuses it itself.
+        """
+        return False
+
+    def get_finished_count(self) -> int:
+        """Only TP rank 0 reports; one report per request frees its blocks."""
+        return 1
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """No requirement: the cache layout is probed at start-up, whatever it is."""
+        return None
+
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """Keep the hidden-state cache separate from the model's KV cache (vLLM 0.26)."""
+        return False
+
+    # -- worker side ------------------------------------------------------------------
+
+    def unregister_kv_caches(self) -> None:
+        """Never called: sleep mode is declined (``supports_sleep_mode``)."""
+        raise RuntimeError("HiddenStateConnector does not support sleep mode")
+
+    def restore_kv_caches(self) -> None:
+        """Never called: sleep mode is declined (``supports_sleep_mode``)."""
+        raise RuntimeError("HiddenStateConnector does not support sleep mode")
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Locate the hidden-state cache and start the write pipeline."""
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward pass: finish copying blocks vLLM freed by preemption.
+
+        vLLM 0.26-0.33 call this before every forward pass, before binding the step's
+        metadata (``start_load_kv`` runs after the forward pass since 0.32).
+        """
+        if self._worker is not None and isinstance(
+            kv_connector_metadata, HiddenStateConnectorMetadata
+        ):
+            self._worker.before_forward(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Store-only: nothing to load."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Store-only: nothing to load."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: the cache-only layer already stored the hidden states."""
+
+    def _metadata(self) -> HiddenStateConnectorMetadata | None:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta if isinstance(meta, HiddenStateConnectorMetadata) else None
+
+    def wait_for_save(self) -> None:
+        """After the step's forward pass: create new locks, start this step's saves.
+
+        vLLM calls this after the drafter stored the step's hidden states, and before
+        the client can learn any new name.
+        """
+        meta = self._metadata()
+        if self._worker is not None and meta is not None:
+            self._worker.after_forward(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Start saves of finished requests; report those whose blocks may be freed."""
+        if self._worker is None:
+            return None, None
+        return self._worker.get_finished(self._metadata(), finished_req_ids)
+
+    def shutdown(self) -> None:
+        """Drain queued writes (bounded by ``shutdown_timeout``) and release every lock."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def get_kv_connector_stats(self) -> HiddenStateConnectorStats | None:
+        """Counters since the last call, for vLLM's metrics logging."""
+        from hidden_state_connector.engine.metrics import HiddenStateConnectorStats
+
+        data = self._stats.take_interval()
+        return HiddenStateConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> HiddenStateConnectorStats | None:
+        """Rebuild stats sent from workers."""
+        from hidden_state_connector.engine.metrics import HiddenStateConnectorStats
+
+        return HiddenStateConnectorStats(data=dict(data or {}))
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Store-only: never provides tokens."""
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Store-only: nothing to track."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """Tell the worker which locks to create and which samples to save."""
+        assert self._scheduler is not None
+        return self._scheduler.build_metadata(scheduler_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Queue the save of a finished request and return its path to the client."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Hybrid-allocator variant: pick the hidden-state group's blocks."""
+        if not 0 <= self._group < len(block_ids):
+            return self.request_finished(request, [])
+        return self.request_finished(request, block_ids[self._group])
+
+
+def refuse_sleep_mode(vllm_config: Any) -> None:
+    """Fail start-up when the engine has sleep mode enabled (on every vLLM release).
+
+    vLLM >= 0.33 already refuses the combination (``supports_sleep_mode`` is False);
+    0.26 - 0.32 would discard the KV cache under samples still being copied out.
+
+    Raises:
+        ValueError: ``enable_sleep_mode`` is set.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enable_sleep_mode", False):
+        raise ValueError(
+            "HiddenStateConnector does not support sleep mode: sleeping discards the KV "
+            "cache that holds hidden states still being written. Start vLLM without "
+            "enable_sleep_mode (--enable-sleep-mode)."
+        )

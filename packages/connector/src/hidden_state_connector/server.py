@@ -25,12 +25,6 @@ from typing import IO, Any
 from hidden_state_connector import CONNECTOR_NAME
 
 
-def default_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's choice of layers: low, middle and high (speculators' default)."""
-    n = num_hidden_layers
-    return sorted({min(2, n - 1), n // 2, max(n - 3, 0)})
-
-
 def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
     """The ``speculative_config`` that makes vLLM capture these layers."""
     return {

@@ -41,7 +41,10 @@ class LoadOptions:
             metadata).
         dtype: Convert hidden states to this dtype.
         pin_memory: Read into page-locked memory (faster host-to-GPU copies).
-        verify_checksum: Check the writer's CRC32 when the file has one.
+        verify_checksum: Check the writer's CRC32 when the file has one (our writers
+            record one by default). Off by default: it is a second pass over every byte
+            (docs/reader.md, "Integrity"); ``hidden-state verify --checksums`` checks a
+            whole directory on demand.
         mmap: Map files of 1 MiB (``MMAP_MIN_BYTES``) or more instead of copying them
             (faster; the tensors stay valid after the file is deleted). Turn off if your
             writer rewrites published files in place.
@@ -50,6 +53,10 @@ class LoadOptions:
             dequantize on the GPU with ``hidden_state_reader.format.fp8.dequantize``.
             ``dtype`` then applies to other files only. By default fp8 files are
             dequantized to ``dtype``, else to the ``model_dtype`` the writer recorded.
+        device: Put the sample's tensors on this torch device (``"cuda"``,
+            ``"cuda:1"``, ...) as stored, then convert there: fp8 files cross to the
+            device as fp8 plus scales (half the bytes of bf16; pinned staging for CUDA)
+            and are dequantized on it. None (the default): the CPU.
     """
 
     layers: Sequence[int] | None = None
@@ -59,10 +66,15 @@ class LoadOptions:
     verify_checksum: bool = False
     mmap: bool = True
     raw_fp8: bool = False
+    device: str | torch.device | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None and self.layer_ids is not None:
             raise ValueError("pass either layers (positions) or layer_ids, not both")
+        if self.device is not None:
+            from hidden_state_reader.sample.placement import check_device
+
+            check_device(self.device)
 
 
 @dataclass(frozen=True)

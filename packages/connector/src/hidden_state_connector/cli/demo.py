@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hidden_state_connector.cli.serve import parse_layers
+from hidden_state_connector.layers import parse_layers
 from hidden_state_reader.cli.toolkit import positive_float, positive_int
 
 DESCRIPTION = """\

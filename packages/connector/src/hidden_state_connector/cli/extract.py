@@ -13,12 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from hidden_state_connector.cli.serve import (
-    add_arguments,
-    add_storage_argument,
-    resolve_layers,
-    with_storage,
-)
+from hidden_state_connector.cli.serve import add_arguments, add_storage_argument, with_storage
+from hidden_state_connector.layers import resolve_layers
 from hidden_state_reader.cli.toolkit import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -51,10 +47,17 @@ Prompts are tokenized here with the model's tokenizer; empty or invalid records 
 prompts longer than max_model_len - 1 are recorded as failed without being sent. The
 loss mask is stored in each file (Sample.loss_mask; generated tokens count 1).
 
+Each file records the model, its layer count, revision and dtype, the vLLM version and a
+CRC32 of its tensor bytes (--no-checksum: none), so `hidden-state verify DIR --checksums`
+detects a changed byte and `hidden-state export` can check the captured layers.
+
 Resumable: DIR/manifest.jsonl gets one line per sample once its file is final and
 verified. Rerun the same command after a crash or a kill and it continues where it
 stopped (files written but not yet recorded are verified, never trusted blindly);
 a finished run prints "nothing to do" without starting vLLM.
+
+Output: progress lines and vLLM's logs on stderr (set VLLM_LOGGING_STREAM to change where
+vLLM logs); the summary, last, on stdout.
 
 Exit status: 0 all samples ok, 1 some samples failed (listed at the end) or vLLM failed,
 2 bad usage (missing input, bad JSON in --engine-args/--connector-config, ...).
@@ -75,6 +78,9 @@ examples:
   # regenerate responses: keep prompt + 255 generated tokens per sample
   hidden-state extract ./my-model --input prompts.jsonl --out /data/hs \\
       --max-tokens 256 --include-output-tokens
+
+  # no CRC32 in the files (default: one per file, computed as it is written)
+  hidden-state extract ./my-model --input data.jsonl --out /data/hs --no-checksum
 
   # a Hugging Face dataset folder, two GPUs, durable files
   hidden-state extract ./my-model --input ./sharegpt_ds --split train --out /data/hs \\
@@ -210,6 +216,7 @@ def run(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     from hidden_state_connector.offline.errors import UsageError
 
     err = stream or sys.stderr
+    _vllm_logs_to_stderr()
     try:
         options = _options(args)
         from hidden_state_connector.offline.extract import run_extract
@@ -238,6 +245,23 @@ def run(args: argparse.Namespace, stream: TextIO | None = None) -> int:
     return EXIT_FAILED if result.failures else EXIT_OK
 
 
+def _vllm_logs_to_stderr() -> None:
+    """Send vLLM's logs to stderr (its default is stdout), where the progress lines go.
+
+    stdout is for the summary, which must be the last thing there. The variable reaches
+    vLLM's engine processes too; a user who set ``VLLM_LOGGING_STREAM`` keeps it. If vLLM
+    was already imported in this process, its handlers are moved as well.
+    """
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if os.environ["VLLM_LOGGING_STREAM"] != "ext://sys.stderr" or "vllm" not in sys.modules:
+        return
+    import logging
+
+    for handler in logging.getLogger("vllm").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
 def _options(args: argparse.Namespace) -> Any:
     from hidden_state_connector.offline.errors import UsageError
     from hidden_state_connector.offline.extract import ExtractOptions
@@ -246,7 +270,9 @@ def _options(args: argparse.Namespace) -> Any:
         raise UsageError(f"--input {args.input}: no such file or directory")
     engine_args = parse_json_object("--engine-args", args.engine_args)
     connector_config = with_storage(
-        parse_json_object("--connector-config", args.connector_config), args.storage_dtype
+        parse_json_object("--connector-config", args.connector_config),
+        args.storage_dtype,
+        checksum=args.checksum,
     )
     layers = resolve_layers(args.model, args.layers, args.include_last)
     return ExtractOptions(

@@ -6,11 +6,11 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from hidden_state_connector.server import ServeOptions, default_layer_ids, server_argv
-from hidden_state_reader.cli.toolkit import CliError, add_command
+from hidden_state_connector.layers import parse_layers, resolve_layers
+from hidden_state_connector.server import ServeOptions, server_argv
+from hidden_state_reader.cli.toolkit import add_command
 from hidden_state_reader.format.fp8 import STORAGE_DTYPES
 
 EXAMPLES = """\
@@ -20,134 +20,6 @@ hidden-state serve ./my-model --out /data/hs --layers 2,16,29 --include-last \\
 hidden-state serve ./my-model --out /data/hs --dry-run     # print the vllm command only
 hidden-state serve ./my-model --out /data/hs --storage-dtype fp8_e4m3  # half the disk of bf16
 """
-
-
-def parse_layers(text: str) -> list[int]:
-    """``"2,16,29"`` -> ``[2, 16, 29]``."""
-    try:
-        layers = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--layers takes integers like 2,16,29, got {text!r}"
-        ) from None
-    if not layers or any(x < 0 for x in layers):
-        raise argparse.ArgumentTypeError(f"--layers needs non-negative layer ids, got {text!r}")
-    return layers
-
-
-def _layers_in_config(doc: dict[str, Any]) -> int | None:
-    """``num_hidden_layers`` of a ``config.json``, or of its ``text_config`` (multimodal)."""
-    text_config = doc.get("text_config") or {}
-    value = doc.get("num_hidden_layers") or text_config.get("num_hidden_layers")
-    return int(value) if value else None
-
-
-def hub_config_path(model: str) -> str:
-    """The local path of a Hugging Face hub model's ``config.json``.
-
-    Looks in the Hugging Face cache first (``HF_HOME`` / ``HF_HUB_CACHE``, as vLLM
-    does), then, unless ``HF_HUB_OFFLINE`` is set, downloads just that one small file.
-
-    Args:
-        model: A hub id such as ``meta-llama/Llama-3.1-8B-Instruct``.
-
-    Returns:
-        The path of the cached ``config.json``.
-
-    Raises:
-        CliError: ``model`` is not a valid hub id, or its config is neither cached nor
-            downloadable (offline, no network, gated, unknown id).
-    """
-    hint = "pass --layers (e.g. --layers 2,16,29) or a local model directory"
-    try:
-        # Imported here: huggingface_hub comes with vLLM and costs start-up time.
-        from huggingface_hub import (
-            constants,
-            get_hf_file_metadata,
-            hf_hub_download,
-            hf_hub_url,
-            try_to_load_from_cache,
-        )
-        from huggingface_hub.errors import HFValidationError
-    except ImportError:
-        raise CliError(
-            f"{model}: not a local directory, and huggingface_hub is not installed to "
-            f"look it up on the Hugging Face hub; {hint}"
-        ) from None
-    try:
-        cached = try_to_load_from_cache(model, "config.json")
-    except HFValidationError:
-        raise CliError(f"{model}: no such model directory (nor a Hugging Face model id)") from None
-    if isinstance(cached, str):
-        return cached
-    if constants.HF_HUB_OFFLINE:
-        raise CliError(
-            f"{model}: config.json is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-            f"and HF_HUB_OFFLINE is set; {hint}"
-        )
-    try:
-        # One HEAD without retries first: hf_hub_download retries a dead network for
-        # ~25 s with a warning per attempt; this fails at once with the real reason.
-        get_hf_file_metadata(hf_hub_url(model, "config.json"), timeout=10)
-        return str(hf_hub_download(model, "config.json"))
-    except Exception as exc:  # network, auth (gated models), unknown id: all the same advice
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CliError(
-            f"{model}: cannot get config.json from the Hugging Face hub ({reason}); {hint}"
-        ) from None
-
-
-def num_hidden_layers(model: str) -> int | None:
-    """``num_hidden_layers`` of a model directory or Hugging Face hub id (None if unknown).
-
-    A local directory's ``config.json`` is read directly; anything else is taken as a
-    hub id and resolved through the Hugging Face cache (see ``hub_config_path``).
-
-    Raises:
-        CliError: A hub id whose config cannot be found, or an unreadable config.
-    """
-    if os.path.isdir(model):
-        config = Path(model) / "config.json"
-        if not config.is_file():
-            return None
-    else:
-        config = Path(hub_config_path(model))
-    try:
-        doc: dict[str, Any] = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise CliError(f"{model}: cannot read {config}: {exc}; pass --layers") from None
-    return _layers_in_config(doc) if isinstance(doc, dict) else None
-
-
-def resolve_layers(model: str, layers: list[int] | None, include_last: bool) -> list[int]:
-    """The layers to capture: explicit, or EAGLE-3's low/middle/high default.
-
-    Args:
-        model: A model directory or Hugging Face hub id.
-        layers: Explicit layer ids (``--layers``), or None for EAGLE-3's default.
-        include_last: Also capture the last layer (``num_hidden_layers``, pre-norm).
-
-    Returns:
-        The sorted layer ids.
-
-    Raises:
-        CliError: The default cannot be computed (no config found and no --layers), or
-            a layer id is out of range.
-    """
-    # Explicit layers need no config for a hub id (nothing to look up, nothing to download).
-    need_config = layers is None or include_last or os.path.isdir(model)
-    n = num_hidden_layers(model) if need_config else None
-    if layers is None:
-        if n is None:
-            raise CliError(f"{model}: no num_hidden_layers in config.json; pass --layers")
-        layers = default_layer_ids(n)
-    if include_last:
-        if n is None:
-            raise CliError(f"{model}: --include-last needs num_hidden_layers in config.json")
-        layers = sorted(set(layers) | {n})
-    if n is not None and any(x > n for x in layers):
-        raise CliError(f"--layers: layer ids must be <= {n} (num_hidden_layers), got {layers}")
-    return layers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_storage_argument(parser: argparse.ArgumentParser) -> None:
-    """``--storage-dtype``: the connector's ``storage_dtype`` key (serve and extract)."""
+    """``--storage-dtype`` and ``--no-checksum``: how files are stored (serve and extract)."""
     parser.add_argument(
         "--storage-dtype",
         choices=STORAGE_DTYPES,
@@ -173,11 +45,29 @@ def add_storage_argument(parser: argparse.ArgumentParser) -> None:
         "(float8 with per-token, per-layer scales: about half the bytes of bf16; readers "
         "dequantize); sets storage_dtype in the connector config",
     )
+    parser.add_argument(
+        "--no-checksum",
+        dest="checksum",
+        action="store_false",
+        help="record no CRC32 in the files (default: each file carries one, computed as it "
+        "is written, so `hidden-state verify --checksums` can detect a changed byte); sets "
+        "checksum: false in the connector config",
+    )
 
 
-def with_storage(connector: dict[str, Any], storage_dtype: str | None) -> dict[str, Any]:
-    """The connector config with ``--storage-dtype`` applied (it wins over the JSON)."""
-    return connector if storage_dtype is None else {**connector, "storage_dtype": storage_dtype}
+def with_storage(
+    connector: dict[str, Any], storage_dtype: str | None, *, checksum: bool = True
+) -> dict[str, Any]:
+    """The connector config with ``--storage-dtype`` / ``--no-checksum`` applied.
+
+    Both win over the JSON; without them the JSON (or the connector's default) stands.
+    """
+    out = dict(connector)
+    if storage_dtype is not None:
+        out["storage_dtype"] = storage_dtype
+    if not checksum:
+        out["checksum"] = False
+    return out
 
 
 def register(subparsers: Any) -> None:
@@ -228,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir=os.path.abspath(args.out),
         layer_ids=layers,
         port=args.port,
-        connector=with_storage(args.connector_config, args.storage_dtype),
+        connector=with_storage(args.connector_config, args.storage_dtype, checksum=args.checksum),
         vllm_args=list(args.vllm_args),
     )
     if args.dry_run:

@@ -61,7 +61,7 @@ def prepare_model(options: DemoOptions, say: Callable[[str], None]) -> tuple[str
     """The model directory to serve and whether it is the tiny one (built if needed)."""
     if options.model is not None:
         return os.path.abspath(options.model), False
-    from hidden_state_connector.demo.tiny_model import build_tiny_model
+    from hidden_state_connector.tiny_model import build_tiny_model
 
     directory = Path(os.path.expanduser(options.cache_dir)) / TINY_MODEL_NAME
     say(f"tiny bf16 Llama: {directory}")
@@ -82,7 +82,7 @@ def capture_layers(options: DemoOptions, model: str, tiny: bool) -> list[int]:
     Raises:
         DemoError: A layer id is out of range.
     """
-    from hidden_state_connector.cli.serve import resolve_layers
+    from hidden_state_connector.layers import resolve_layers
     from hidden_state_reader.cli.toolkit import CliError
 
     layers = options.layers if options.layers is not None else (TINY_LAYERS if tiny else None)

@@ -1,23 +1,28 @@
-"""The code that runs inside vLLM's processes (like vLLM's own ``kv_connector/v1/nixl/``).
+"""The parts of ``HiddenStateConnector`` that run inside vLLM's processes.
 
-* ``connector``: ``HiddenStateConnector``, the facade vLLM instantiates once per role.
-* ``scheduler_side`` / ``worker_side``: the two halves behind it.
-* ``metadata``: what the scheduler half tells the worker half each step.
-* ``local_handoff`` / ``order_channel``: finish-time orders between steps (same process
-  / local socket).
-* ``sample_target``: a scheduled request's pinned directory and lock.
-* ``save_job`` / ``writer`` / ``sample_write``: one sample's state, the write pipeline
-  (slabs, writer threads, back-pressure, shutdown), and one writer thread's file.
-* ``gather``: copies chunks of the paged hidden-state cache into host slabs.
-* ``buffers``: the bounded pool of host slabs.
-* ``layout``: how the hidden-state cache view is indexed (pure types).
-* ``config``, ``stats``, ``metrics``, ``trace``, ``storage_check``: settings, counters
-  (``metrics`` is vLLM's stats type), stage timings, start-up checks of the storage.
-* ``compat``: everything that differs between vLLM releases.
+Like vLLM's own ``kv_connector/v1/offloading/`` behind ``offloading_connector.py``: the
+facade vLLM instantiates is ``hidden_state_connector.connector``; behind it:
 
-Only ``connector`` and ``metrics`` need vLLM to be importable. ``compat`` imports vLLM
-inside its functions only, and ``metadata`` is plain dataclasses (``connector`` registers
-its class with vLLM's empty ``KVConnectorMetadata`` ABC), so every other module imports,
+* ``scheduler_side`` / ``worker_side``: the two halves (names files and orders saves /
+  locks files and turns orders into save jobs), and ``metadata``, what the scheduler half
+  tells the worker half each step.
+* ``handoff/``: finish-time save orders that cannot wait for the next step's metadata,
+  to a worker in the same process (``same_process``) or over a local socket
+  (``socket_channel``).
+* ``write/``: the write path, from the paged cache to a published file: ``target`` (a
+  request's pinned directory and lock), ``job`` (one sample's state), ``pipeline`` (slabs,
+  writer threads, back-pressure, shutdown), ``gather`` (cache chunks into host slabs),
+  ``buffers`` (the bounded slab pool), ``sample_file`` (one writer thread's file),
+  ``store_backend`` (``storage_backend="mooncake"``), ``trace`` (stage timings).
+* Settings and checks: ``config`` (``kv_connector_extra_config``), ``store_config`` (its
+  ``mooncake_*`` keys), ``storage_check`` (start-up checks of the storage),
+  ``loss_mask_param`` (a request's loss mask), ``stats`` / ``metrics`` (counters; vLLM's
+  stats type), ``layout`` (how the cache view is indexed) and ``compat`` (everything that
+  differs between vLLM releases).
+
+Only the facade and ``metrics`` need vLLM to be importable. ``compat`` imports vLLM
+inside its functions only, and ``metadata`` is plain dataclasses (the facade registers
+its class with vLLM's empty ``KVConnectorMetadata`` ABC), so every module here imports,
 and can be unit-tested, without vLLM and without loading an installed one. Nothing is
 imported here.
 """

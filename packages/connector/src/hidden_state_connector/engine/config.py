@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hidden_state_connector.engine.store_config import check_store_keys
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.format import fp8
 from hidden_state_reader.store.client import StoreSettings
@@ -64,7 +65,9 @@ class ConnectorConfig:
         max_queued_bytes: With ``when_full="drop"``, samples beyond this many bytes
             waiting for a writer are failed.
         fsync: Make each file durable before releasing its lock.
-        checksum: Record a CRC32 of the tensor bytes (checked by the reader's verify).
+        checksum: Record a CRC32 of the tensor bytes (checked by ``hidden-state verify
+            --checksums`` and readers with ``verify_checksum``); computed by the writer
+            threads as they write each chunk.
         check_nonfinite: Record whether hidden states contain NaN/inf.
         include_output_tokens: Default for the per-request parameter of that name.
         instance_id: Part of every default file name that keeps engines (data-parallel
@@ -99,7 +102,7 @@ class ConnectorConfig:
     when_full: str = "wait"
     max_queued_bytes: int = 8 * 1024**3
     fsync: bool = False
-    checksum: bool = False
+    checksum: bool = True
     check_nonfinite: bool = True
     include_output_tokens: bool = False
     instance_id: str | None = None
@@ -166,8 +169,6 @@ class ConnectorConfig:
         if self.shutdown_timeout < 0 or self.stats_interval < 0:
             raise ValueError("shutdown_timeout and stats_interval must be >= 0")
         fp8.check_storage(self.storage_dtype)
-        from hidden_state_connector.engine.store_config import check_store_keys
-
         check_store_keys(self)
 
 

@@ -11,8 +11,8 @@ complete:
   its outputs are done).
 - with generated tokens (``include_output_tokens``): when the request finishes, since
   only then is it known which tokens are the last. The order goes straight to the
-  writing worker: in the same process (``local_handoff``) or over a local socket
-  (``order_channel``); else in the next step's metadata.
+  writing worker: in the same process (``handoff.same_process``) or over a local socket
+  (``handoff.socket_channel``); else in the next step's metadata.
 
 ``request_finished`` returns ``{"hidden_states_path": ...}`` to the client and keeps the
 KV blocks until the worker has copied them out.
@@ -24,18 +24,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from hidden_state_connector.engine import compat, local_handoff
+from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.handoff import same_process
+from hidden_state_connector.engine.handoff.socket_channel import OrderSender
 from hidden_state_connector.engine.loss_mask_param import requested_mask, stored_mask
 from hidden_state_connector.engine.metadata import (
     HiddenStateConnectorMetadata,
     NewSample,
     SaveOrder,
 )
-from hidden_state_connector.engine.order_channel import OrderSender
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.storage_check import usable_directory
-from hidden_state_connector.engine.store_backend import transfer_params
+from hidden_state_connector.engine.write.store_backend import transfer_params
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
@@ -241,7 +242,7 @@ class SchedulerSide:
 
     def _deliver(self, order: SaveOrder) -> None:
         """Get a finish-time order to the writing worker without waiting for a step."""
-        deliver = local_handoff.find(self.engine_key)
+        deliver = same_process.find(self.engine_key)
         if deliver is not None:
             deliver(order)  # same process: started now
         elif not self._sender.send(order):

@@ -2,20 +2,18 @@
 
 Checked when the connector is built (scheduler and workers), so a mistake stops vLLM at
 start-up with a message naming the key; joining the store itself happens when the
-worker registers its caches (``store_backend``), and fails start-up naming the master.
+worker registers its caches (``write.store_backend``), and fails start-up naming the
+master. This module knows the keys, not ``ConnectorConfig`` (which calls it): it takes
+any object that has them.
 """
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.format.store_keys import check_prefix
-from hidden_state_reader.store.client import StoreSettings
-
-if TYPE_CHECKING:
-    from hidden_state_connector.engine.config import ConnectorConfig
 
 log = get_logger(__name__)
 
@@ -23,7 +21,24 @@ BACKENDS = ("files", "mooncake")
 _HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
-def check_store_keys(config: ConnectorConfig) -> None:
+class StoreKeys(Protocol):
+    """The keys checked here (``ConnectorConfig`` has them)."""
+
+    @property
+    def storage_backend(self) -> str: ...  # noqa: D102
+    @property
+    def mooncake_master(self) -> str | None: ...  # noqa: D102
+    @property
+    def mooncake_prefix(self) -> str: ...  # noqa: D102
+    @property
+    def mooncake_protocol(self) -> str: ...  # noqa: D102
+    @property
+    def mooncake_full_timeout(self) -> float: ...  # noqa: D102
+    @property
+    def mooncake_staging_dir(self) -> str: ...  # noqa: D102
+
+
+def check_store_keys(config: StoreKeys) -> None:
     """Raise ``ValueError`` naming the first bad ``storage_backend``/``mooncake_*`` key."""
     if config.storage_backend not in BACKENDS:
         raise ValueError(
@@ -52,18 +67,3 @@ def check_store_keys(config: ConnectorConfig) -> None:
         raise ValueError(f"mooncake_full_timeout: must be >= 0, got {config.mooncake_full_timeout}")
     if not config.mooncake_staging_dir:
         raise ValueError("mooncake_staging_dir: must not be empty")
-
-
-def store_settings(config: ConnectorConfig) -> StoreSettings:
-    """The store client settings the config names (``check_store_keys`` passed)."""
-    assert config.mooncake_master
-    return StoreSettings(
-        master=config.mooncake_master,
-        prefix=config.mooncake_prefix,
-        metadata_server=config.mooncake_metadata_server,
-        local_hostname=config.mooncake_local_hostname,
-        protocol=config.mooncake_protocol,
-        device_names=config.mooncake_device_names,
-        segment_bytes=config.mooncake_segment_bytes,
-        buffer_bytes=config.mooncake_buffer_bytes,
-    )

@@ -14,7 +14,7 @@ Per engine step (vLLM calls these in this order):
   states): create new locks, start saves of prompts this step completed.
 
 Orders can also arrive between steps from the scheduler half in the same process
-(``accept``, see ``local_handoff``).
+(``accept``, see ``handoff.same_process``).
 """
 
 from __future__ import annotations
@@ -27,19 +27,20 @@ from typing import Any
 import torch
 
 from hidden_state_connector import __version__
-from hidden_state_connector.engine import compat, local_handoff
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.capture import describe_capture
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.gather import Extractor
+from hidden_state_connector.engine.handoff import same_process
+from hidden_state_connector.engine.handoff.socket_channel import OrderListener
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
-from hidden_state_connector.engine.order_channel import OrderListener
-from hidden_state_connector.engine.sample_target import SampleTarget, pin_sample
-from hidden_state_connector.engine.save_job import SaveJob
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.store_backend import StoreBackend
-from hidden_state_connector.engine.writer import WritePipeline
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.job import SaveJob
+from hidden_state_connector.engine.write.pipeline import WritePipeline
+from hidden_state_connector.engine.write.store_backend import StoreBackend
+from hidden_state_connector.engine.write.target import SampleTarget, pin_sample
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import sample_metadata
 
 log = get_logger(__name__)
 
@@ -69,8 +70,13 @@ class WorkerSide:
         self.layer_ids = layer_ids
         self.stats = stats
         self.vllm_config = vllm_config
-        self.model = str(getattr(vllm_config.model_config, "model", ""))
-        self.producer = f"hidden-state-connector/{__version__} vllm/{compat.vllm_version()}"
+        # Raises ValueError for layer ids the model does not have: vLLM does not start.
+        self.capture = describe_capture(
+            vllm_config,
+            layer_ids,
+            connector_version=__version__,
+            vllm_version=compat.vllm_version(),
+        )
         self.is_writer = True
         self.pipeline: WritePipeline | None = None
         self.store: StoreBackend | None = None  # storage_backend="mooncake"
@@ -110,10 +116,11 @@ class WorkerSide:
             storage=self.config.storage_dtype,
         )
         log.info(
-            "HiddenStateConnector: %s, layers %s, hidden %d, %s; cache %s (token axis %d), "
-            "%d blocks (%d tokens) per chunk; writing to %s%s",
+            "HiddenStateConnector: %s, layers %s of %s, hidden %d, %s; cache %s (token axis "
+            "%d), %d blocks (%d tokens) per chunk; writing to %s%s",
             kv_cache.device,
             self.layer_ids,
+            self.capture.num_hidden_layers or "?",
             layout.hidden_size,
             f"{kv_cache.dtype} stored as {extractor.storage}",
             tuple(kv_cache.shape),
@@ -141,7 +148,7 @@ class WorkerSide:
             fsync=self.config.fsync,
             stats=self.stats,
         )
-        local_handoff.register(self._engine_key, self.accept)
+        same_process.register(self._engine_key, self.accept)
         try:
             self._listener = OrderListener(self._engine_key, self.accept)
         except OSError as exc:  # finish-time orders then travel in the step metadata
@@ -170,7 +177,7 @@ class WorkerSide:
                     self._start(order)
 
     def accept(self, order: SaveOrder) -> None:
-        """Start a save handed over between steps (``local_handoff``, ``order_channel``)."""
+        """Start a save handed over between steps (``handoff``: same process or socket)."""
         with self._mutex:
             if self.pipeline is not None:
                 self._start(order, engine_thread=False)  # after shutdown: failed, with why
@@ -240,12 +247,8 @@ class WorkerSide:
             block_ids=order.block_ids,
             lock=target.lock if target is not None else None,
             dir_fd=target.dir_fd if target is not None else None,
-            metadata=sample_metadata(
-                layer_ids=self.layer_ids,
-                model=self.model,
-                request_id=order.req_id,
-                num_prompt_tokens=order.num_prompt_tokens,
-                producer=self.producer,
+            metadata=self.capture.metadata(
+                request_id=order.req_id, num_prompt_tokens=order.num_prompt_tokens
             ),
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
@@ -265,7 +268,7 @@ class WorkerSide:
             if self._closed:
                 return
             self._closed = True
-        local_handoff.unregister(self._engine_key, self.accept)
+        same_process.unregister(self._engine_key, self.accept)
         if self._listener is not None:
             self._listener.close()  # hands over the orders already sent first
         abandoned = 0

@@ -61,8 +61,17 @@ Loss mask: a sample's own loss_mask tensor when it has one; otherwise --default-
   all        1 for every token
 Rows whose mask has no 1s are skipped (prepare-data drops them too).
 
+Verifier layer: speculators reads the last captured layer as the verifier's last hidden
+state, which must be the model's last layer (id num_hidden_layers: the last decoder
+layer's output, before the final norm). Files record the model's layer count; a capture
+without its last layer is refused (exit 1, nothing written) unless
+--allow-missing-last-layer is given (then exported with a warning). Files that do not
+record the layer count (older writers, vLLM's own connector) are exported with a warning
+that this cannot be checked.
+
 Needs Hugging Face `datasets` (speculators depends on it).
-exit status: 0 exported, 1 nothing could be exported or writing failed, 2 bad usage"""
+exit status: 0 exported, 1 nothing could be exported, the capture lacks the model's last
+layer, or writing failed, 2 bad usage"""
 
 _EXAMPLES = """
 hidden-state export --format speculators /data/hs /data/spec
@@ -102,6 +111,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--copy", action="store_true", help="copy the files instead of hard-linking them"
     )
+    p.add_argument(
+        "--allow-missing-last-layer",
+        action="store_true",
+        help="export even when the last captured layer is not the model's last (speculators "
+        "then reads another layer as the verifier's last hidden state); warns",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_grace_argument(p, GRACE)
     add_progress_argument(p)
@@ -112,6 +127,7 @@ def run_export(args: argparse.Namespace) -> int:
     from hidden_state_reader.export.rows import MissingDependencyError
     from hidden_state_reader.export.speculators import (
         ExportError,
+        MissingLastLayerError,
         NothingToExportError,
         export_speculators,
     )
@@ -126,16 +142,19 @@ def run_export(args: argparse.Namespace) -> int:
             wait=args.wait,
             grace=args.grace,
             progress=progress,
+            allow_missing_last_layer=args.allow_missing_last_layer,
         )
     except MissingDependencyError as exc:
         raise CliError(str(exc)) from None
-    except NothingToExportError as exc:
+    except (NothingToExportError, MissingLastLayerError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except ExportError as exc:
         raise CliError(str(exc)) from None
     for skipped in result.skipped:
         log.warning("skipped %s: %s (%s)", skipped.name, skipped.state, skipped.reason)
+    for warning in result.warnings:
+        log.warning("%s", warning)
     if args.json:
         print_json(result.as_dict())
     else:
@@ -164,7 +183,18 @@ def report(result: ExportResult) -> str:
             aux = " ".join(str(i) for i in g.layer_ids[:-1])
             lines.append(
                 f"speculators reads layer {g.layer_ids[-1]} as the verifier's last hidden "
-                f"state and {aux} as --target-layer-ids {aux}"
+                f"state ({_last_layer_note(result)}) and {aux} as --target-layer-ids {aux}"
             )
     lines.append(f"train: speculators train --data-path {result.target} --on-missing raise ...")
     return "\n".join(lines)
+
+
+def _last_layer_note(result: ExportResult) -> str:
+    """Whether the verifier layer is the model's last: checked, wrong, or unknown."""
+    check = result.last_layer
+    n = check.num_hidden_layers
+    if check.missing:
+        return f"NOT the model's last layer {n}"
+    if check.unchecked:
+        return f"unchecked for {check.unchecked} samples"
+    return f"the model's last of {n} layers"

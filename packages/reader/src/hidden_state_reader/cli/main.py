@@ -1,8 +1,8 @@
 """Entry point of the ``hidden-state`` command: argument parsing, plugins, exit codes.
 
-Built-in subcommands: ``ls``, ``stats``, ``inspect`` (``cli.listing``), ``verify``,
-``clean`` (``cli.verify``), ``tail`` (``cli.tail``), ``export`` (``cli.export``),
-``store-master`` and ``store-host`` (``cli.store``).
+Built-in subcommands: ``ls``, ``stats`` (``cli.listing``), ``inspect`` (``cli.inspect``),
+``verify``, ``clean`` (``cli.verify``), ``tail`` (``cli.tail``), ``export``
+(``cli.export``), ``store-master`` and ``store-host`` (``cli.store``).
 
 Plugins: another installed distribution adds subcommands through the entry-point group
 ``hidden_state.cli``. Each entry point names a callable ``register(subparsers) -> None``
@@ -39,7 +39,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from hidden_state_reader import __version__
-from hidden_state_reader.cli import export, listing, store, tail, verify
+from hidden_state_reader.cli import export, inspect, listing, store, tail, verify
 from hidden_state_reader.cli.common import EXIT_PROBLEMS, PROG
 from hidden_state_reader.cli.toolkit import EXIT_INTERRUPTED, EXIT_USAGE, CliError, HelpFormatter
 from hidden_state_reader.errors import HiddenStateError
@@ -50,6 +50,7 @@ PLUGIN_GROUP = "hidden_state.cli"
 
 BUILTIN_COMMANDS: tuple[Callable[[Any], None], ...] = (
     listing.register,
+    inspect.register,
     verify.register,
     tail.register,
     export.register,

@@ -11,7 +11,7 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from hidden_state_reader.cli.common import PROG, require_dir
+from hidden_state_reader.cli.common import PROG, add_grace_argument, require_dir
 from hidden_state_reader.cli.toolkit import (
     EXIT_OK,
     CliError,
@@ -24,6 +24,7 @@ from hidden_state_reader.errors import DirectoryNotWritableError
 from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.tensors import dtype_tables
 from hidden_state_reader.options import WATCH_MODES
+from hidden_state_reader.sample.states import GRACE
 
 if TYPE_CHECKING:  # torch-backed; imported by run_tail so `hidden-state --help` stays fast
     from hidden_state_reader.reader import HiddenStateReader
@@ -52,7 +53,8 @@ def register(subparsers: Any) -> None:
         description="Follow a hidden-state directory like `tail -f`: print the samples "
         "already there, then one\nline per new sample as soon as its writer is done "
         "(corrupt or failed samples are reported\non stderr and skipped). Ctrl-C stops it "
-        "cleanly and prints a summary on stderr.\n\n"
+        "cleanly and prints a summary on stderr.\nSizes are tensor bytes as read "
+        "(dequantized, selected layers), not file bytes (`ls`).\n\n"
         "With --claim (or --group) tail takes part in exactly-once delivery: each sample "
         "is printed\nby one of the readers of the claim group and marked consumed for that "
         "group; without it,\ntail only watches and changes nothing.",
@@ -109,7 +111,13 @@ hidden-state tail /nfs/hs --watch poll          # writers on other hosts (NFS/Lu
     p.add_argument(
         "--checksums", action="store_true", help="check the writer's CRC32 of each sample"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per sample (name, path, tokens, layers, hidden, dtype, "
+        "tensor_bytes, request_id, layer_ids)",
+    )
+    add_grace_argument(p, GRACE)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -132,7 +140,7 @@ def sample_record(sample: Sample) -> dict[str, Any]:
         "hidden": int(hidden.shape[2]),
         # The torch table is built on first use, not at import.
         "dtype": dtype_tables()[1].get(hidden.dtype, str(hidden.dtype)),
-        "bytes": sample.nbytes,
+        "tensor_bytes": sample.nbytes,  # as read: dequantized, selected layers
         "request_id": sample.metadata.get(Meta.REQUEST_ID),
         "layer_ids": sample.layer_ids,
     }
@@ -143,7 +151,8 @@ def format_record(rec: dict[str, Any]) -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(rec["time"]))
     line = (
         f"{stamp}  {rec['name']:<28}  {rec['tokens']:>7,} tokens  "
-        f"{rec['layers']} layers x {rec['hidden']} {rec['dtype']}  {format_bytes(rec['bytes']):>10}"
+        f"{rec['layers']} layers x {rec['hidden']} {rec['dtype']}  "
+        f"{format_bytes(rec['tensor_bytes']):>10} tensor bytes"
     )
     if rec["request_id"]:
         line += f"  {rec['request_id']}"
@@ -168,6 +177,7 @@ def run_tail(args: argparse.Namespace) -> int:
             watch=args.watch,
             poll_interval=args.poll_interval,
             verify_checksum=args.checksums,
+            orphan_grace=args.grace,
         )
     except (ValueError, DirectoryNotWritableError) as exc:
         raise CliError(str(exc)) from None
@@ -206,7 +216,7 @@ def _summary(reader: HiddenStateReader, stopped: str) -> str:
     s = reader.stats
     line = (
         f"{PROG} tail: {s.yielded:,} sample{'s' if s.yielded != 1 else ''}, "
-        f"{s.tokens:,} tokens, {format_bytes(s.bytes)} ({stopped})"
+        f"{s.tokens:,} tokens, {format_bytes(s.bytes)} tensor bytes ({stopped})"
     )
     others = [f"{getattr(s, k)} {k.replace('_', ' ')}" for k in _SKIP_COUNTERS if getattr(s, k)]
     if others:

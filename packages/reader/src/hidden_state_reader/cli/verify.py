@@ -31,6 +31,7 @@ from hidden_state_reader.cli.common import (
 )
 from hidden_state_reader.cli.table import format_table
 from hidden_state_reader.cli.toolkit import EXIT_OK, add_command, format_bytes, non_negative_float
+from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.format.lockfile import LockState, probe
 from hidden_state_reader.format.names import LOCK_SUFFIX
@@ -62,11 +63,15 @@ def register(subparsers: Any) -> None:
         "files, samples their writer\nreported as failed, stale locks (writer gone, no "
         "data), orphan temporary files.\nSamples still being written (pending) are not "
         "problems.\n\n"
-        "exit status: 0 no problems, 1 problems found or no samples at all, 2 bad usage "
-        "(e.g. no such directory)",
+        "With --checksums every sample's data is read and its CRC32 checked; files without "
+        "one are\ncounted (\"N of M files have no CRC32\"): corruption there cannot be "
+        "detected.\n\n"
+        "exit status: 0 no problems, 1 problems found (with --require-checksums: also a "
+        "file without\na CRC32) or no samples at all, 2 bad usage (e.g. no such directory)",
         examples="""
 hidden-state verify /data/hs
 hidden-state verify /data/hs --checksums          # also read all data and check CRC32s
+hidden-state verify /data/hs --require-checksums  # and fail on files without a CRC32
 hidden-state verify /data/hs --json > report.json
 """,
         handler=run_verify,
@@ -75,9 +80,20 @@ hidden-state verify /data/hs --json > report.json
     p.add_argument(
         "--checksums",
         action="store_true",
-        help="read every ready sample's data and check the writer's CRC32 (slower)",
+        help="read every sample's data and check the writer's CRC32 (slower); says how "
+        "many files carry no CRC32",
     )
-    p.add_argument("--json", action="store_true", help="print a JSON report")
+    p.add_argument(
+        "--require-checksums",
+        action="store_true",
+        help="like --checksums, and a file without a CRC32 is a problem (exit status 1)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON report: directory, ok, samples, states, problems (one object "
+        "per problem, as `ls --json`), checksums",
+    )
     add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
@@ -94,6 +110,7 @@ hidden-state verify /data/hs --json > report.json
 hidden-state clean /data/hs --dry-run         # show what would be removed
 hidden-state clean /data/hs
 hidden-state clean /data/hs --older-than 0 --locks
+hidden-state clean /data/hs --grace 0 --json  # --grace is --older-than
 """,
         handler=run_clean,
     )
@@ -103,17 +120,26 @@ hidden-state clean /data/hs --older-than 0 --locks
     )
     p.add_argument(
         "--older-than",
+        "--grace",
+        dest="older_than",
         type=non_negative_float,
         default=GRACE,
         metavar="S",
-        help="only remove files unchanged for at least S seconds",
+        help="only remove files unchanged for at least S seconds; also the grace period "
+        "that decides what is stale or orphaned (--grace is the same option, as in the "
+        "other commands)",
     )
     p.add_argument(
         "--locks",
         action="store_true",
         help="also remove the free lock files of complete (ready) samples",
     )
-    p.add_argument("--json", action="store_true", help="print a JSON report")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON report: directory, dry_run, files (path, what, why, file_bytes, "
+        "outcome, detail for each file considered)",
+    )
     add_progress_argument(p)
 
 
@@ -123,23 +149,26 @@ hidden-state clean /data/hs --older-than 0 --locks
 def run_verify(args: argparse.Namespace) -> int:
     """``hidden-state verify``."""
     root = require_dir(args.directory)
+    checksums = args.checksums or args.require_checksums
     progress = Progress.for_args(args, f"verifying {root}")
-    results = list(scan_health(root, progress, checksums=args.checksums, grace=args.grace))
+    results = list(scan_health(root, progress, checksums=checksums, grace=args.grace))
     samples = [r for r in results if not r.is_temp]
     temps = [r for r in results if r.is_temp]
     problems = [r for r in results if r.problem]
-    verified = sum(1 for r in samples if r.checksum_verified)
-    rc = EXIT_PROBLEMS if problems or not samples else EXIT_OK
+    crc = _checksum_report(samples) if checksums else None
+    missing_crc = bool(args.require_checksums and crc is not None and crc["missing"])
+    rc = EXIT_PROBLEMS if problems or not samples or missing_crc else EXIT_OK
     if not samples:
         log.warning("%s", describe_empty(root))
     if args.json:
         print_json(
             {
                 "directory": os.path.abspath(root),
-                "ok": not problems,
+                "ok": rc == EXIT_OK,
                 "samples": len(samples),
                 "temp_files": len(temps),
-                "checksums_verified": verified if args.checksums else None,
+                "checksums_verified": crc["verified"] if crc is not None else None,
+                "checksums": crc,
                 "states": count_states(samples),
                 "temp_states": count_states(temps),
                 "problems": [r.as_dict() for r in problems],
@@ -154,21 +183,62 @@ def run_verify(args: argparse.Namespace) -> int:
     line = f"checked {len(samples)} sample{plural} in {root}: {states}"
     if temps:
         line += f"; {len(temps)} temporary file{'s' if len(temps) != 1 else ''}"
-    if args.checksums:
-        line += f"; {verified} CRC32{'s' if verified != 1 else ''} verified"
+    if crc is not None:
+        line += f"; {crc['verified']} CRC32{'s' if crc['verified'] != 1 else ''} verified"
     print(line)
+    if crc is not None and crc["missing"]:
+        print(
+            f"{crc['missing']} of {crc['checked']} files have no CRC32: corruption there "
+            "cannot be detected"
+            + (" (--require-checksums: a problem)" if args.require_checksums else "")
+        )
     if problems:
-        cleanable = sum(1 for r in problems if r.state in _CLEANABLE)
-        hint = f"`hidden-state clean {root}` removes the {cleanable} stale/failed lock(s) and "
-        hint += "orphan temp file(s)" if cleanable else "removes none of them"
-        if cleanable < len(problems):
-            hint += "; data files it never removes"
-        print(f"{len(problems)} problem{'s' if len(problems) != 1 else ''} found ({hint})")
+        n = len(problems)
+        print(f"{n} problem{'s' if n != 1 else ''} found ({_clean_hint(problems, root)})")
     elif not samples:
         print(f"no samples found in {root}")
+    elif missing_crc:
+        print("no other problems found")
     else:
         print("no problems found")
     return rc
+
+
+def _checksum_report(samples: list[SampleHealth]) -> dict[str, Any]:
+    """CRC32 coverage of the files whose data was read.
+
+    Those are the samples with a header that no writer holds: how many were checked, how
+    many CRC32s matched, and which files carry none.
+    """
+    checked = [r for r in samples if r.header is not None and r.lock is not LockState.HELD]
+    missing = [
+        r.name for r in checked if r.header is not None and Meta.CRC32 not in r.header.metadata
+    ]
+    return {
+        "checked": len(checked),
+        "verified": sum(1 for r in checked if r.checksum_verified),
+        "missing": len(missing),
+        "missing_files": missing,
+    }
+
+
+def _clean_hint(problems: list[SampleHealth], root: str) -> str:
+    """What ``clean`` would do about ``problems``, in a few words."""
+    locks = sum(1 for r in problems if r.state in (SampleState.STALE, SampleState.FAILED))
+    temps = sum(1 for r in problems if r.state is SampleState.ORPHAN_TEMP)
+    data = len(problems) - locks - temps
+    removes = [
+        f"{n} {what}{'s' if n != 1 else ''}"
+        for n, what in ((locks, "stale/failed lock"), (temps, "orphan temp file"))
+        if n
+    ]
+    if not removes:
+        them = "it" if data == 1 else "them"
+        return f"`hidden-state clean` never removes data files: delete {them} by hand"
+    hint = f"`hidden-state clean {root}` removes the {' and the '.join(removes)}"
+    if data:
+        hint += f"; the {data} data file{'s' if data != 1 else ''} it never removes"
+    return hint
 
 
 # -- clean ---------------------------------------------------------------------------
@@ -182,7 +252,7 @@ class Removal:
         path: The file.
         what: What it is (``orphan temp file``, ``stale lock``, ...).
         why: The health verdict's reason.
-        size: Its size in bytes.
+        file_bytes: Its size on disk in bytes (None if it is gone).
         outcome: ``removed``, ``would remove`` (dry run), ``kept`` (decided not to:
             still being written, too young, a data file), ``skipped`` (changed at the
             moment of removal) or ``error``.
@@ -192,7 +262,7 @@ class Removal:
     path: str
     what: str
     why: str
-    size: int = 0
+    file_bytes: int | None = None
     outcome: str = ""
     detail: str = ""
 
@@ -203,6 +273,7 @@ def _candidates(results: list[SampleHealth], *, locks: bool, older_than: float) 
         item = _candidate(r, locks=locks)
         if item is None:
             continue
+        item.file_bytes = _file_bytes(item.path)
         if not item.outcome and r.age is not None and r.age < older_than:
             item.outcome = "kept"
             item.detail = f"modified {r.age:.0f}s ago, less than --older-than {older_than:g}s"
@@ -214,7 +285,7 @@ def _candidate(r: SampleHealth, *, locks: bool) -> Removal | None:
     """What ``clean`` does with one entry: remove it, keep it (saying why), or ignore it."""
     if r.is_temp:
         if r.state is SampleState.ORPHAN_TEMP:
-            return Removal(r.path, _ORPHAN_TEMP, r.reason, r.size or 0)
+            return Removal(r.path, _ORPHAN_TEMP, r.reason)
         return Removal(r.path, "temp file", r.reason, outcome="kept", detail=r.reason)
     if r.state in (SampleState.STALE, SampleState.FAILED):
         return Removal(_lock(r), f"{r.state.value} lock", r.reason)
@@ -225,10 +296,10 @@ def _candidate(r: SampleHealth, *, locks: bool) -> Removal | None:
     if r.state is SampleState.PENDING:
         what = "lock" if r.lock is not LockState.ABSENT else "data file"
         detail = f"still being written: {r.reason}"
-        return Removal(r.lock_path or r.path, f"pending {what}", r.reason, 0, "kept", detail)
+        return Removal(r.lock_path or r.path, f"pending {what}", r.reason, None, "kept", detail)
     if r.state.is_problem:
         detail = f"{r.reason}; clean never removes data files (delete it by hand)"
-        return Removal(r.path, f"{r.state.value} data file", r.reason, 0, "kept", detail)
+        return Removal(r.path, f"{r.state.value} data file", r.reason, None, "kept", detail)
     return None
 
 
@@ -236,6 +307,13 @@ def _lock(r: SampleHealth) -> str:
     path = r.lock_path
     assert path is not None
     return path
+
+
+def _file_bytes(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return None
 
 
 def _age(path: str) -> float:
@@ -380,7 +458,7 @@ def run_clean(args: argparse.Namespace) -> int:
         rows = [[p.outcome, p.what, os.path.relpath(p.path, root), p.detail or p.why] for p in plan]
         print(format_table(["ACTION", "KIND", "FILE", "DETAIL"], rows))
     verb = "would remove" if args.dry_run else "removed"
-    nbytes = sum(p.size for p in removed)
+    nbytes = sum(p.file_bytes or 0 for p in removed)
     line = f"{verb} {len(removed)} file{'s' if len(removed) != 1 else ''}"
     if nbytes:
         line += f" ({format_bytes(nbytes)})"

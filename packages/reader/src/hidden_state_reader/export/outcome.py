@@ -63,6 +63,65 @@ class Geometry:
         return f"{self.num_layers} layers{ids} x {self.hidden_size} {self.dtype}"
 
 
+ALLOW_FLAG = "--allow-missing-last-layer"
+
+
+@dataclass
+class LastLayerCheck:
+    """Whether the exported rows hold the model's last layer (speculators' verifier state).
+
+    Attributes:
+        present: Rows whose files record the model's layer count, last layer captured.
+        missing: Rows exported without it (``allow_missing_last_layer``).
+        unchecked: Rows whose files do not record the model's layer count.
+        num_hidden_layers: The model's layer count, when a file recorded it.
+        layer_ids: The captured layer ids of the rows counted.
+    """
+
+    present: int = 0
+    missing: int = 0
+    unchecked: int = 0
+    num_hidden_layers: int | None = None
+    layer_ids: tuple[int, ...] | None = None
+
+    def count(
+        self, verdict: bool | None, layer_ids: list[int] | None, num_hidden_layers: int | None
+    ) -> None:
+        """Count one exported row (``verdict``: ``SampleHeader.captures_last_layer``)."""
+        if verdict is None:
+            self.unchecked += 1
+        elif verdict:
+            self.present += 1
+        else:
+            self.missing += 1
+        if num_hidden_layers is not None:
+            self.num_hidden_layers = num_hidden_layers
+        if layer_ids is not None:
+            self.layer_ids = tuple(layer_ids)
+
+    def warnings(self) -> list[str]:
+        """One line per problem, for everything not proved to hold the last layer."""
+        total = self.present + self.missing + self.unchecked
+        ids = list(self.layer_ids) if self.layer_ids else None
+        last = f"({ids[-1]}) " if ids else ""
+        out = []
+        if self.missing:
+            out.append(
+                f"{self.missing} of {total} exported samples lack the model's last layer "
+                f"(exported with {ALLOW_FLAG}): layers {ids} of a {self.num_hidden_layers}-"
+                f"layer model; speculators reads layer {ids[-1] if ids else '?'} as the "
+                f"verifier's last hidden state, not layer {self.num_hidden_layers}"
+            )
+        if self.unchecked:
+            out.append(
+                f"{self.unchecked} of {total} exported samples do not record the model's "
+                "layer count (files of an older writer or of vLLM's own connector): cannot "
+                f"check that their last layer {last}is the model's last layer, which "
+                "speculators reads as the verifier's last hidden state"
+            )
+        return out
+
+
 @dataclass
 class ExportResult:
     """The outcome of one export.
@@ -74,6 +133,8 @@ class ExportResult:
         rows: The exported rows, in row order.
         skipped: The samples left out, in name order.
         geometry: The shared layer axis (None when nothing was exported).
+        last_layer: Whether the rows hold the model's last layer.
+        warnings: What the user must know about the exported data.
     """
 
     source: str
@@ -82,6 +143,8 @@ class ExportResult:
     rows: list[Row] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     geometry: Geometry | None = None
+    last_layer: LastLayerCheck = field(default_factory=LastLayerCheck)
+    warnings: list[str] = field(default_factory=list)
 
     def placed(self) -> Counter[str]:
         """Rows per placement (``link`` / ``copy``)."""
@@ -110,5 +173,12 @@ class ExportResult:
             "default_mask": self.default_mask,
             "loss_mask": dict(self.mask_sources()),
             "layers": None if g is None else asdict(g),
+            "last_layer": {
+                "num_hidden_layers": self.last_layer.num_hidden_layers,
+                "present": self.last_layer.present,
+                "missing": self.last_layer.missing,
+                "unchecked": self.last_layer.unchecked,
+            },
+            "warnings": list(self.warnings),
             "skipped": [asdict(s) for s in self.skipped],
         }

@@ -26,6 +26,11 @@ Rules:
 * All samples must share one layer axis (count, width, dtype, layer ids), with at least
   two layers: speculators uses the last as the verifier's final hidden state and the
   others as the auxiliary layers (``--target-layer-ids``).
+* The last captured layer must be the model's last (layer id ``num_hidden_layers``, the
+  last decoder layer's output before the final norm): a capture without it is refused
+  (``MissingLastLayerError``, nothing is written) unless ``allow_missing_last_layer``.
+  Files that do not record the model's layer count (older writers, vLLM's own
+  connector) cannot be checked: the result carries one warning with their count.
 """
 
 from __future__ import annotations
@@ -39,7 +44,13 @@ from typing import IO, TYPE_CHECKING
 
 from hidden_state_reader.errors import HiddenStateError, SampleError
 from hidden_state_reader.export.masks import DefaultMask, loss_mask
-from hidden_state_reader.export.outcome import ExportResult, Geometry, Row, Skipped
+from hidden_state_reader.export.outcome import (
+    ALLOW_FLAG,
+    ExportResult,
+    Geometry,
+    Row,
+    Skipped,
+)
 from hidden_state_reader.export.placement import Placement, place
 from hidden_state_reader.export.rows import RowWriter, require_datasets
 from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
@@ -66,6 +77,26 @@ class NothingToExportError(ExportError):
     """No sample of SRC could be exported (the message counts what was skipped, and why)."""
 
 
+class MissingLastLayerError(ExportError):
+    """The capture lacks the model's last layer, which speculators reads as the verifier's."""
+
+
+def missing_last_layer_message(path: str, header: SampleHeader) -> str:
+    """Why a capture without the model's last layer is refused, and the two ways out."""
+    ids = header.layer_ids or []
+    n = header.num_hidden_layers or 0  # recorded: the caller checked captures_last_layer
+    model = f" ({header.model})" if header.model else ""
+    fixed = ",".join(str(i) for i in sorted({*ids, n}))
+    return (
+        f"{path}: captured layers {ids}, but the model{model} has {n} layers and its last "
+        f"layer, id {n}, is missing: speculators reads the last captured layer ({ids[-1]}) "
+        f"as the verifier's last hidden state, so a drafter trained on this export would "
+        f"learn the wrong one. Re-capture with layer {n} appended (hidden-state extract or "
+        f"serve with --layers {fixed}, or --include-last), or pass {ALLOW_FLAG} to export "
+        "anyway. Nothing was exported."
+    )
+
+
 def export_speculators(
     source: str | os.PathLike[str],
     target: str | os.PathLike[str],
@@ -75,6 +106,7 @@ def export_speculators(
     wait: float = 0.0,
     grace: float = GRACE,
     progress: Progress | None = None,
+    allow_missing_last_layer: bool = False,
 ) -> ExportResult:
     """Export the complete samples of ``source`` into a speculators data directory.
 
@@ -87,12 +119,16 @@ def export_speculators(
         wait: Seconds to wait, all together, for samples still being written.
         grace: See ``hidden_state_reader.sample.states.GRACE``.
         progress: Called as ``progress(done, total)`` after each sample.
+        allow_missing_last_layer: Export a capture whose last layer is not the model's
+            last (with a warning in ``ExportResult.warnings``) instead of refusing it.
 
     Returns:
-        What was exported and skipped.
+        What was exported and skipped, and warnings (``ExportResult.warnings``).
 
     Raises:
         ExportError: Bad paths (nothing is written).
+        MissingLastLayerError: The files record the model's layer count and the last
+            captured layer is not its last (nothing is written).
         NothingToExportError: No sample could be exported (DST is not created).
         MissingDependencyError: ``datasets`` is not installed.
         OSError: Writing DST failed (e.g. no space); nothing is left at DST.
@@ -102,7 +138,10 @@ def export_speculators(
     require_datasets()  # before anything is created
     staging = _make_staging(dst)
     try:
-        result = _Export(src, staging, rule, copy=copy, wait=wait).run(grace, progress)
+        export = _Export(
+            src, staging, rule, copy=copy, wait=wait, allow_missing_last=allow_missing_last_layer
+        )
+        result = export.run(grace, progress)
         result.target = dst
         if not result.rows:
             raise NothingToExportError(
@@ -158,11 +197,21 @@ def _make_staging(dst: str) -> str:
 class _Export:
     """One export run into ``staging``: samples in order, rows and links as it goes."""
 
-    def __init__(self, src: str, staging: str, rule: DefaultMask, *, copy: bool, wait: float):
+    def __init__(
+        self,
+        src: str,
+        staging: str,
+        rule: DefaultMask,
+        *,
+        copy: bool,
+        wait: float,
+        allow_missing_last: bool = False,
+    ) -> None:
         self.src = src
         self.staging = staging
         self.rule = rule
         self.copy = copy
+        self.allow_missing_last = allow_missing_last
         self.deadline = time.monotonic() + wait
         self.result = ExportResult(src, staging, rule.value)
 
@@ -182,6 +231,7 @@ class _Export:
         except BaseException:
             writer.abort()
             raise
+        self.result.warnings += self.result.last_layer.warnings()
         return self.result
 
     def _take(self, health: SampleHealth, writer: RowWriter, mapping: IO[str]) -> None:
@@ -220,6 +270,9 @@ class _Export:
         if problem:
             self._skip(health.name, "mismatch", problem)
             return None
+        last = header.captures_last_layer
+        if last is False and not self.allow_missing_last:
+            raise MissingLastLayerError(missing_last_layer_message(path, header))
         sample = load_fd(fd, path)  # validates again; maps large files, reads no hidden data
         if sample.num_tokens == 0:
             self._skip(health.name, SampleState.EMPTY.value, "no tokens")
@@ -234,6 +287,7 @@ class _Export:
         name = os.path.join(HS_DIR, f"hs_{index}.safetensors")
         placement = self._place(fd, header, sample, os.path.join(self.staging, name))
         writer.add(sample.token_ids.numpy().copy(), mask)
+        self.result.last_layer.count(last, header.layer_ids, header.num_hidden_layers)
         return Row(
             row=index,
             file=name,

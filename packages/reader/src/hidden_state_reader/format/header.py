@@ -62,7 +62,13 @@ class Meta:
     PRODUCER = "producer"  # "name/version"
     NONFINITE = "nonfinite"  # "0" or "1": any NaN/inf in hidden_states
     CRC32 = "crc32"  # 8 hex digits over the tensor bytes, in file order
-    MODEL_DTYPE = "model_dtype"  # dtype before fp8 storage (e.g. "BF16"); see fp8.py
+    # The model's dtype (e.g. "BF16"): what hidden_states had before storage; fp8 files
+    # are dequantized to it (fp8.py).
+    MODEL_DTYPE = "model_dtype"
+    # What the capture is (recorded by the connector and extract; absent in older files):
+    NUM_HIDDEN_LAYERS = "num_hidden_layers"  # decimal; layer id N = the last layer's output
+    MODEL_REVISION = "model_revision"  # commit hash (or revision) of the model's weights
+    VLLM_VERSION = "vllm_version"  # the vLLM that computed the hidden states
 
 
 @dataclass(frozen=True)
@@ -125,11 +131,57 @@ class SampleHeader:
             ids = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             raise CorruptSampleError(self.path, f"metadata layer_ids is not JSON: {raw!r}") from exc
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
             raise CorruptSampleError(
                 self.path, f"metadata layer_ids is not a list of ints: {raw!r}"
             )
         return ids
+
+    @property
+    def num_hidden_layers(self) -> int | None:
+        """The model's number of decoder layers, when the writer recorded it.
+
+        Layer id ``num_hidden_layers`` is the last decoder layer's output (before the
+        final norm): a capture holds the model's last layer when its last id is this.
+        """
+        raw = self.metadata.get(Meta.NUM_HIDDEN_LAYERS)
+        if raw is None:
+            return None
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+            raise CorruptSampleError(
+                self.path, f"metadata num_hidden_layers is not a positive integer: {raw!r}"
+            )
+        return int(raw)
+
+    @property
+    def captures_last_layer(self) -> bool | None:
+        """Whether the last captured layer is the model's last (None: not recorded)."""
+        ids, n = self.layer_ids, self.num_hidden_layers
+        if not ids or n is None:
+            return None
+        return ids[-1] == n
+
+    @property
+    def model(self) -> str | None:
+        """The model's name or path, when recorded."""
+        return self.metadata.get(Meta.MODEL)
+
+    @property
+    def model_revision(self) -> str | None:
+        """The model's commit hash (or the revision asked for), when recorded."""
+        return self.metadata.get(Meta.MODEL_REVISION)
+
+    @property
+    def model_dtype(self) -> str | None:
+        """The model's dtype as a safetensors name (e.g. ``"BF16"``), when recorded."""
+        return self.metadata.get(Meta.MODEL_DTYPE)
+
+    @property
+    def vllm_version(self) -> str | None:
+        """The version of the vLLM that computed the hidden states, when recorded."""
+        return self.metadata.get(Meta.VLLM_VERSION)
 
 
 def _shape_bytes(dtype: str, shape: Sequence[int]) -> int:
@@ -147,7 +199,7 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     tensors of a sample with consistent shapes (``_check_sample_tensors``) and, when
     present, a ``loss_mask`` of one entry per token id (``check_loss_mask``), whose data
     tiles the rest of the file exactly (``_check_data_size``), and, when recorded,
-    layer ids matching the layer axis.
+    layer ids matching the layer axis and the model's layer count (``_check_capture``).
 
     Args:
         path: The file, for error messages.
@@ -169,12 +221,24 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     data_start = 8 + len(header_bytes)
     _check_data_size(path, tensors, data_start, file_size)
     header = SampleHeader(path, data_start, file_size, tensors, metadata)
+    _check_capture(header)
+    return header
+
+
+def _check_capture(header: SampleHeader) -> None:
+    """Recorded layer ids fit the layer axis and the model's recorded layer count."""
     ids = header.layer_ids  # raises CorruptSampleError when malformed
     if ids is not None and len(ids) != header.num_layers:
         raise CorruptSampleError(
-            path, f"metadata layer_ids {ids} do not match {header.num_layers} captured layers"
+            header.path,
+            f"metadata layer_ids {ids} do not match {header.num_layers} captured layers",
         )
-    return header
+    n = header.num_hidden_layers  # raises CorruptSampleError when malformed
+    if ids and n is not None and not all(0 <= i <= n for i in ids):
+        raise CorruptSampleError(
+            header.path,
+            f"metadata layer_ids {ids} are not layers of a {n}-layer model (ids 0..{n})",
+        )
 
 
 def _parse_json(path: str, header_bytes: bytes) -> tuple[dict[str, Any], dict[str, str]]:
@@ -194,28 +258,33 @@ def _parse_json(path: str, header_bytes: bytes) -> tuple[dict[str, Any], dict[st
 
 
 def _parse_tensor(path: str, name: str, spec: Any) -> TensorInfo:
-    """One tensor entry: a known dtype, a sane shape, offsets spanning exactly its bytes."""
-    if not isinstance(spec, dict):
+    """One tensor entry: a known dtype, a sane shape, offsets spanning exactly its bytes.
+
+    Written for speed (it runs for every tensor of every file): JSON gives exact types,
+    so ``type(x) is int`` is ``isinstance(x, int)`` without ``bool``.
+    """
+    if type(spec) is not dict:
         raise CorruptSampleError(path, f"tensor {name!r}: entry is not an object")
     dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
-    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+    if type(dtype) is not str or dtype not in DTYPE_SIZES:
         raise CorruptSampleError(path, f"tensor {name!r}: unsupported dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIM for d in shape
-    ):
+    nbytes = DTYPE_SIZES[dtype]
+    if type(shape) is not list:
         raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
+            raise CorruptSampleError(path, f"tensor {name!r}: bad shape {shape!r}")
+        nbytes *= d
+    if type(offsets) is not list or len(offsets) != 2:
         raise CorruptSampleError(path, f"tensor {name!r}: bad data_offsets {offsets!r}")
-    if offsets[1] - offsets[0] != _shape_bytes(dtype, shape):
+    begin, end = offsets
+    if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        raise CorruptSampleError(path, f"tensor {name!r}: bad data_offsets {offsets!r}")
+    if end - begin != nbytes:
         raise CorruptSampleError(
-            path, f"tensor {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape} {dtype}"
+            path, f"tensor {name!r}: {end - begin} bytes for shape {shape} {dtype}"
         )
-    return TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+    return TensorInfo(dtype, tuple(shape), begin, end)
 
 
 def _check_sample_tensors(path: str, tensors: Mapping[str, TensorInfo]) -> None:
@@ -272,23 +341,38 @@ def _check_data_size(
         )
 
 
-def read_header_fd(fd: int, path: str) -> SampleHeader:
-    """Read and validate the header of an open sample file."""
-    file_size = os.fstat(fd).st_size
+def header_length(path: str, prefix: bytes | memoryview, file_size: int) -> int:
+    """The JSON header's length from the file's first 8 bytes, checked against its size.
+
+    Args:
+        path: The file, for error messages.
+        prefix: The file's first bytes (at least 8 of them unless the file is shorter).
+        file_size: Size of the whole file in bytes.
+
+    Raises:
+        IncompleteSampleError: The file ends before the prefix or inside the header.
+        CorruptSampleError: An implausible header length.
+    """
     if file_size == 0:
         raise IncompleteSampleError(path, "empty file (0 bytes)")
-    prefix = os.pread(fd, 8, 0)
     if len(prefix) < 8:
         raise IncompleteSampleError(path, f"only {file_size} bytes, shorter than the header prefix")
-    (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > MAX_HEADER_BYTES:
-        raise CorruptSampleError(path, f"header length {header_len} is implausible")
-    if 8 + header_len > file_size:
+    (length,) = struct.unpack_from("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise CorruptSampleError(path, f"header length {length} is implausible")
+    if 8 + length > file_size:
         raise IncompleteSampleError(
-            path, f"truncated inside the header ({file_size} of {8 + header_len} bytes)"
+            path, f"truncated inside the header ({file_size} of {8 + length} bytes)"
         )
-    header_bytes = os.pread(fd, header_len, 8)
-    return parse_header(path, header_bytes, file_size)
+    return int(length)
+
+
+def read_header_fd(fd: int, path: str, file_size: int | None = None) -> SampleHeader:
+    """Read and validate the header of an open sample file (``file_size``: from fstat)."""
+    if file_size is None:
+        file_size = os.fstat(fd).st_size
+    length = header_length(path, os.pread(fd, 8, 0) if file_size else b"", file_size)
+    return parse_header(path, os.pread(fd, length, 8), file_size)
 
 
 def read_header(path: str | os.PathLike[str]) -> SampleHeader:
@@ -375,9 +459,14 @@ def sample_metadata(
     request_id: str | None = None,
     num_prompt_tokens: int | None = None,
     producer: str | None = None,
+    num_hidden_layers: int | None = None,
+    model_revision: str | None = None,
+    vllm_version: str | None = None,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Build the ``__metadata__`` map that this project's writers record.
+
+    (``model_dtype`` is recorded by the file writer itself, from the hidden states.)
 
     Args:
         layer_ids: Captured layer ids, in the order of the layer axis.
@@ -385,16 +474,35 @@ def sample_metadata(
         request_id: The vLLM request id.
         num_prompt_tokens: Prompt length (the rest of the tokens, if any, were generated).
         producer: ``name/version`` of the writer.
+        num_hidden_layers: The model's decoder layer count (layer id N is its last
+            layer's output), so a reader can tell whether the last layer was captured.
+        model_revision: The model's commit hash, or the revision asked for.
+        vllm_version: The version of the vLLM that computed the hidden states.
         extra: Further string pairs to record.
 
     Returns:
         A string-to-string map.
+
+    Raises:
+        ValueError: ``num_hidden_layers`` is not positive, or a layer id is outside
+            ``0..num_hidden_layers``.
     """
     meta: dict[str, str] = {Meta.FORMAT: FORMAT_VERSION, Meta.CREATED: f"{time.time():.3f}"}
     if layer_ids is not None:
         meta[Meta.LAYER_IDS] = json.dumps(list(layer_ids))
+    if num_hidden_layers is not None:
+        n = int(num_hidden_layers)
+        if n < 1:
+            raise ValueError(f"num_hidden_layers must be positive, got {num_hidden_layers!r}")
+        if layer_ids is not None and not all(0 <= i <= n for i in layer_ids):
+            raise ValueError(f"layer ids {list(layer_ids)} are not layers 0..{n} of the model")
+        meta[Meta.NUM_HIDDEN_LAYERS] = str(n)
     if model is not None:
         meta[Meta.MODEL] = model
+    if model_revision is not None:
+        meta[Meta.MODEL_REVISION] = model_revision
+    if vllm_version is not None:
+        meta[Meta.VLLM_VERSION] = vllm_version
     if request_id is not None:
         meta[Meta.REQUEST_ID] = request_id
     if num_prompt_tokens is not None:

@@ -7,8 +7,9 @@ chat-template markup). Writers store it as ``U8``; readers also accept ``BOOL`` 
 stay valid: their readers see ``None``.
 
 The header can only prove the shape and dtype (``check_loss_mask``); that every byte is
-0 or 1 is checked when the data is loaded (``loss_mask_view``) or written
-(``as_mask_tensor``).
+0 or 1 is ``check_mask_values``, which the loader and every count apply through
+``sample/content.py`` (it reads one byte per token), and which writers meet in
+``as_mask_tensor``.
 """
 
 from __future__ import annotations
@@ -48,24 +49,35 @@ def check_loss_mask(path: str, tensors: Mapping[str, TensorInfo], num_tokens: in
         )
 
 
-def loss_mask_view(raw: torch.Tensor, path: str) -> torch.Tensor:
-    """The stored mask bytes as a ``torch.bool`` view (no copy), after checking them.
+def check_mask_values(raw: bytes | memoryview, path: str) -> None:
+    """Every stored mask byte is 0 or 1 (torch-free; one pass over one byte per token).
 
     Args:
-        raw: The ``loss_mask`` bytes as a 1-D ``torch.uint8`` tensor.
+        raw: The ``loss_mask`` bytes.
         path: The file, for the error message.
 
     Raises:
         CorruptSampleError: A byte is neither 0 nor 1 (viewing it as bool would be
-            undefined behaviour in torch).
+            undefined behaviour in torch); the message names the first such entry.
+    """
+    data = bytes(raw)
+    bad = data.translate(None, b"\x00\x01")
+    if bad:
+        index = data.index(bad[:1])  # the first bad byte's value first occurs there
+        raise CorruptSampleError(
+            path, f"loss_mask[{index}] is {data[index]}; every entry must be 0 or 1"
+        )
+
+
+def loss_mask_view(raw: torch.Tensor) -> torch.Tensor:
+    """The stored mask bytes as a ``torch.bool`` view (no copy).
+
+    Args:
+        raw: The ``loss_mask`` bytes as a 1-D ``torch.uint8`` tensor, already checked by
+            ``check_mask_values`` (the loader's ``check_content`` does).
     """
     import torch
 
-    if raw.numel() and int(raw.max()) > 1:
-        bad = int(torch.nonzero(raw > 1)[0, 0])
-        raise CorruptSampleError(
-            path, f"loss_mask[{bad}] is {int(raw[bad])}; every entry must be 0 or 1"
-        )
     return raw.view(torch.bool)
 
 

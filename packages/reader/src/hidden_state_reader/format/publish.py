@@ -85,12 +85,14 @@ def has_nonfinite(tensor: torch.Tensor) -> bool:
 
 
 def _initial_metadata(
-    metadata: Mapping[str, str] | None, *, checksum: bool, nonfinite: bool
+    metadata: Mapping[str, str] | None, *, model_dtype: str, checksum: bool, nonfinite: bool
 ) -> dict[str, str]:
     """The metadata to encode first, with fixed-width placeholders patched at the end."""
     meta = dict(metadata or {})
     # Marks files published atomically by this module (readers may map them).
     meta.setdefault(Meta.FORMAT, FORMAT_VERSION)
+    # What the hidden states were computed in (fp8 storage overrides: see _use_fp8).
+    meta.setdefault(Meta.MODEL_DTYPE, model_dtype)
     if nonfinite:
         meta[Meta.NONFINITE] = "0"
     if checksum:
@@ -108,7 +110,8 @@ class SampleFileWriter:
         hidden_dtype: dtype of ``hidden_states`` (the model's, also with fp8 storage).
         metadata: The ``__metadata__`` map.
         lock: The writer's lock, released after publication (or failure).
-        checksum: Record a CRC32 of the tensor bytes in the metadata.
+        checksum: Record a CRC32 of the tensor bytes in the metadata (default on; it is
+            computed over each chunk as it is written, in the writing thread).
         record_nonfinite: Record whether ``hidden_states`` contains NaN/inf (the caller
             reports it through ``note_nonfinite``).
         fsync: Make the file and its directory entry durable before releasing the lock.
@@ -117,8 +120,9 @@ class SampleFileWriter:
         loss_mask: Optional ``[tokens]`` 0/1 (bool or integer tensor, or a sequence),
             stored as ``loss_mask`` (U8) after ``hidden_states``.
         storage: ``"model"``, or ``"fp8_e4m3"``: ``write_hidden`` then takes fp8 bytes
-            (``fp8.quantize``) and ``write_scales`` their scales; ``hidden_dtype`` is
-            recorded as ``model_dtype``.
+            (``fp8.quantize``) and ``write_scales`` their scales. ``hidden_dtype`` is
+            recorded as ``model_dtype`` (with ``"model"`` storage unless ``metadata``
+            already has one).
     """
 
     def __init__(
@@ -130,7 +134,7 @@ class SampleFileWriter:
         hidden_dtype: torch.dtype,
         metadata: Mapping[str, str] | None = None,
         lock: WriterLock | None = None,
-        checksum: bool = False,
+        checksum: bool = True,
         record_nonfinite: bool = False,
         fsync: bool = False,
         dir_fd: int | None = None,
@@ -148,7 +152,14 @@ class SampleFileWriter:
         self.final_path = final_path
         self.lock = lock
         self._fsync = fsync
-        self._meta = _initial_metadata(metadata, checksum=checksum, nonfinite=record_nonfinite)
+        from hidden_state_reader.format.tensors import DTYPE_NAMES
+
+        self._meta = _initial_metadata(
+            metadata,
+            model_dtype=DTYPE_NAMES[hidden_dtype],
+            checksum=checksum,
+            nonfinite=record_nonfinite,
+        )
         self._crc: int | None = 0 if checksum else None
         self._tokens = token_ids.detach().to("cpu", torch.int64).reshape(-1)
         if self._tokens.shape[0] != hidden_shape[0]:
@@ -353,7 +364,7 @@ def write_sample(
     *,
     metadata: Mapping[str, str] | None = None,
     use_lock: bool = True,
-    checksum: bool = False,
+    checksum: bool = True,
     fsync: bool = False,
     loss_mask: torch.Tensor | Sequence[int] | None = None,
     storage: str = fp8.STORAGE_MODEL,
@@ -366,7 +377,7 @@ def write_sample(
         hidden_states: ``[tokens, layers, hidden]`` tensor (bf16, fp16 or fp32).
         metadata: ``__metadata__`` string map (see ``sample_metadata``).
         use_lock: Create and hold the companion lock while writing.
-        checksum: Record a CRC32 of the tensor bytes.
+        checksum: Record a CRC32 of the tensor bytes (default on).
         fsync: Make the file durable before publishing.
         loss_mask: Optional ``[tokens]`` 0/1 per token id (1: the loss counts it).
         storage: ``"model"`` (as given) or ``"fp8_e4m3"`` (quantized, see ``fp8.py``).

@@ -10,6 +10,7 @@ busy directory does not flood the queue and readers never see their own reads.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import queue
@@ -59,6 +60,8 @@ class Inotify:
     @classmethod
     def _start(cls) -> int:
         libc = ctypes.CDLL(None, use_errno=True)
+        if not hasattr(libc, "inotify_init1"):  # not Linux: the callers fall back to polling
+            raise OSError(errno.ENOSYS, "inotify is not available on this system")
         fd = int(libc.inotify_init1(_IN_CLOEXEC))
         if fd < 0:
             err = ctypes.get_errno()

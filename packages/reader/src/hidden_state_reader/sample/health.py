@@ -3,9 +3,12 @@
 ``check_sample`` looks at one sample (its data file and its companion lock) and says in
 which state it is; ``check_temp`` does the same for an in-progress temporary file;
 ``scan_health`` walks a whole storage directory. Nothing here waits for a writer or
-modifies a file: a lock is only *probed* (``flock(LOCK_SH | LOCK_NB)``), and a header
-read is a few hundred bytes. ``hidden-state ls``, ``verify`` and ``clean`` are built on
-this module.
+modifies a file: a lock is only *probed* (``flock(LOCK_SH | LOCK_NB)``), and a data
+file is judged by the loader's own rule (``sample.content.examine``) from its header (a
+few hundred bytes) and, for a file with a ``loss_mask``, one byte per token; ``ready``
+means a reader with the same options yields it. ``hidden-state ls``, ``stats``,
+``verify``, ``clean``, ``inspect`` and ``len(HiddenStateDataset)`` are built on this
+module.
 
 States (``hidden_state_reader.sample.states.SampleState``): ``ready``,
 ``pending``, ``failed``, ``stale``, ``incomplete``, ``corrupt``, ``empty`` and
@@ -23,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
+from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.listing import list_entries
 from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
@@ -44,6 +49,8 @@ from hidden_state_reader.format.names import (
     lock_path,
     sample_key,
 )
+from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.sample.content import examine
 from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
 
 ProgressCallback = Callable[[int, int], None]
@@ -66,8 +73,9 @@ class SampleHealth:
         header: The validated header, when the data file has one.
         lock: What probing the lock file found (for a temporary file: the lock that
             would protect it).
-        lock_status: The status the writer left in the lock file, when one was read.
-        size: Size in bytes of the data (or temporary) file; None if there is none.
+        lock_status: The status the writer left in the lock file, when one was read (see
+            ``current_lock_status`` for whether it still describes the sample).
+        size: File bytes of the data (or temporary) file; None if there is none.
         age: Seconds since the newest of the data and lock files (or the temporary
             file) was modified.
         checksum_verified: True when a recorded CRC32 was checked and matched.
@@ -97,6 +105,22 @@ class SampleHealth:
         return self.state.is_problem
 
     @property
+    def current_lock_status(self) -> LockStatus | None:
+        """The writer's status in the lock file, when it describes the sample now.
+
+        A writer records ``writing`` (with its pid, host and request id) when it starts
+        and does not rewrite it once the data file is published. So for a sample whose
+        data file is there and whose lock is no longer held, that status is history and
+        this is None (``as_dict`` keeps the writer's details under ``writer``).
+        """
+        status = self.lock_status
+        if status is None or status.state is None:
+            return None
+        if self.lock is not LockState.HELD and self.size is not None and not status.failed:
+            return None
+        return status
+
+    @property
     def lock_path(self) -> str | None:
         """The lock file that governs this entry, if any can exist."""
         if not self.is_temp:
@@ -112,11 +136,14 @@ class SampleHealth:
             "reason": self.reason,
             "kind": "temp" if self.is_temp else "sample",
             "lock": self.lock.value,
-            "size": self.size,
+            "file_bytes": self.size,
             "age": None if self.age is None else round(self.age, 3),
         }
-        if self.lock_status is not None and self.lock_status.state is not None:
-            out["lock_status"] = {"state": self.lock_status.state, **self.lock_status.detail}
+        current = self.current_lock_status
+        if current is not None:
+            out["lock_status"] = {"state": current.state, **current.detail}
+        elif self.lock_status is not None and self.lock_status.detail:
+            out["writer"] = dict(self.lock_status.detail)  # who wrote it: pid, host, request
         if self.header is not None:
             h = self.header
             out.update(
@@ -128,6 +155,22 @@ class SampleHealth:
         if self.checksum_verified:
             out["checksum_verified"] = True
         return out
+
+
+def _examine(path: str, options: LoadOptions) -> tuple[SampleHeader | None, SampleError | None]:
+    """The header and what the loader would refuse, by the loader's own rule."""
+    try:
+        with open_sample(path) as fd:
+            return examine(fd, path, options)
+    except (CorruptSampleError, IncompleteSampleError) as exc:  # not a regular file
+        return None, exc
+
+
+def _header_only(path: str) -> tuple[SampleHeader | None, SampleError | None]:
+    try:
+        return read_header(path), None
+    except (CorruptSampleError, IncompleteSampleError) as exc:
+        return None, exc
 
 
 def _age(now: float, *mtimes: float | None) -> float | None:
@@ -149,6 +192,7 @@ def check_sample(
     checksums: bool = False,
     grace: float = GRACE,
     now: float | None = None,
+    options: LoadOptions | None = None,
 ) -> SampleHealth:
     """Classify one sample without blocking.
 
@@ -160,10 +204,15 @@ def check_sample(
         root: The storage directory.
         name: The sample's data-file name, ``NAME.safetensors`` (its lock-file name is
             accepted too).
-        checksums: Also read the tensor data and check the writer's CRC32, if recorded.
+        checksums: Also read the tensor data and check the writer's CRC32, if recorded
+            (``options`` with ``verify_checksum``).
         grace: Seconds during which a released lock without data, or a truncated file
             without a lock, still counts as ``pending`` (see ``GRACE``).
         now: The current time (``time.time()``); for tests.
+        options: How a reader would load the file (default: ``LoadOptions()``, the
+            reader's defaults). The file is ``ready`` exactly when a reader with these
+            options would yield it: the content checks are the loader's own
+            (``sample.content``); only the tensors are not built.
 
     Returns:
         The verdict. A file that cannot be read (permissions, I/O error) is ``corrupt``
@@ -180,7 +229,10 @@ def check_sample(
         raise ValueError(f"{name!r} is not a sample name (expected NAME{DATA_SUFFIX})")
     data_path = os.path.join(root, os.path.dirname(name), key)
     try:
-        return _check_sample(data_path, key, checksums, grace, time.time() if now is None else now)
+        load = options or LoadOptions()
+        if checksums and not load.verify_checksum:
+            load = dataclasses.replace(load, verify_checksum=True)
+        return _check_sample(data_path, key, load, grace, time.time() if now is None else now)
     except FileNotFoundError:
         raise
     except OSError as exc:
@@ -188,7 +240,7 @@ def check_sample(
 
 
 def _check_sample(
-    data_path: str, name: str, checksums: bool, grace: float, now: float
+    data_path: str, name: str, options: LoadOptions, grace: float, now: float
 ) -> SampleHealth:
     lock_file = lock_path(data_path)
     lock = probe(lock_file)
@@ -201,23 +253,17 @@ def _check_sample(
     status = read_status(lock_file) if lock is not LockState.ABSENT else None
     header: SampleHeader | None = None
     problem: SampleError | None = None
-    verified = False
-    if st is not None:
-        try:
-            header = read_header(data_path)
-        except (CorruptSampleError, IncompleteSampleError) as exc:
-            problem = exc
-        if header is not None and checksums and lock is not LockState.HELD:
-            # Imported here: sample_load needs torch, and the `hidden-state` command
-            # imports this module to build its help (start-up stays well under 1 s).
-            from hidden_state_reader.options import LoadOptions
-            from hidden_state_reader.sample.load import load_sample
-
-            try:
-                load_sample(data_path, LoadOptions(verify_checksum=True))
-                verified = Meta.CRC32 in header.metadata
-            except (CorruptSampleError, IncompleteSampleError) as exc:
-                problem = exc
+    if st is not None and lock is not LockState.HELD:
+        # A held lock is pending whatever the file holds: leave it to its writer.
+        header, problem = _examine(data_path, options)
+    elif st is not None:
+        header, problem = _header_only(data_path)
+    verified = bool(
+        problem is None
+        and header is not None
+        and options.verify_checksum
+        and Meta.CRC32 in header.metadata
+    )
     obs = Observation(
         lock,
         status,
@@ -336,6 +382,7 @@ def scan_health(
     checksums: bool = False,
     grace: float = GRACE,
     include_temps: bool = True,
+    options: LoadOptions | None = None,
 ) -> Iterator[SampleHealth]:
     """Check every sample (and temporary file) of a storage directory.
 
@@ -348,6 +395,7 @@ def scan_health(
         checksums: Verify recorded CRC32s (reads all tensor data).
         grace: See ``check_sample`` and ``check_temp``.
         include_temps: Also report temporary files (after the samples).
+        options: How a reader would load the files (see ``check_sample``).
 
     Yields:
         One ``SampleHealth`` per sample, in natural name order, then one per temporary
@@ -364,7 +412,9 @@ def scan_health(
     now = time.time()
     checks: list[Callable[[], SampleHealth]] = []
     checks += [
-        functools.partial(check_sample, root, name, checksums=checksums, grace=grace, now=now)
+        functools.partial(
+            check_sample, root, name, checksums=checksums, grace=grace, now=now, options=options
+        )
         for name in samples
     ]
     checks += [functools.partial(check_temp, root, name, grace=grace, now=now) for name in temps]

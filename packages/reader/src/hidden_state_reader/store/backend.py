@@ -217,7 +217,7 @@ class StoreBackend:
             reason = str(json.loads(raw).get("reason", "no reason recorded"))
             error = FailedSampleError(where, f"the writer gave up: {reason}")
             return rejected(name, SampleState.FAILED, error, claim)
-        data = self.client.get(data_key(self.prefix, name))
+        data = self.client.get_object(data_key(self.prefix, name))
         if data is None:
             return Outcome(OutcomeKind.VANISHED, name)  # consumed and deleted by another reader
         sample: Sample | None = None

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hidden_state_reader.errors import HiddenStateError
+from hidden_state_reader.format import hostmem
 
 # Mooncake error codes (mooncake-store/include/types.h) this module tells apart.
 NO_SPACE = -200  # NO_AVAILABLE_HANDLE: no segment has room (hard-pinned objects stay)
@@ -131,9 +135,14 @@ class StoreClient:
         # to memory pressure; a full store fails puts instead (handled in ``put``).
         self._pinned = config_type()
         self._pinned.with_hard_pin = True
+        self._staging: np.ndarray | None = None  # registered on first use (get_object)
+        self._staging_lock = threading.Lock()
 
     def close(self) -> None:
         """Leave the store (objects in other clients' segments stay)."""
+        if self._staging is not None:
+            self._store.unregister_buffer(self._staging.ctypes.data)
+            self._staging = None
         self._store.close()
 
     def _fits(self, key: str, size: int) -> None:
@@ -194,6 +203,46 @@ class StoreClient:
             raise StoreError(f"{key}: read {len(data)} of {size} bytes")
         return bytes(data) if not isinstance(data, bytes) else data
 
+    def get_object(self, key: str) -> np.ndarray | None:
+        """The object at ``key`` as fresh ``uint8`` memory of its own, None if there is none.
+
+        For samples: the transfer lands in a buffer registered with the transfer engine
+        once (``get_into``, ``buffer_bytes`` large) and is copied once into fresh
+        (huge-page-advised) memory, which the sample's tensors then view. ``get`` costs
+        a copy into a ``bytes`` object, and that object cannot back tensors.
+
+        Raises:
+            StoreError: Larger than the transfer buffer, the buffer cannot be registered,
+                or the read failed or came back short.
+        """
+        size = self.size(key)
+        if size is None:
+            return None
+        self._fits(key, size)
+        out = hostmem.empty_bytes(size)
+        with self._staging_lock:
+            staging = self._staging_buffer()
+            n = int(self._store.get_into(key, staging.ctypes.data, size)) if size else 0
+            if n != size:
+                if self.size(key) is None:
+                    return None  # removed between the two calls
+                what = f"failed with code {n}" if n < 0 else f"read {n} of {size} bytes"
+                raise StoreError(f"{key}: get_into {what}")
+            np.copyto(out, staging[:size])
+        return out
+
+    def _staging_buffer(self) -> np.ndarray:
+        if self._staging is None:
+            staging = np.empty(self.settings.buffer_bytes, dtype=np.uint8)
+            rc = self._store.register_buffer(staging.ctypes.data, staging.nbytes)
+            if rc != 0:
+                raise StoreError(
+                    f"cannot register a {staging.nbytes}-byte receive buffer with the "
+                    f"transfer engine (code {rc}); lower the buffer size (reader URL: ?buffer=)"
+                )
+            self._staging = staging
+        return self._staging
+
     def exists(self, keys: list[str]) -> list[bool]:
         """For each key, whether a complete object is there."""
         if not keys:
@@ -230,3 +279,4 @@ class StoreClient:
                 raise StoreError(f"{key}: no claim became readable within {timeout:g} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
+

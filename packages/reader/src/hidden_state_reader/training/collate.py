@@ -52,7 +52,7 @@ class _Item:
     def trained(self, n: int) -> torch.Tensor:
         """The first ``n`` entries of the loss mask (all True without a mask)."""
         if self.loss_mask is None:
-            return torch.ones(n, dtype=torch.bool)
+            return torch.ones(n, dtype=torch.bool, device=self.token_ids.device)
         return self.loss_mask[:n]
 
 
@@ -172,10 +172,11 @@ class PadCollate:
             width = math.ceil(width / self.pad_to_multiple_of) * self.pad_to_multiple_of
         hidden0 = items[0].hidden_states
         size = len(items)
-        input_ids = torch.full((size, width), self.pad_token_id, dtype=torch.int64)
-        hidden = torch.zeros((size, width, *hidden0.shape[1:]), dtype=hidden0.dtype)
-        mask = torch.zeros((size, width), dtype=torch.bool)
-        loss_mask = torch.zeros((size, width), dtype=torch.bool)
+        on = hidden0.device  # samples read with device="cuda" are batched there
+        input_ids = torch.full((size, width), self.pad_token_id, dtype=torch.int64, device=on)
+        hidden = torch.zeros((size, width, *hidden0.shape[1:]), dtype=hidden0.dtype, device=on)
+        mask = torch.zeros((size, width), dtype=torch.bool, device=on)
+        loss_mask = torch.zeros((size, width), dtype=torch.bool, device=on)
         for row, (item, n) in enumerate(zip(items, lengths, strict=True)):
             input_ids[row, :n] = item.token_ids[:n]
             hidden[row, :n] = item.hidden_states[:n]

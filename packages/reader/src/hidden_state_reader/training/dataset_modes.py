@@ -84,7 +84,7 @@ class StaticSamples:
         self.root = root
         self.options = options
         self.sharding = sharding
-        self.names = list(names) if names is not None else usable_names(root, options.orphan_grace)
+        self.names = list(names) if names is not None else usable_names(root, options)
         digest = hashlib.sha1("\n".join(self.names).encode(), usedforsecurity=False)
         self.fingerprint = digest.hexdigest()[:16]
         self.max_samples = max_samples
@@ -179,13 +179,16 @@ def open_reader(
     return reader
 
 
-def usable_names(root: str, grace: float) -> list[str]:
+def usable_names(root: str, options: ReaderOptions) -> list[str]:
     """The samples a reader will yield now: ready, or still being written.
 
-    The same rule as ``hidden-state stats`` and ``verify`` (``states.judge``, with the
-    dataset's ``orphan_grace``); reads headers only, and warns about what it leaves out.
+    The same rule as ``hidden-state stats`` and ``verify`` (``health.check_sample``, with
+    the dataset's load options and ``orphan_grace``): no tensors are loaded, and what it
+    leaves out is what the dataset's readers would reject. Warns about what it leaves out.
     """
-    found = list(scan_health(root, grace=grace, include_temps=False))
+    found = list(
+        scan_health(root, grace=options.orphan_grace, include_temps=False, options=options)
+    )
     if not found:
         log.warning("%s", describe_empty(root))
     left_out = [h for h in found if not h.state.usable]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch.utils.data import DataLoader
 
 from hidden_state_reader.training.collate import pad_collate
@@ -104,6 +105,7 @@ class HiddenStateLoader(DataLoader[Any]):
             dataset.options.check_consumers(kwargs.get("num_workers", 0), "DataLoader workers")
         elif kwargs.get("in_order", True) is False:
             raise ValueError("in_order=False would break the static order and exact resume")
+        _check_device_workers(dataset, kwargs.get("num_workers", 0))
         dataset._bind(batch_size)
         self.batch_collate_fn = collate_fn if collate_fn is not None else pad_collate
         super().__init__(
@@ -145,3 +147,16 @@ class HiddenStateLoader(DataLoader[Any]):
                 ``HiddenStateDataset.load_state_dict``).
         """
         self.dataset.load_state_dict(state)
+
+
+def _check_device_workers(dataset: HiddenStateDataset, num_workers: int) -> None:
+    """A device other than the CPU is only reachable from the training process."""
+    device = dataset.options.device
+    if device is None or num_workers == 0 or torch.device(device).type == "cpu":
+        return
+    raise ValueError(
+        f"device={device!r} with num_workers={num_workers}: worker processes cannot use the "
+        "device (CUDA does not survive fork); use num_workers=0 (the reader then copies "
+        "and dequantizes on the device itself), or read raw_fp8=True in workers and call "
+        "hidden_state_reader.format.fp8.dequantize on the device after the loader"
+    )

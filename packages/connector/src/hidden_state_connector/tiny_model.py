@@ -1,8 +1,18 @@
-"""A small Llama-architecture model with random weights and a byte-level tokenizer.
+"""A tiny Llama-architecture model with random weights, to try things without a hub.
 
-Built locally with HF ``transformers``/``tokenizers`` (no downloads), cached on disk, and
-small enough for vLLM's CPU build: hidden 128, 2 heads (head_dim 64, the smallest the
-CPU attention backend accepts), 4 layers.
+``build_tiny_model(directory)`` (or ``hidden-state tiny-model DIR``) writes a complete
+Hugging Face model folder, built locally with ``transformers`` and ``tokenizers`` (no
+download): a Llama with random weights, hidden 128, 2 heads (head size 64, one vLLM's CPU
+attention accepts), 4 layers by default, and a byte-level tokenizer with a
+chat template. vLLM (CPU or CUDA) and Hugging Face load it like any local model, so
+``hidden-state serve``, ``extract`` and the demo run on it in seconds. The states it
+produces are meaningless: it is for trying the pipeline, not for training a drafter.
+
+Example::
+
+    from hidden_state_connector.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model("/tmp/tiny-llama")  # reused if already built
 """
 
 from __future__ import annotations
@@ -12,6 +22,12 @@ import os
 from pathlib import Path
 
 BYTE_VOCAB = 256
+RECIPE_FILE = "tiny_model_recipe.json"
+"""Written last into a built model folder: how it was built (a rebuild is skipped when
+the recipe is the same)."""
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""``hidden_size / num_heads`` values vLLM's CPU attention backend takes (0.32; CUDA
+backends take more)."""
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>", "<unk>")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -56,13 +72,17 @@ def build_tiny_model(
         directory: Where to save it; reused if it already holds the same configuration.
         num_layers: Decoder layers.
         hidden_size: Model width.
-        num_heads: Attention heads (keep ``hidden_size / num_heads`` at 64 or more for
-            vLLM's CPU attention backend).
+        num_heads: Attention heads (``hidden_size / num_heads`` one of
+            ``CPU_HEAD_SIZES`` for vLLM's CPU build).
         dtype: ``"bfloat16"`` or ``"float32"`` weights.
         seed: Weight initialisation seed.
 
     Returns:
         The model directory.
+
+    Raises:
+        ImportError: ``transformers`` or ``tokenizers`` is not installed
+            (``pip install "hidden-state-connector[demo]"``).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,7 +95,7 @@ def build_tiny_model(
         "dtype": dtype,
         "seed": seed,
     }
-    stamp = path / "tiny_model_recipe.json"
+    stamp = path / RECIPE_FILE
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)

@@ -19,11 +19,10 @@ import threading
 from typing import Any
 
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.sample_target import SampleTarget
-from hidden_state_connector.engine.store_config import store_settings
+from hidden_state_connector.engine.write.target import SampleTarget
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.format import WriterLock
-from hidden_state_reader.store.client import StoreClient
+from hidden_state_reader.store.client import StoreClient, StoreSettings
 from hidden_state_reader.store.publish import StorePublisher, publish_file
 from hidden_state_reader.store.url import store_url
 
@@ -96,6 +95,21 @@ class StoreLock(WriterLock):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.staged)
         self.publisher.fail(self.name, reason[:1000], request_id=self.request_id, **detail)
+
+
+def store_settings(config: ConnectorConfig) -> StoreSettings:
+    """The store client settings the config names (its keys were checked at start-up)."""
+    assert config.mooncake_master
+    return StoreSettings(
+        master=config.mooncake_master,
+        prefix=config.mooncake_prefix,
+        metadata_server=config.mooncake_metadata_server,
+        local_hostname=config.mooncake_local_hostname,
+        protocol=config.mooncake_protocol,
+        device_names=config.mooncake_device_names,
+        segment_bytes=config.mooncake_segment_bytes,
+        buffer_bytes=config.mooncake_buffer_bytes,
+    )
 
 
 class StoreBackend:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hidden_state_connector.engine.buffers import Slab
-from hidden_state_connector.engine.gather import Extractor
-from hidden_state_connector.engine.save_job import END_OF_CHUNKS, SaveJob
+from hidden_state_connector.engine.write.buffers import Slab
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.job import END_OF_CHUNKS, SaveJob
 from hidden_state_reader.format import SampleFileWriter
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from hidden_state_connector.engine.buffers import Slab
-from hidden_state_connector.engine.gather import Chunk
+from hidden_state_connector.engine.write.buffers import Slab
+from hidden_state_connector.engine.write.gather import Chunk
 from hidden_state_reader.format import WriterLock
 
 END_OF_CHUNKS = None

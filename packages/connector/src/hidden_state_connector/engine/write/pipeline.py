@@ -33,12 +33,12 @@ import threading
 import time
 from collections import deque
 
-from hidden_state_connector.engine.buffers import Slab, SlabPool
-from hidden_state_connector.engine.gather import Extractor
-from hidden_state_connector.engine.sample_write import FileOptions, write_sample
-from hidden_state_connector.engine.save_job import JobState, SaveJob
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.trace import StageTrace
+from hidden_state_connector.engine.write.buffers import Slab, SlabPool
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.job import JobState, SaveJob
+from hidden_state_connector.engine.write.sample_file import FileOptions, write_sample
+from hidden_state_connector.engine.write.trace import StageTrace
 from hidden_state_reader.format.flockwait import threads_ignore_signals
 
 

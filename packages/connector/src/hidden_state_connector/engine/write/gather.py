@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from hidden_state_connector.engine import compat
-from hidden_state_connector.engine.buffers import Slab
 from hidden_state_connector.engine.layout import CacheLayout
+from hidden_state_connector.engine.write.buffers import Slab
 from hidden_state_reader.format import fp8, has_nonfinite
 
 

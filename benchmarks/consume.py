@@ -1,0 +1,459 @@
+"""Consume: a producer at a fixed rate, N reader processes with a consumer group's defaults.
+
+    python -m benchmarks --only consume [--quick]        # a section of docs/benchmarks.md
+    python -m benchmarks.consume [--quick] [--readers 3] [--rate 36] [--samples 400]
+        [--tokens 1024] [--kinds "bf16,fp8,fp8 device"] [--json OUT]  # e.g. on a GPU host
+    python -m benchmarks.consume --check-device cuda     # device=... reads == CPU reads?
+
+One producer process publishes samples at a fixed rate the way the connector does
+(lock, complete file under its final name, unlock; or a store put plus commit record),
+from files written beforehand, so its own cost is small: it stands for a GPU engine.
+``readers`` processes follow the directory (or store) with ``follow=True, claim=True,
+on_consumed="delete"`` and otherwise default options (``device`` in the device rows)
+and touch every byte of what they get (``benchmarks.consume_roles``). Kinds:
+
+* ``bf16``, ``fp8``: files stored in the model's dtype, or as ``fp8_e4m3`` (dequantized
+  on the CPU by the reader);
+* ``bf16 device``, ``fp8 device``: the same with ``device="cuda"`` (only where CUDA is);
+* ``store``: bf16 samples through a Mooncake Store over loopback (needs root, unshare and
+  Mooncake; run in a loopback-only network namespace as ``benchmarks.store``).
+
+Reported per kind: samples produced and consumed (each exactly once), GB/s per reader
+process while busy (delivered bytes, bf16 for fp8 files, over the time from the moment
+a sample was both published and asked for until it had been touched: the rate a reader
+can sustain), the raw read of the same samples (``open``/``preadv`` into a fresh buffer
+per file, touched; the store: ``get_into`` a registered buffer), the largest backlog
+(published, not yet yielded) and the yield latency (publication -> yield) p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import child_env, fmt, goal, log, median, percentile, python_module, table
+
+NAME = "consume"
+TITLE = "15. Consume: a producer at a fixed rate, N follow + claim + delete readers"
+GOAL_FP8 = 0.5
+KINDS = {  # kind -> (storage, device, backend)
+    "bf16": ("model", None, "files"),
+    "fp8": ("fp8_e4m3", None, "files"),
+    "bf16 device": ("model", "cuda", "files"),
+    "fp8 device": ("fp8_e4m3", "cuda", "files"),
+    "store": ("model", None, "store"),
+}
+STORE_URL = "mooncake://127.0.0.1:50051/consume?hostname=127.0.0.1&buffer=128MiB"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and pace of one run (``tokens x layers x hidden`` bf16 samples)."""
+
+    tokens: int
+    layers: int
+    hidden: int
+    samples: int
+    rate: float  # samples per second
+    readers: int
+    idle: float  # the readers' idle_timeout, seconds
+    staged: int = 4  # distinct files the producer publishes in turn
+
+    @property
+    def bf16_bytes(self) -> int:
+        return self.tokens * (8 + self.layers * self.hidden * 2)
+
+
+QUICK = Plan(tokens=64, layers=4, hidden=1024, samples=12, rate=40.0, readers=2, idle=0.5)
+FULL = Plan(tokens=1024, layers=4, hidden=4096, samples=48, rate=12.0, readers=2, idle=3.0)
+
+
+def available(kinds: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The kinds that can run here, and why each other one cannot."""
+    import torch
+
+    from benchmarks.store import unavailable
+
+    skipped = {}
+    store_why = unavailable()
+    for kind in kinds:
+        _, device, backend = KINDS[kind]
+        if device == "cuda" and not torch.cuda.is_available():
+            skipped[kind] = "no CUDA device here"
+        elif backend == "store" and store_why:
+            skipped[kind] = store_why
+    return [k for k in kinds if k not in skipped], skipped
+
+
+def stage(root: Path, storage: str, plan: Plan) -> list[str]:
+    """``plan.staged`` distinct sample files of ``storage`` (written once, published many times)."""
+    import torch
+
+    from hidden_state_reader.format import sample_metadata, write_sample
+
+    root.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    paths = []
+    for i in range(plan.staged):
+        hidden = torch.randn(plan.tokens, plan.layers, plan.hidden, generator=gen)
+        path = write_sample(root / f"staged-{i}.safetensors", torch.arange(plan.tokens),
+                            hidden.bfloat16(), storage=storage, checksum=True,
+                            metadata=sample_metadata(layer_ids=list(range(plan.layers))),
+                            use_lock=False)  # fmt: skip
+        paths.append(str(path))
+    return paths
+
+
+def raw_read(paths: list[str], delivered: int, rounds: int = 3) -> float:
+    """GB/s of delivered bytes when a raw loop reads the same files (fresh buffer, touched)."""
+    import torch
+
+    from benchmarks.reader import touch
+
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                buf = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8)
+                view, done = buf.numpy().data, 0
+                while done < len(view):
+                    done += os.preadv(fd, [view[done:]], done)
+            finally:
+                os.close(fd)
+            touch(buf)
+        best = min(best, time.perf_counter() - started)
+    return delivered * len(paths) / best / 1e9
+
+
+def _roles(*args: str) -> list[str]:
+    return python_module("benchmarks.consume_roles", *args)
+
+
+def run_kind(
+    source: str,
+    producer: Callable[[str], list[str]],
+    plan: Plan,
+    device: str | None,
+    work: Path,
+) -> dict[str, Any]:
+    """Start the readers, then the producer (``producer(out)`` is its command); the figures."""
+    work.mkdir(parents=True, exist_ok=True)
+    outs = [work / f"reader-{i}.json" for i in range(plan.readers)]
+    readers = [
+        subprocess.Popen(
+            _roles("read", source, str(out), str(plan.idle), device or ""),
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+        )
+        for out in outs
+    ]
+    produced = work / "producer.json"
+    try:
+        for proc in readers:
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a reader did not start (exit {proc.wait()})")
+        subprocess.run(producer(str(produced)), check=True, env=child_env(), timeout=900)
+        for proc in readers:
+            if proc.wait(timeout=300 + plan.idle):
+                raise RuntimeError(f"a reader failed (exit {proc.returncode})")
+    finally:
+        for proc in readers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    published = json.loads(produced.read_text())["published"]
+    return metrics(published, [json.loads(out.read_text()) for out in outs])
+
+
+def metrics(published: list[list[Any]], readers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Exactly-once counts, per-reader busy GB/s, backlog and latency from the records.
+
+    A record is ``[name, asked, got, done, nbytes]`` (wall-clock seconds); a reader is
+    busy with a sample from when it was both published and asked for until it was done.
+    """
+    at = {name: t for name, t in published}
+    records = [r for reader in readers for r in reader["records"]]
+    names = [r[0] for r in records]
+    busy_rates = []
+    for reader in readers:
+        mine = reader["records"]
+        busy = sum((got - max(asked, at[n])) + (done - got) for n, asked, got, done, _ in mine)
+        if busy > 0:
+            busy_rates.append(sum(r[4] for r in mine) / busy / 1e9)
+    latency = [(got - at[n]) * 1e3 for n, _, got, _, _ in records if n in at]
+    events = sorted([(t, 1) for t in at.values()] + [(r[2], -1) for r in records])
+    backlog = peak = 0
+    for _, step in events:
+        backlog += step
+        peak = max(peak, backlog)
+    wall = max((r[3] for r in records), default=0.0) - min(at.values(), default=0.0)
+    delivered = sum(r[4] for r in records)
+    return {
+        "produced": len(at),
+        "consumed": len(set(names)),
+        "duplicates": len(names) - len(set(names)),
+        "unknown": len(set(names) - set(at)),
+        "per_reader_busy_gb_s": busy_rates,
+        "gb_s_per_reader_busy": median(busy_rates),
+        "delivered_gb_s_wall": delivered / wall / 1e9 if wall > 0 else 0.0,
+        "max_backlog_files": peak,
+        "yield_latency_p50_ms": percentile(latency, 50),
+        "yield_latency_p99_ms": percentile(latency, 99),
+    }
+
+
+def files_kind(kind: str, plan: Plan, work: Path, staged: list[str]) -> dict[str, Any]:
+    """One file-backed kind: a fresh directory, the producer linking staged files into it."""
+    _, device, _ = KINDS[kind]
+    directory = work / kind.replace(" ", "-")
+    directory.mkdir()
+
+    def producer(out: str) -> list[str]:
+        return _roles("produce", str(directory), out, str(plan.samples), str(plan.rate), *staged)
+
+    return run_kind(str(directory), producer, plan, device, work / f"{directory.name}-logs")
+
+
+def store_kind(plan: Plan, work: Path, staged: list[str]) -> dict[str, Any]:
+    """The store kind, run in a loopback-only network namespace (``--inside-store``)."""
+    argv = [sys.executable, "-m", "benchmarks.consume", "--inside-store", json.dumps(asdict(plan)),
+            str(work), *staged]  # fmt: skip
+    cmd = "ip link set lo up && exec " + " ".join(f"'{a}'" for a in argv)
+    out = subprocess.run(["unshare", "-n", "sh", "-c", cmd], capture_output=True, text=True,
+                         env=child_env(), timeout=1800)  # fmt: skip
+    if out.returncode:
+        raise RuntimeError(f"the store kind failed: {out.stderr[-2000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _inside_store(plan: Plan, work: Path, staged: list[str]) -> dict[str, Any]:
+    from benchmarks.store import _start_store
+    from hidden_state_reader.store.client import StoreClient
+    from hidden_state_reader.store.url import parse_store_url
+
+    logs = work / "store-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = _start_store(logs, "2GB")
+    try:
+        client = StoreClient(parse_store_url(STORE_URL))
+        raw = raw_store(client, staged, plan.bf16_bytes)
+
+        def producer(out: str) -> list[str]:
+            return _roles("produce-store", STORE_URL, out, str(plan.samples), str(plan.rate),
+                          *staged)  # fmt: skip
+
+        result = run_kind(STORE_URL, producer, plan, None, logs)
+        client.close()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return {**result, "raw_gb_s": raw}
+
+
+def raw_store(client: Any, staged: list[str], delivered: int, rounds: int = 3) -> float:
+    """GB/s of delivered bytes of ``get_into`` a registered buffer: the store's limit."""
+    import numpy as np
+
+    keys = []
+    for i, path in enumerate(staged):
+        keys.append(f"consume-raw-{i}")
+        client.put(keys[-1], Path(path).read_bytes())
+    size = max(client.size(k) or 0 for k in keys)
+    buf = np.empty(size, dtype=np.uint8)
+    client._store.register_buffer(buf.ctypes.data, size)
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for key in keys:
+            client._store.get_into(key, buf.ctypes.data, size)
+        best = min(best, time.perf_counter() - started)
+    client._store.unregister_buffer(buf.ctypes.data)
+    for key in keys:
+        client.remove(key)
+    return delivered * len(keys) / best / 1e9
+
+
+def measure(plan: Plan, work: Path, kinds: list[str]) -> dict[str, Any]:
+    """Every kind that can run here, interleaved with nothing (each has the machine)."""
+    runnable, skipped = available(kinds)
+    staged: dict[str, list[str]] = {}
+    rows: dict[str, Any] = {}
+    for kind in runnable:
+        storage, device, backend = KINDS[kind]
+        if storage not in staged:
+            staged[storage] = stage(work / f"staged-{storage}", storage, plan)
+        log(f"consume: {kind}, {plan.readers} readers, {plan.samples} samples at {plan.rate}/s")
+        if backend == "store":
+            rows[kind] = store_kind(plan, work, staged[storage])
+        else:
+            rows[kind] = files_kind(kind, plan, work, staged[storage])
+            rows[kind]["raw_gb_s"] = raw_read(staged[storage], plan.bf16_bytes)
+        rows[kind].update(storage=storage, device=device, backend=backend)
+    return {"plan": asdict(plan), "kinds": rows, "skipped": skipped,
+            "loadavg": list(os.getloadavg())}  # fmt: skip
+
+
+def _goals(res: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = res["kinds"]
+    out = [
+        goal(f"consume ({kind}): samples consumed exactly once / produced",
+             (r["consumed"] - r["duplicates"] - r["unknown"]) / max(1, r["produced"]), 1.0)
+        for kind, r in rows.items()
+    ]  # fmt: skip
+    if "bf16" in rows and "fp8" in rows:
+        ratio = rows["fp8"]["gb_s_per_reader_busy"] / rows["bf16"]["gb_s_per_reader_busy"]
+        out.append(goal("consume: fp8 files / bf16 files, GB/s per reader while busy "
+                        "(default options, dequantized on the CPU)", ratio, GOAL_FP8))  # fmt: skip
+    return out
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    plan = ctx.pick(QUICK, FULL)
+    res = measure(plan, ctx.workdir(NAME), list(KINDS))
+    res["goals"] = _goals(res)
+    return res
+
+
+HEADER = ["kind", "produced", "consumed", "GB/s per reader, busy", "raw read GB/s", "÷ raw",
+          "÷ bf16 files", "delivered GB/s (wall)", "max backlog (files)",
+          "yield p50 / p99 ms"]  # fmt: skip
+
+
+def render(res: dict[str, Any]) -> str:
+    p = res["plan"]
+    size = p["tokens"] * (8 + p["layers"] * p["hidden"] * 2)
+    rows = []
+    bf16 = res["kinds"].get("bf16", {}).get("gb_s_per_reader_busy")
+    for kind, r in res["kinds"].items():
+        busy = r["gb_s_per_reader_busy"]
+        latency = f"{fmt(r['yield_latency_p50_ms'])} / {fmt(r['yield_latency_p99_ms'])}"
+        rows.append(
+            [kind, r["produced"], f"{r['consumed']} ({r['duplicates']} twice)", busy,
+             r["raw_gb_s"], busy / r["raw_gb_s"], busy / bf16 if bf16 else None,
+             r["delivered_gb_s_wall"], r["max_backlog_files"], latency]
+        )  # fmt: skip
+    out = [
+        f"{p['readers']} reader processes (`follow=True, claim=True, on_consumed=\"delete\"`, "
+        f"otherwise defaults), one producer at {fmt(p['rate'])} samples/s "
+        f"({fmt(p['rate'] * size / 1e9)} GB/s of bf16), {p['samples']} samples of "
+        f"{p['tokens']} tokens x {p['layers']} layers x {p['hidden']} ({fmt(size / 2**20)} MiB "
+        "in bf16). GB/s are of delivered bytes (bf16 for fp8 files); \"while busy\": from "
+        "the moment a sample was published and asked for until the reader had touched it "
+        "(the rate one reader sustains); raw: a raw read loop over the same samples "
+        "(files: `preadv` into a fresh buffer; store: `get_into` a registered buffer).",
+        "",
+        table(HEADER, rows),
+    ]
+    for kind, why in res.get("skipped", {}).items():
+        out += ["", f"`{kind}` not measured: {why}."]
+    return "\n".join(out)
+
+
+def findings(res: dict[str, Any]) -> list[str]:
+    rows = res["kinds"]
+    parts = [
+        f"{kind} {r['gb_s_per_reader_busy']:.2f} GB/s "
+        f"({r['gb_s_per_reader_busy'] / r['raw_gb_s']:.2f}\u00d7 raw), "
+        f"p99 {r['yield_latency_p99_ms']:.0f} ms, max backlog {r['max_backlog_files']}"
+        for kind, r in rows.items()
+    ]
+    return ["**Consume** (per reader process while busy, default options): " + "; ".join(parts)]
+
+
+def check_device(device: str, work: Path) -> dict[str, Any]:
+    """Load one bf16 and one fp8 sample with ``device=`` and on the CPU: are they identical?
+
+    For the integrator on a GPU host (``--check-device cuda``); the tests run it with
+    ``device="cpu"``.
+    """
+    import torch
+
+    from hidden_state_reader import LoadOptions, load_sample
+    from hidden_state_reader.format import write_sample
+
+    x = torch.randn(64, 3, 256).bfloat16()
+    mask = torch.arange(64) % 3 == 0
+    out: dict[str, Any] = {"device": device}
+    for storage in ("model", "fp8_e4m3"):
+        path = write_sample(work / f"check-{storage}.safetensors", torch.arange(64), x,
+                            storage=storage, loss_mask=mask)  # fmt: skip
+        cpu = load_sample(path)
+        moved = load_sample(path, LoadOptions(device=device))
+        pairs = [
+            (moved.token_ids, cpu.token_ids),
+            (moved.hidden_states, cpu.hidden_states),
+            (moved.loss_mask, cpu.loss_mask),
+        ]
+        same = all(
+            a is not None
+            and b is not None
+            and a.device.type == torch.device(device).type
+            and torch.equal(a.cpu(), b)
+            for a, b in pairs
+        )
+        out[storage] = {"identical": same, "dtype": str(moved.hidden_states.dtype)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog='example: python -m benchmarks.consume --readers 3 --rate 36 --samples 400 '
+        '--kinds "bf16,fp8,fp8 device" --json /tmp/consume.json',
+    )  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="tiny samples (seconds)")
+    parser.add_argument("--readers", type=int, help="reader processes")
+    parser.add_argument("--rate", type=float, help="samples per second")
+    parser.add_argument("--samples", type=int, help="samples per kind")
+    parser.add_argument("--tokens", type=int, help="tokens per sample")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, of: "
+                        + ", ".join(KINDS))  # fmt: skip
+    parser.add_argument("--json", default="", help="also write the result here")
+    parser.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--check-device", default="", metavar="DEVICE",
+                        help="only check that device=DEVICE reads equal CPU reads")  # fmt: skip
+    parser.add_argument("--inside-store", default="", help=argparse.SUPPRESS)
+    parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.inside_store:
+        plan = Plan(**json.loads(args.inside_store))
+        print(json.dumps(_inside_store(plan, Path(args.rest[0]), args.rest[1:])))
+        return
+    work = Path(tempfile.mkdtemp(prefix="consume-", dir=args.scratch))
+    try:
+        if args.check_device:
+            result = check_device(args.check_device, work)
+        else:
+            changes = {k: getattr(args, k) for k in ("readers", "rate", "samples", "tokens")
+                       if getattr(args, k) is not None}  # fmt: skip
+            plan = replace(QUICK if args.quick else FULL, **changes)
+            kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+            unknown = [k for k in kinds if k not in KINDS]
+            if unknown:
+                parser.error(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}")
+            result = measure(plan, work, kinds)
+            result["goals"] = _goals(result)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
