@@ -37,11 +37,12 @@ from extract_kit import (
     write_valid_sample,
 )
 
+from hidden_state_connector.offline.engine import VllmEngine
 from hidden_state_connector.offline.errors import UsageError
-from hidden_state_connector.offline.extract import VllmEngine, remove_stale_temp_files
 from hidden_state_connector.offline.inputs import PromptEncoder, open_input
 from hidden_state_connector.offline.manifest import MANIFEST_NAME, Manifest, SampleRecord
 from hidden_state_connector.offline.progress import Progress, format_duration
+from hidden_state_connector.offline.resume import remove_stale_temp_files
 from hidden_state_reader.format import write_sample
 
 # -- fast: inputs, manifest, progress, CLI usage ------------------------------------------

@@ -264,7 +264,7 @@ def _vllm_logs_to_stderr() -> None:
 
 def _options(args: argparse.Namespace) -> Any:
     from hidden_state_connector.offline.errors import UsageError
-    from hidden_state_connector.offline.extract import ExtractOptions
+    from hidden_state_connector.offline.settings import ExtractOptions
 
     if not os.path.exists(args.input):
         raise UsageError(f"--input {args.input}: no such file or directory")

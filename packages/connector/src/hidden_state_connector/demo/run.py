@@ -16,7 +16,8 @@ This module runs it; the pieces live beside it: ``options`` (``DemoOptions``,
 
 Example::
 
-    from hidden_state_connector.demo.run import DemoOptions, run_demo
+    from hidden_state_connector.demo.options import DemoOptions
+    from hidden_state_connector.demo.run import run_demo
 
     summary = run_demo(DemoOptions(num_prompts=100, out="out/demo"))
     assert summary.ok, summary.failures
@@ -37,9 +38,6 @@ import torch
 
 from hidden_state_connector.demo.interrupts import Interrupts
 from hidden_state_connector.demo.options import (
-    DEFAULT_CACHE_DIR,
-    DEFAULT_NUM_PROMPTS,
-    DEFAULT_OUT,
     SERVED_MODEL_NAME,
     DemoError,
     DemoOptions,
@@ -53,7 +51,6 @@ from hidden_state_connector.demo.report import DemoSummary, plot_loss, write_jso
 from hidden_state_connector.demo.serving import (
     capture_layers,
     estimate_bytes_per_token,
-    free_port,
     model_config,
     prepare_model,
     serve_options,
@@ -61,21 +58,8 @@ from hidden_state_connector.demo.serving import (
 )
 from hidden_state_connector.demo.trainer import Trainer, TrainerConfig
 from hidden_state_connector.server import VllmServer
-from hidden_state_reader.cli.toolkit import EXIT_INTERRUPTED
 
-__all__ = [  # the entry points, and names that were defined here before the split
-    "DEFAULT_CACHE_DIR",
-    "DEFAULT_NUM_PROMPTS",
-    "DEFAULT_OUT",
-    "EXIT_INTERRUPTED",
-    "DemoError",
-    "DemoOptions",
-    "DemoSummary",
-    "count_files",
-    "free_port",
-    "model_config",
-    "run_demo",
-]
+__all__ = ["run_demo"]
 
 
 def run_demo(options: DemoOptions | None = None, *, stream: TextIO | None = None) -> DemoSummary:

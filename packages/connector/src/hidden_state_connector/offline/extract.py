@@ -33,7 +33,6 @@ import threading
 import time
 from typing import Any, TextIO
 
-from hidden_state_connector.offline.engine import VllmEngine
 from hidden_state_connector.offline.errors import UsageError, first_line
 from hidden_state_connector.offline.inputs import InputSource, open_input
 from hidden_state_connector.offline.manifest import Manifest, RunLock
@@ -50,14 +49,7 @@ from hidden_state_connector.offline.settings import (
     run_settings,
 )
 
-__all__ = [  # the entry points, and names that were defined here before the split
-    "ExtractOptions",
-    "ExtractResult",
-    "Extraction",
-    "VllmEngine",
-    "remove_stale_temp_files",
-    "run_extract",
-]
+__all__ = ["Extraction", "run_extract"]
 
 log = logging.getLogger(__name__)
 
