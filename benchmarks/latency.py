@@ -102,12 +102,12 @@ def follow_reader(
 ) -> Iterator[tuple[str, float]]:
     """Follow ``directory``; with ``stages``, also record when each lock wait began and ended.
 
-    The timestamps come from a thin wrapper around ``SharedLock.acquire`` as the reader
-    module sees it (this process only), so a slow sample can be attributed to discovery
+    The timestamps come from a thin wrapper around ``SharedLock.acquire`` as the directory
+    backend sees it (this process only), so a slow sample can be attributed to discovery
     (the wait began after the release), the wake-up, or the load.
     """
     from hidden_state_reader import HiddenStateReader
-    from hidden_state_reader import reader as reader_module
+    from hidden_state_reader.read import directory as reader_module
 
     real = reader_module.SharedLock
     if stages is not None:
