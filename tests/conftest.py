@@ -101,6 +101,12 @@ def tokenizer(tiny_model_fp32: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model_fp32)
 
 
+@pytest.fixture(scope="module")
+def demo_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's model cache, shared by one test file's runs of ``hidden-state demo``."""
+    return tmp_path_factory.mktemp("demo-cache")
+
+
 @pytest.fixture
 def hs_dir(tmp_path: Path) -> Path:
     """An empty storage directory."""

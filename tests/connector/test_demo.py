@@ -6,24 +6,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from procs import IN_PROCESS_ENGINE
+from procs import DEMO, IN_PROCESS_ENGINE
 
-DEMO = [sys.executable, "-m", "hidden_state_connector.cli.demo"]
 SERVER_ENV = {**os.environ, **IN_PROCESS_ENGINE}
 """The demo's server keeps its model in the engine core (procs.IN_PROCESS_ENGINE): the
 demo runs end to end here, the process layout is tested elsewhere."""
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("demo-cache")
 
 
 # -- the real thing --------------------------------------------------------------------
@@ -32,12 +25,12 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.vllm
 @pytest.mark.timeout(480)
 def test_demo_streams_every_prompt_into_training_exactly_once(
-    tmp_path: Path, cache_dir: Path
+    tmp_path: Path, demo_cache_dir: Path
 ) -> None:
     out = tmp_path / "demo"
     started = time.monotonic()
     proc = subprocess.run(
-        [*DEMO, "--num-prompts", "40", "--out", str(out), "--cache-dir", str(cache_dir)],
+        [*DEMO, "--num-prompts", "40", "--out", str(out), "--cache-dir", str(demo_cache_dir)],
         capture_output=True,
         text=True,
         timeout=450,  # a bound on a hang, not on speed (a loaded machine is slow)
@@ -64,12 +57,14 @@ def test_demo_streams_every_prompt_into_training_exactly_once(
 
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
-def test_ctrl_c_stops_the_server_cleanly_and_exits_130(tmp_path: Path, cache_dir: Path) -> None:
+def test_ctrl_c_stops_the_server_cleanly_and_exits_130(
+    tmp_path: Path, demo_cache_dir: Path
+) -> None:
     out = tmp_path / "demo"
     err = tmp_path / "stderr.txt"
     with open(err, "w") as err_file:
         proc = subprocess.Popen(
-            [*DEMO, "--num-prompts", "5000", "--out", str(out), "--cache-dir", str(cache_dir)],
+            [*DEMO, "--num-prompts", "5000", "--out", str(out), "--cache-dir", str(demo_cache_dir)],
             stdout=subprocess.DEVNULL,
             stderr=err_file,
             env=SERVER_ENV,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,11 @@ from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
 from hidden_state_connector.demo.progress import ProgressLine, Snapshot
 from hidden_state_connector.demo.prompts import bundled_prompts, load_prompts, parse_jsonl
 
-from procs import IN_PROCESS_ENGINE
-
-DEMO = [sys.executable, "-m", "hidden_state_connector.cli.demo"]
-SERVER_ENV = {**os.environ, **IN_PROCESS_ENGINE}
-"""The demo's server keeps its model in the engine core (procs.IN_PROCESS_ENGINE): the
-demo runs end to end here, the process layout is tested elsewhere."""
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("demo-cache")
+from procs import DEMO
 
 
 @pytest.mark.timeout(300)
-def test_a_server_that_cannot_start_fails_the_run(tmp_path: Path, cache_dir: Path) -> None:
+def test_a_server_that_cannot_start_fails_the_run(tmp_path: Path, demo_cache_dir: Path) -> None:
     # The server process dies at start-up: here vLLM cannot even be imported in it (a
     # broken install; seconds, where a bad vLLM flag costs a whole vLLM import first).
     poison = tmp_path / "poison" / "vllm"
@@ -40,7 +29,7 @@ def test_a_server_that_cannot_start_fails_the_run(tmp_path: Path, cache_dir: Pat
     (poison / "__init__.py").write_text("raise ImportError('this vLLM install is broken')\n")
     path = os.pathsep.join([str(poison.parent), os.environ.get("PYTHONPATH", "")])
     out = tmp_path / "demo"
-    args = ["--num-prompts", "5", "--out", str(out), "--cache-dir", str(cache_dir)]
+    args = ["--num-prompts", "5", "--out", str(out), "--cache-dir", str(demo_cache_dir)]
     proc = subprocess.run(
         [*DEMO, *args],
         capture_output=True,

@@ -58,15 +58,7 @@ def run_in_read_only_mount(directory: Path, code: str) -> dict:
         f"mount --bind '{quoted}' '{quoted}' && mount -o remount,ro,bind '{quoted}' '{quoted}' "
         f'&& exec "$0" -c "$1"'
     )
-    done = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, sys.executable, code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _last_json_line(["unshare", "-m", "sh", "-c", script, sys.executable, code])
 
 
 def run_unprivileged(code: str) -> dict:
@@ -84,13 +76,12 @@ def run_unprivileged(code: str) -> dict:
         os.setuid({NOBODY})
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", prelude + code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return _last_json_line([sys.executable, "-c", prelude + code])
+
+
+def _last_json_line(cmd: list[str]) -> dict:
+    """Run ``cmd``; it must succeed, and its last line of output is the JSON result."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
