@@ -74,7 +74,7 @@ class Plan:
         return self.tokens * (8 + self.layers * self.hidden * 2)
 
 
-QUICK = Plan(tokens=64, layers=4, hidden=1024, samples=12, rate=40.0, readers=2, idle=0.5)
+QUICK = Plan(tokens=64, layers=4, hidden=1024, samples=12, rate=40.0, readers=2, idle=2.0)
 FULL = Plan(tokens=1024, layers=4, hidden=4096, samples=48, rate=12.0, readers=2, idle=3.0)
 
 
@@ -161,17 +161,26 @@ def run_kind(
         for out in outs
     ]
     produced = work / "producer.json"
+    # The producer connects (imports, store client) while the readers start; it publishes
+    # only once every process is ready, so no reader's idle timeout runs out before the
+    # first sample however slow a loaded machine starts processes.
+    writer = subprocess.Popen(producer(str(produced)), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
     try:
-        for proc in readers:
+        for role, proc in [("reader", p) for p in readers] + [("producer", writer)]:
             assert proc.stdout is not None
             if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a reader did not start (exit {proc.wait()})")
-        subprocess.run(producer(str(produced)), check=True, env=child_env(), timeout=900)
+                raise RuntimeError(f"a {role} did not start (exit {proc.wait()})")
+        assert writer.stdin is not None
+        writer.stdin.write("go\n")
+        writer.stdin.close()
+        if writer.wait(timeout=900):
+            raise RuntimeError(f"the producer failed (exit {writer.returncode})")
         for proc in readers:
             if proc.wait(timeout=300 + plan.idle):
                 raise RuntimeError(f"a reader failed (exit {proc.returncode})")
     finally:
-        for proc in readers:
+        for proc in [*readers, writer]:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

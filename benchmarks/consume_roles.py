@@ -4,11 +4,12 @@
     python -m benchmarks.consume_roles produce-store URL OUT SAMPLES RATE STAGED...
     python -m benchmarks.consume_roles read SOURCE OUT IDLE [DEVICE]
 
-The producer publishes ``SAMPLES`` samples at ``RATE`` per second the way the connector
-does, without its GPU work: for files, it creates the sample's lock (held), links a
-pre-written file to the sample's name (the file appears complete, as after the
-connector's rename) and releases the lock; for the store, it puts a pre-written file
-and its commit record (``publish_file``). Each publication's wall-clock time is recorded.
+The producer prints ``ready`` once connected, waits for a line on stdin, then publishes
+``SAMPLES`` samples at ``RATE`` per second the way the connector does, without its GPU
+work: for files, it creates the sample's lock (held), links a pre-written file to the
+sample's name (the file appears complete, as after the connector's rename) and releases
+the lock; for the store, it puts a pre-written file and its commit record
+(``publish_file``). Each publication's wall-clock time is recorded.
 
 A reader follows with the default options of a consumer group (``follow=True,
 claim=True, on_consumed="delete"``, and ``device`` where given), prints ``ready`` once
@@ -27,7 +28,12 @@ from typing import Any
 
 
 def _paced(count: int, rate: float) -> Any:
-    """Yield 0..count-1, the i-th no earlier than i / rate seconds after the first."""
+    """Say ``ready``, wait for ``go`` on stdin, then yield 0..count-1 at ``rate`` per second.
+
+    The i-th comes no earlier than i / rate seconds after the first.
+    """
+    print("ready", flush=True)
+    sys.stdin.readline()
     start = time.monotonic()
     for i in range(count):
         delay = start + i / rate - time.monotonic()
