@@ -104,7 +104,7 @@ def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) ->
         assert source.next(timeout=0.05) is None  # initial scan only
         assert source.rescans == 1
         # Fault injection: the kernel dropped events (it says so with IN_Q_OVERFLOW).
-        wd = next(w for w, sinks in Inotify._sinks.items() if source._events in sinks)
+        wd = next(w for w, sinks in Inotify._sinks.items() if source._sink in sinks)
         Inotify._dispatch(struct.pack("iIII", wd, 0x4000, 0, 0))
         assert RESCAN == ""
         assert source.next(timeout=0.5) is None

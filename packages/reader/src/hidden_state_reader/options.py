@@ -91,6 +91,9 @@ class ReaderOptions(LoadOptions):
         claim: Coordinate with other readers (processes, ranks, hosts on a shared
             filesystem) so each sample is yielded by exactly one of them.
         claim_group: Independent consumer groups each see every sample once.
+        claim_steal_after: Following with ``claim=True``: seconds a sample may stay
+            unclaimed by the group member that owns it before another member takes it
+            (its owner died, left or is behind). See docs/scale-out.md.
         on_consumed: ``"keep"`` files, ``"delete"`` them after use, or ``"move"`` them to
             ``done_dir``.
         done_dir: Target of ``on_consumed="move"`` (default ``<path>/done``).
@@ -113,6 +116,7 @@ class ReaderOptions(LoadOptions):
     max_samples: int | None = None
     claim: bool = False
     claim_group: str = "default"
+    claim_steal_after: float = 2.0
     on_consumed: OnConsumed = "keep"
     done_dir: str | os.PathLike[str] | None = None
     on_error: OnError = "skip"
@@ -132,6 +136,10 @@ class ReaderOptions(LoadOptions):
         ):
             if value not in allowed:
                 raise ValueError(f"{option} must be one of {allowed}, got {value!r}")
+        if not self.claim_steal_after > 0:
+            raise ValueError(
+                f"claim_steal_after must be positive seconds, got {self.claim_steal_after!r}"
+            )
         if self.follow and self.names is not None:
             raise ValueError("names= lists a fixed set of samples; it cannot be followed")
 

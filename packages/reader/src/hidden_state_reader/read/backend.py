@@ -28,9 +28,13 @@ The kinds of ``Outcome``:
 ``DONE_ELSEWHERE``  another reader of the group consumed it
 ``TIMED_OUT``       its writer did not finish within ``lock_timeout``; ``error``
                     says so
+``DEFERRED``        another member of the group owns it: look again in ``delay``,
+                    when this reader's turn comes (``read.ownership``)
+``OWNED_ELSEWHERE`` another member of the group owns it and has taken it (``gone``:
+                    its files are gone too)
 ==================  ===========================================================
 
-``PENDING`` and ``RECHECK`` stay inside a backend (they are waited for); the reader
+``PENDING``, ``RECHECK`` and ``DEFERRED`` stay inside a backend (they are waited for); the reader
 sees every other kind.
 """
 
@@ -64,6 +68,8 @@ class OutcomeKind(enum.Enum):
     CLAIMED = "claimed"
     DONE_ELSEWHERE = "done_elsewhere"
     TIMED_OUT = "timed_out"
+    DEFERRED = "deferred"
+    OWNED_ELSEWHERE = "owned_elsewhere"
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,8 @@ class Outcome:
             ``REJECT``; None without claims).
         state: The sample state (``REJECT``; also ``YIELD`` and ``PENDING``).
         error: The typed error naming the sample (``REJECT``, ``TIMED_OUT``).
-        delay: Seconds until the next look (``RECHECK``, ``CLAIMED``).
+        delay: Seconds until the next look (``RECHECK``, ``CLAIMED``, ``DEFERRED``).
+        gone: ``OWNED_ELSEWHERE``: the sample's files are gone as well.
     """
 
     kind: OutcomeKind
@@ -88,6 +95,7 @@ class Outcome:
     state: SampleState | None = None
     error: SampleError | None = None
     delay: float = 0.0
+    gone: bool = False
 
 
 _ERRORS: dict[SampleState, type[SampleError]] = {

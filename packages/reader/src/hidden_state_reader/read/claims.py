@@ -156,6 +156,10 @@ class ClaimStore:
         write_status(fd, _CLAIMED, owner=self.owner, reclaimed=True)
         return Claim(name, path, fd, reclaimed=True)
 
+    def exists(self, name: str) -> bool:
+        """Whether a reader of the group has claimed the sample (held, finished or left)."""
+        return os.path.exists(self.path_of(name))
+
     def is_done(self, name: str) -> bool:
         """Whether a sample's claim says it was consumed."""
         try:

@@ -21,6 +21,8 @@ class ReaderStats:
         vanished: Names that disappeared before they could be read (consumed elsewhere).
         claimed_elsewhere: Samples another reader of the group had claimed.
         done_elsewhere: Samples another reader of the group had already consumed.
+        owned_elsewhere: Samples another member of the group owned and took (following
+            with claims: this reader only looked, once, when its turn came).
         reclaimed: Samples taken over from a reader that died.
         empty: Valid files with zero tokens (skipped: nothing to train on).
         quarantined: Rejected files moved to ``.quarantine/``.
@@ -37,6 +39,7 @@ class ReaderStats:
     vanished: int = 0
     claimed_elsewhere: int = 0
     done_elsewhere: int = 0
+    owned_elsewhere: int = 0
     reclaimed: int = 0
     empty: int = 0
     quarantined: int = 0

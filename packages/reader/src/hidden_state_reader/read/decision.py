@@ -24,9 +24,20 @@ from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
 from hidden_state_reader.read.claims import Claim, ClaimResult, ClaimStore
+from hidden_state_reader.read.inotify import Inotify
+from hidden_state_reader.read.membership import Membership
+from hidden_state_reader.read.ownership import Ownership
 from hidden_state_reader.sample.load import load_fd
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
+
+GROUP_BATCH_WINDOW = (0.00625, 0.25)
+"""Seconds per member, and at most, that a follower's watch lets events gather in a group.
+
+Every member reads every sample's events; a window growing with the group keeps the
+whole group's reading of events per second the same however many members it has (16
+members: 0.1 s), at the cost of that much latency before a member sees its own sample.
+"""
 
 
 class Decider:
@@ -40,6 +51,10 @@ class Decider:
         claim_retry: Seconds until a sample another reader claimed is looked at again
             (if that reader dies, its claim must be taken over).
         lock_type: The class whose ``acquire`` takes a reader's shared lock.
+        membership: The group as this follower sees it; with it, a sample another
+            member owns (``read.ownership``) is left to that member until this one's
+            turn comes (``DEFERRED``), and then looked at cheaply first (``_stand_in``).
+        steal_after: Seconds before the first stand-in acts (``read.ownership``).
     """
 
     def __init__(
@@ -51,13 +66,43 @@ class Decider:
         grace: float = GRACE,
         claim_retry: float = 30.0,
         lock_type: type[SharedLock] = SharedLock,
+        membership: Membership | None = None,
+        steal_after: float = 2.0,
     ) -> None:
         self.root = root
+        self.membership = membership
+        self.ownership = (
+            None
+            if membership is None
+            else Ownership(membership.members, membership.me, steal_after)
+        )
+        self._changes_seen = 0
         self.load = load
         self.claims = claims
         self.grace = grace
         self.claim_retry = claim_retry
         self.lock_type = lock_type
+
+    def group_changed(self) -> bool:
+        """Watch the neighbour member (reaping it if it died); True if the group changed.
+
+        Cheap to call per sample: the membership probes and lists at most once per
+        refresh period.
+        """
+        if self.membership is None or not self.membership.joined:
+            return False
+        self.membership.watch_neighbour()
+        assert self.ownership is not None
+        self.ownership.ring()  # rebuilt here when the members changed
+        changed = self.membership.changes != self._changes_seen
+        self._changes_seen = self.membership.changes
+        if changed:
+            # Alone, every event is this reader's own: read each at once. In a group,
+            # most are about other members' samples: read them in batches.
+            size = len(self.membership.members())
+            per_member, most = GROUP_BATCH_WINDOW
+            Inotify.set_batch_window(0.0 if size < 2 else min(most, per_member * size))
+        return changed
 
     def decide(self, name: str, wait: float = 0.0, cancel: CancelToken | None = None) -> Outcome:
         """Decide about one sample; wait at most ``wait`` seconds for its writer.
@@ -66,6 +111,10 @@ class Decider:
             WaitCancelledError: ``cancel`` was cancelled during a wait.
         """
         data_path = os.path.join(self.root, name)
+        if self.ownership is not None and not self.ownership.owns(name):
+            standing_in = self._stand_in(name, data_path)
+            if standing_in is not None:
+                return standing_in
         try:
             lock = self.lock_type.acquire(data_path, timeout=wait, cancel=cancel)
         except SampleError as exc:
@@ -94,6 +143,35 @@ class Decider:
         elif outcome.kind is OutcomeKind.RECHECK:
             settle(claim, Ending.RETURNED)
         return outcome
+
+    def _stand_in(self, name: str, data_path: str) -> Outcome | None:
+        """Another member owns ``name``: wait for this one's turn, then look cheaply.
+
+        None when this reader should go on to claim the sample itself: it is there,
+        unclaimed (or claimed by a member that died) a whole turn after its data appeared.
+        """
+        ownership, membership, claims = self.ownership, self.membership, self.claims
+        assert ownership is not None and membership is not None and claims is not None
+        turn = ownership.turn(name)
+        if turn > 0:
+            return Outcome(OutcomeKind.DEFERRED, name, delay=turn)
+        if not os.path.exists(data_path):
+            if os.path.exists(lock_path(data_path)):  # still being written: owners first
+                ownership.again_later(name)
+                return Outcome(OutcomeKind.DEFERRED, name, delay=ownership.turn(name))
+            ownership.forget(name)
+            return Outcome(OutcomeKind.OWNED_ELSEWHERE, name, gone=True)
+        ahead = ownership.ahead_of_me(name)
+        dead = [m for m in ahead if not membership.alive(m)]
+        if claims.exists(name) and not dead:
+            ownership.forget(name)  # its claimer finishes it, or its owner takes it over
+            return Outcome(OutcomeKind.OWNED_ELSEWHERE, name)
+        if not dead and ownership.first_look_at_data(name):
+            return Outcome(OutcomeKind.DEFERRED, name, delay=ownership.turn(name))
+        for member in dead:
+            membership.reap(member)  # the ranking moves on for every later sample too
+        ownership.forget(name)
+        return None
 
     def _look(self, name: str, data_path: str, locked: bool, claim: Claim | None) -> Outcome:
         """Read the sample while its lock is held shared (or it has none)."""
@@ -141,4 +219,3 @@ class Decider:
 
 def _unreadable(path: str, exc: OSError) -> CorruptSampleError:
     return CorruptSampleError(path, f"cannot read: {exc}")
-

@@ -24,6 +24,7 @@ from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
 from hidden_state_reader.read.claims import ClaimStore
 from hidden_state_reader.read.decision import Decider
 from hidden_state_reader.read.disposal import dispose, quarantine
+from hidden_state_reader.read.membership import Membership
 from hidden_state_reader.read.sources import FollowSource, SnapshotSource
 from hidden_state_reader.read.stream import CompletionStream
 
@@ -62,19 +63,36 @@ class DirectoryBackend:
         # flock with deadlines (only the main thread can install the wake handler).
         install_wake_handler()
         self._cancel = cancel
+        # A follower of a group is a member of it while it follows: samples are then
+        # shared out by ownership instead of every reader trying every claim.
+        self.membership = (
+            Membership(
+                os.path.dirname(self._claims.directory), options.claim_group, self._claims.owner
+            )
+            if self._claims is not None and options.follow and options.names is None
+            else None
+        )
         self.source: SnapshotSource | FollowSource | None = None
         self._stream: CompletionStream | None = None
 
     def _open_stream(self, names: Sequence[str] | None) -> CompletionStream:
         options = self.options
         source: SnapshotSource | FollowSource
+        membership = None
         if names is not None:
             source = SnapshotSource(self.root, names, watch=options.watch)
         elif options.follow:
+            membership = self.membership
+            rescan = options.rescan_interval
+            if membership is not None:
+                # A member learns of samples it does not own from rescans, in time to
+                # stand in for their owners (its watch passes it only its own).
+                rescan = min(rescan, options.claim_steal_after)
+                membership.join()
             source = FollowSource(
                 self.root,
                 watch=options.watch,
-                rescan_interval=options.rescan_interval,
+                rescan_interval=rescan,
                 poll_interval=options.poll_interval,
             )
         else:
@@ -89,7 +107,11 @@ class DirectoryBackend:
             grace=options.orphan_grace,
             claim_retry=max(options.rescan_interval, 1.0),
             lock_type=SharedLock,  # looked up now: instrumentation may replace it
+            membership=membership,
+            steal_after=options.claim_steal_after,
         )
+        if decider.ownership is not None and isinstance(source, FollowSource):
+            source.only_events_for(decider.ownership.owns_as_last_seen)
         self._stream = CompletionStream(
             source,
             decider,
@@ -107,6 +129,8 @@ class DirectoryBackend:
             yield from stream
         finally:
             stream.source.close()
+            if self.membership is not None:
+                self.membership.leave()  # the others take over this reader's share
             held = stream.waiting.held_names()
             if held and not self._cancel.cancelled:
                 log.info("%s: stopped with %d sample(s) still being written", self.root, len(held))
@@ -145,3 +169,5 @@ class DirectoryBackend:
         """Stop watching the directory; a wait in progress returns."""
         if self.source is not None:
             self.source.close()
+        if self.membership is not None:
+            self.membership.leave()

@@ -13,9 +13,10 @@ import ctypes
 import errno
 import logging
 import os
-import queue
 import struct
 import threading
+import time
+from typing import Protocol
 
 from hidden_state_reader.format.flockwait import threads_ignore_signals
 from hidden_state_reader.format.names import Kind, classify
@@ -37,8 +38,17 @@ _MASK = _IN_CREATE | _IN_MOVED_TO | _IN_CLOSE_WRITE | _IN_ONLYDIR
 _EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then name)
 
 
-Sink = queue.SimpleQueue[str | None]
-"""Where a watch delivers: names of files that appeared or were closed, ``RESCAN``, or None."""
+class Sink(Protocol):
+    """Where a watch delivers: file names that appeared or were closed, ``RESCAN``, None.
+
+    A ``queue.SimpleQueue``, or anything with its ``put``.
+    """
+
+    def put(self, item: str | None) -> None:
+        """Deliver one item (called on the inotify thread: must not block)."""
+        ...
+
+
 Handle = tuple[int, Sink]
 """A watch, as ``Inotify.schedule`` returns it for ``unschedule``."""
 
@@ -101,9 +111,26 @@ class Inotify:
                 del cls._sinks[wd]
                 ctypes.CDLL(None, use_errno=True).inotify_rm_watch(cls._fd, wd)
 
+    batch_window = 0.0
+    """Seconds the reader thread lets events gather after a read before the next one.
+
+    0 reads each event as it comes (lowest latency). A follower in a consumer group sets
+    it (``set_batch_window``): every member's watch receives every sample's events, most
+    about samples other members own, and a thread woken once per window instead of once
+    per event costs a fraction of the CPU, at most this much later per event.
+    """
+
+    @classmethod
+    def set_batch_window(cls, seconds: float) -> None:
+        """Let events gather up to ``seconds`` between reads (0: read each at once)."""
+        cls.batch_window = max(0.0, float(seconds))
+
     @classmethod
     def _run(cls, fd: int) -> None:
         while True:
+            window = cls.batch_window
+            if window:
+                time.sleep(window)  # let the events of this window gather: one read
             try:
                 buf = os.read(fd, 65536)
             except InterruptedError:

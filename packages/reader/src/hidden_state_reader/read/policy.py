@@ -73,6 +73,10 @@ class ErrorPolicy:
             stats.claimed_elsewhere += 1
         elif kind is OutcomeKind.DONE_ELSEWHERE:
             stats.done_elsewhere += 1
+        elif kind is OutcomeKind.OWNED_ELSEWHERE:
+            stats.owned_elsewhere += 1
+            if outcome.gone:
+                self.backend.forget(name)
         elif kind is OutcomeKind.TIMED_OUT:
             assert outcome.error is not None
             self._timed_out(outcome.error)

@@ -29,7 +29,7 @@ import os
 import queue
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hidden_state_reader.format.listing import list_samples, scan_samples
 from hidden_state_reader.format.names import lock_path, natural_key, sample_key
@@ -55,12 +55,31 @@ def _age_key(root: str, name: str) -> tuple[float, tuple[object, ...]]:
     return (float("inf"), natural_key(name))
 
 
+class _Admitting:
+    """The sink a watch delivers to: passes on only names ``admits`` accepts.
+
+    Runs on the inotify thread: an event about a name no one here cares for (a sample
+    another member of the group owns) is dropped there, so it costs this reader no
+    wake-up of its consumer.
+    """
+
+    def __init__(self, events: queue.SimpleQueue[str | None]) -> None:
+        self.events = events
+        self.admits: Callable[[str], bool] | None = None
+
+    def put(self, name: str | None) -> None:
+        admits = self.admits
+        if admits is None or name is None or name == RESCAN or admits(name):
+            self.events.put(name)
+
+
 class _EventSource:
     """What both sources share: the event queue, the watch, touched names, closing."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self._events: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._sink = _Admitting(self._events)
         self._watch: Handle | None = None
         self._fresh: deque[str] = deque()
         self._touched: set[str] = set()
@@ -78,7 +97,7 @@ class _EventSource:
 
     def _start_watch(self, watch: str, poll_interval: float) -> bool:
         try:
-            self._watch = Inotify.schedule(self.root, self._events)
+            self._watch = Inotify.schedule(self.root, self._sink)
         except OSError as exc:
             if watch == "inotify":
                 raise
@@ -272,6 +291,30 @@ class FollowSource(_EventSource):
                 return None
             self.wait(end)
         return None
+
+    def only_events_for(self, wanted: Callable[[str], bool]) -> None:
+        """Take events only for names already known or that ``wanted`` accepts.
+
+        ``wanted`` runs on the inotify thread (it must not block). Names it turns away
+        are still found by the rescans.
+        """
+        known = self._known
+
+        def admits(file_name: str) -> bool:
+            key = sample_key(file_name)
+            return key is not None and (key in known or wanted(key))
+
+        self._sink.admits = admits
+
+    def present(self) -> list[str]:
+        """Every sample name on disk now (one scan; new ones become known), oldest first."""
+        try:
+            names = scan_samples(self.root)
+        except FileNotFoundError:
+            return []
+        self._gone_set -= names  # a file there again is news
+        self._known |= names
+        return sorted(names, key=lambda n: _age_key(self.root, n))
 
     def forget(self, name: str) -> None:
         """Drop a name whose files are gone, freeing its memory.

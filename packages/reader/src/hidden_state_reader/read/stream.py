@@ -79,6 +79,10 @@ class CompletionStream:
                 self._todo.append(name)
 
     def _gather(self) -> None:
+        if self.decider.group_changed() and isinstance(self.source, FollowSource):
+            # Members joined, left or died: a sample left to one that is gone has a new
+            # owner now, who must hear of it again.
+            self._enqueue(self.source.present())
         fresh, touched = self.source.take()
         self._enqueue(fresh)
         self._enqueue(self.waiting.touch(touched))
@@ -115,6 +119,9 @@ class CompletionStream:
         if kind is OutcomeKind.RECHECK:
             self.waiting.later(name, outcome.delay)
             return None
+        if kind is OutcomeKind.DEFERRED:
+            self.waiting.later(name, outcome.delay)
+            return None
         if kind is OutcomeKind.CLAIMED:
             self.waiting.later(name, outcome.delay)
         else:
@@ -141,7 +148,7 @@ class CompletionStream:
             idle_end = self.last_ready + self._idle_timeout
             if now >= idle_end:
                 return False
-            until = idle_end if until is None else min(until, idle_end)
+            until = _earliest(until, idle_end)
         if isinstance(self.source, SnapshotSource):
             held = self.waiting.held_names()
             if len(held) == 1 and len(self.waiting) == 1:
@@ -165,3 +172,8 @@ class CompletionStream:
         if lock is not None:
             lock.release()
             self._enqueue(self.waiting.touch([name]))
+
+
+def _earliest(a: float | None, b: float | None) -> float | None:
+    """The earlier of two optional times."""
+    return b if a is None else a if b is None else min(a, b)

@@ -1,6 +1,8 @@
 """Samples a reader waits for: held by a writer, or due for another look.
 
-``Waiting`` is bookkeeping only (no I/O, no threads): for each sample it remembers
+``Waiting`` is bookkeeping only (no I/O, no threads; each call costs O(log n) in the
+samples waited for, so a follower of a busy group with many samples left to other
+members stays cheap): for each sample it remembers
 whether a writer held its lock when last looked at, when ``lock_timeout`` runs out for
 it, and when to look again. A look is due when
 
@@ -18,6 +20,7 @@ locks while events are received.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,6 +51,36 @@ class Waiting:
         self.lock_timeout = lock_timeout
         self.poll_interval = poll_interval
         self._entries: dict[str, _Entry] = {}
+        # Re-looks and deadlines in time order; an item is live while it matches its
+        # entry (stale ones are skipped when they come up).
+        self._rechecks: list[tuple[float, str]] = []
+        self._deadlines: list[tuple[float, str]] = []
+
+    def _schedule(self, name: str, entry: _Entry, recheck: float | None) -> None:
+        entry.recheck = recheck
+        if recheck is not None:
+            heapq.heappush(self._rechecks, (recheck, name))
+
+    def _live_recheck(self) -> tuple[float, str] | None:
+        """The soonest live re-look, dropping stale heap items on the way."""
+        heap = self._rechecks
+        while heap:
+            at, name = heap[0]
+            entry = self._entries.get(name)
+            if entry is not None and entry.recheck == at:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
+
+    def _live_deadline(self) -> tuple[float, str] | None:
+        heap = self._deadlines
+        while heap:
+            at, name = heap[0]
+            entry = self._entries.get(name)
+            if entry is not None and entry.held and entry.deadline == at:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,23 +99,26 @@ class Waiting:
         if entry is None or not entry.held:
             deadline = None if self.lock_timeout is None else now + self.lock_timeout
             entry = self._entries[name] = _Entry(held=True, deadline=deadline)
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, name))
         if entry.touched:
             entry.touched, entry.races = False, 0
             racing = True
         else:
             racing = 0 < entry.races < len(RACE_RECHECKS)
         if racing:
-            entry.recheck = now + RACE_RECHECKS[entry.races]
+            self._schedule(name, entry, now + RACE_RECHECKS[entry.races])
             entry.races += 1
         elif self.poll_interval is not None:
-            entry.recheck = now + self.poll_interval
+            self._schedule(name, entry, now + self.poll_interval)
         else:
             entry.recheck = None
 
     def later(self, name: str, delay: float, now: float | None = None) -> None:
         """Look at ``name`` again in ``delay`` seconds (or when touched)."""
         now = time.monotonic() if now is None else now
-        self._entries[name] = _Entry(held=False, recheck=now + max(0.0, delay))
+        entry = self._entries[name] = _Entry(held=False)
+        self._schedule(name, entry, now + max(0.0, delay))
 
     def touch(self, names: Iterable[str], now: float | None = None) -> list[str]:
         """Mark the awaited ones among ``names`` due now; returns them."""
@@ -91,7 +127,8 @@ class Waiting:
         for name in names:
             entry = self._entries.get(name)
             if entry is not None:
-                entry.touched, entry.recheck = True, now
+                entry.touched = True
+                self._schedule(name, entry, now)
                 due.append(name)
         return due
 
@@ -102,23 +139,21 @@ class Waiting:
     def due(self, now: float | None = None) -> list[str]:
         """Samples whose next look is due, soonest first (each handed out once)."""
         now = time.monotonic() if now is None else now
-        ready = sorted(
-            (e.recheck, n)
-            for n, e in self._entries.items()
-            if e.recheck is not None and e.recheck <= now
-        )
-        for _, name in ready:
-            self._entries[name].recheck = None
-        return [name for _, name in ready]
+        ready = []
+        while (item := self._live_recheck()) is not None and item[0] <= now:
+            heapq.heappop(self._rechecks)
+            self._entries[item[1]].recheck = None
+            ready.append(item[1])
+        return ready
 
     def expired(self, now: float | None = None) -> list[str]:
         """Held samples whose ``lock_timeout`` ran out (each reported once)."""
         now = time.monotonic() if now is None else now
         out = []
-        for name, entry in self._entries.items():
-            if entry.held and entry.deadline is not None and entry.deadline <= now:
-                entry.deadline = None
-                out.append(name)
+        while (item := self._live_deadline()) is not None and item[0] <= now:
+            heapq.heappop(self._deadlines)
+            self._entries[item[1]].deadline = None
+            out.append(item[1])
         return out
 
     def drop(self, name: str) -> None:
@@ -127,10 +162,5 @@ class Waiting:
 
     def next_time(self) -> float | None:
         """The soonest re-look or deadline, monotonic time (None: wait for touches)."""
-        times = [
-            t
-            for e in self._entries.values()
-            for t in (e.recheck, e.deadline if e.held else None)
-            if t is not None
-        ]
+        times = [item[0] for item in (self._live_recheck(), self._live_deadline()) if item]
         return min(times) if times else None
