@@ -50,7 +50,7 @@ def test_four_processes_consume_1000_samples_exactly_once(hs_dir: Path, delete: 
     start_together([(writer, "loaded"), *((r, "ready") for r in readers)])
     assert writer.wait(timeout=300) == 0
     outputs = [r.communicate(timeout=300) for r in readers]
-    assert [r.returncode for r in readers] == [0, 0, 0, 0]
+    assert [r.returncode for r in readers] == [0, 0, 0, 0], [e[-3000:] for _, e in outputs]
     names = [line for out, _ in outputs for line in out.split()]
     counts = Counter(names)
     assert len(counts) == 1000, "no sample lost"
@@ -141,3 +141,70 @@ def test_a_claiming_follow_dataset_keeps_the_resume_contract(hs_dir: Path) -> No
         ordered=False,
     )
     assert state["mode"] == "follow" and state["consumed"] == 4
+
+
+def _group(hs_dir: Path, count: int, *reader_args: list[str]) -> list[tuple[list[str], dict]]:
+    """Readers with ``reader_args`` each and a writer of ``count`` samples, started
+    together; each reader's names and stats."""
+    writer = subprocess.Popen([*WRITER, "stream", str(hs_dir), str(count), "go"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    readers = [start_reader(hs_dir, "--ready", *args) for args in reader_args]
+    start_together([(writer, "loaded"), *((r, "ready") for r in readers)])
+    assert writer.wait(timeout=300) == 0
+    outputs = [r.communicate(timeout=300) for r in readers]
+    assert [r.returncode for r in readers] == [0] * len(readers), [e for _, e in outputs]
+    return [
+        (out.split(), ast.literal_eval(err.split("stats ", 1)[1].strip())) for out, err in outputs
+    ]
+
+
+def _exactly_once(results: list[tuple[list[str], dict]], count: int) -> None:
+    counts = Counter(name for names, _ in results for name in names)
+    assert sorted(counts) == sorted(f"hs_{i}.safetensors" for i in range(count)), "none lost"
+    assert max(counts.values()) == 1, "none twice"
+
+
+def test_eight_readers_try_each_sample_about_once(hs_dir: Path) -> None:
+    # Ownership: each sample's owner claims it; the others leave it to the owner (they
+    # look once, with a stat, when their turn comes) instead of all racing for the claim.
+    results = _group(hs_dir, 800, *[["--delete", "--idle", "4"]] * 8)
+    _exactly_once(results, 800)
+    failed = sum(s["claimed_elsewhere"] + s["done_elsewhere"] + s["vanished"] for _, s in results)
+    # Before ownership every reader tried every sample: about 7 failed attempts per sample
+    # with 8 readers. Left: members joining (their lists differ for a moment) and steals.
+    assert failed / 800 < 1.0, [s for _, s in results]
+    assert all(names for names, _ in results), "every reader took a share"
+
+
+def test_a_reader_leaving_mid_stream_strands_nothing(hs_dir: Path) -> None:
+    results = _group(hs_dir, 400, ["--delete", "--max", "10"], *[["--delete", "--idle", "4"]] * 2)
+    assert len(results[0][0]) == 10  # it left after ten; its share went to the others
+    _exactly_once(results, 400)
+
+
+def test_a_member_that_stops_reading_keeps_only_what_it_holds(hs_dir: Path) -> None:
+    # A live member that takes one sample and then never asks for another (a stuck
+    # training step) still owns a share of what comes later: stand-ins take it after
+    # claim_steal_after. Only the sample it holds stays with it (its claim is live).
+    holder = start_reader(hs_dir, "--hold-first", "--idle", "60", "--steal", "0.5")
+    write_samples(hs_dir, 1)
+    assert holder.stdout is not None
+    held = holder.stdout.readline().split()[1]
+    try:
+        write_samples(hs_dir, 60, start=1)
+        out, err = start_reader(hs_dir, "--idle", "4", "--steal", "0.5").communicate(timeout=120)
+        expected = {f"hs_{i}.safetensors" for i in range(61)} - {held}
+        assert sorted(out.split()) == sorted(expected), err[-2000:]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_slow_member_shares_its_backlog_with_a_fast_one(hs_dir: Path) -> None:
+    # DDP ranks of different speeds: the slow one's samples left unclaimed past
+    # claim_steal_after go to the fast one, so neither starves nor sits on a backlog.
+    slow, fast = _group(hs_dir, 200, ["--work-ms", "100", "--steal", "0.5", "--idle", "4"],
+                        ["--steal", "0.5", "--idle", "4"])  # fmt: skip
+    _exactly_once([slow, fast], 200)
+    assert slow[0], "the slow member still took a share"
+    assert len(fast[0]) > len(slow[0]), (len(fast[0]), len(slow[0]))

@@ -1,0 +1,65 @@
+"""Consistent hashing of sample names over a group's members (``read.ownership``)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hidden_state_reader.read.ownership import STAND_INS, Ownership, Ring
+
+MEMBERS = [f"host-{i}:{1000 + i}:abcd{i:04x}" for i in range(16)]
+NAMES = [f"hs_{i}.safetensors" for i in range(20_000)]
+
+
+def test_every_member_computes_the_same_owner_whatever_the_order_it_lists() -> None:
+    a, b = Ring(MEMBERS), Ring(list(reversed(MEMBERS)))
+    assert all(a.ranking(n, 3) == b.ranking(n, 3) for n in NAMES[:2000])
+
+
+def test_shares_are_even_and_rankings_distinct() -> None:
+    ring = Ring(MEMBERS)
+    owners = Counter(ring.ranking(n, 1)[0] for n in NAMES)
+    expected = len(NAMES) / len(MEMBERS)
+    assert set(owners) == set(MEMBERS)
+    assert max(owners.values()) < 1.35 * expected and min(owners.values()) > 0.65 * expected
+    for name in NAMES[:500]:
+        ranking = ring.ranking(name, STAND_INS + 1)
+        assert len(set(ranking)) == len(ranking) == STAND_INS + 1
+
+
+def test_a_member_joining_moves_only_its_own_share() -> None:
+    before, after = Ring(MEMBERS), Ring([*MEMBERS, "newcomer:1:ffff"])
+    moved = [n for n in NAMES if before.ranking(n, 1) != after.ranking(n, 1)]
+    assert all(after.ranking(n, 1) == ["newcomer:1:ffff"] for n in moved)
+    assert 0.02 < len(moved) / len(NAMES) < 0.12  # about 1/17
+
+
+def test_owner_acts_at_once_stand_ins_in_turn_everyone_else_last() -> None:
+    members = MEMBERS[:8]
+    name = NAMES[0]
+    ranking = Ring(members).ranking(name, len(members))
+    turns = {
+        m: Ownership(lambda: members, m, steal_after=2.0).turn(name, now=100.0) for m in members
+    }
+    assert turns[ranking[0]] == 0.0
+    assert [turns[m] for m in ranking[1 : STAND_INS + 1]] == [2.0 * k for k in range(1, 3)]
+    assert {turns[m] for m in ranking[STAND_INS + 1 :]} == {2.0 * (STAND_INS + 1)}
+
+
+def test_a_turn_counts_from_the_first_sight_and_restarts_when_the_data_appears() -> None:
+    members = MEMBERS[:4]
+    name = NAMES[1]
+    stand_in = Ring(members).ranking(name, 2)[1]
+    ownership = Ownership(lambda: members, stand_in, steal_after=1.0)
+    assert ownership.turn(name, now=10.0) == 1.0
+    assert abs(ownership.turn(name, now=10.6) - 0.4) < 1e-9
+    assert ownership.turn(name, now=11.5) == 0.0
+    assert ownership.first_look_at_data(name) is True  # first sight of its data: wait again
+    assert ownership.turn(name) > 0.0
+    assert ownership.first_look_at_data(name) is False
+    ownership.forget(name)
+    assert ownership.turn(name, now=50.0) == 1.0
+
+
+def test_alone_a_member_owns_everything() -> None:
+    ownership = Ownership(lambda: ["me"], "me", steal_after=1.0)
+    assert all(ownership.owns(n) and ownership.turn(n) == 0.0 for n in NAMES[:100])
