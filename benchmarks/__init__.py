@@ -23,5 +23,6 @@ BENCHMARKS = (
     "loaders",
     "locks",
     "consume",
+    "claims",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

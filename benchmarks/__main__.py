@@ -44,6 +44,8 @@ benchmarks (run in this order):
   locks       the reader's SharedLock vs filelock against a raw-flock writer
   consume     a producer at a fixed rate, N follow + claim + delete readers: bf16, fp8
               (CPU; device where CUDA is), store: GB/s per reader, backlog, latency
+  claims      one consumer group of 1-16 follow + claim + delete readers: CPU, failed claim
+              attempts and metadata calls per sample, latency, fairness, a reader killed
 
 examples:
   python -m benchmarks                          # full run (~15 min here), writes docs/

@@ -17,7 +17,10 @@ The connector's store backend and the reader's store source both follow this lay
   taken over), taken first-put-wins (a put to an existing key keeps the old value);
 * ``PREFIX/claims/GROUP/NAME/G/renew/K``: the owner of generation ``G`` is alive (its
   ``K``-th renewal, K = 1, 2, ...; removed once the sample is consumed);
-* ``PREFIX/claims/GROUP/NAME/done``: ``GROUP`` has consumed ``NAME``.
+* ``PREFIX/claims/GROUP/NAME/done``: ``GROUP`` has consumed ``NAME``;
+* ``PREFIX/members/GROUP/SEQ``: the ``SEQ``-th entry of ``GROUP``'s membership log, one
+  following reader joining or leaving (JSON), taken first-put-wins;
+* ``PREFIX/members/GROUP/SEQ/renew/K``: the member that joined at ``SEQ`` is alive.
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ def renewal_key(prefix: str, group: str, name: str, generation: int, renewal: in
 def done_key(prefix: str, group: str, name: str) -> str:
     """Key that says consumer group ``group`` has consumed ``name``."""
     return f"{prefix}/claims/{group}/{name}/done"
+
+
+def member_key(prefix: str, group: str, seq: int) -> str:
+    """Entry ``seq`` of a consumer group's membership log: one join or leave."""
+    return f"{prefix}/members/{group}/{seq}"
+
+
+def member_renewal_key(prefix: str, group: str, seq: int, renewal: int) -> str:
+    """A member's lease renewal (``seq``: its join entry)."""
+    return f"{member_key(prefix, group, seq)}/renew/{renewal}"
 
 
 def check_prefix(prefix: str) -> str:

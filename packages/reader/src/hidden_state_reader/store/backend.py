@@ -11,6 +11,7 @@ same as for a directory. See ``docs/scale-out.md``.
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import socket
@@ -27,16 +28,18 @@ from hidden_state_reader.errors import (
 )
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.format.lockfile import LockState
-from hidden_state_reader.format.store_keys import CommitRecord, data_key, failed_key
+from hidden_state_reader.format.store_keys import CommitRecord, data_key, done_key, failed_key
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
+from hidden_state_reader.read.ownership import Ownership
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.sample.states import Observation, SampleState, judge
 from hidden_state_reader.store.claims import StoreClaims
 from hidden_state_reader.store.client import StoreClient
 from hidden_state_reader.store.follow import CommitLog
 from hidden_state_reader.store.load import load_bytes
+from hidden_state_reader.store.membership import StoreMembership
 from hidden_state_reader.store.url import parse_store_url, store_url
 
 _POLL_MIN = 0.002
@@ -93,6 +96,17 @@ class StoreBackend:
             if options.claim
             else None
         )
+        # A follower of a group is a member of it while it follows (``store.membership``):
+        # each announced sample is claimed by its owner, looked at by two stand-ins when
+        # their turn comes and left alone by everyone else (``read.ownership``).
+        self._membership = (
+            StoreMembership(self.client, options.claim_group, token, settings.claim_lease)
+            if options.claim and options.follow and options.names is None
+            else None
+        )
+        self._ownership: Ownership | None = None
+        self._deferred: list[tuple[float, int, Entry]] = []  # (turn, order, entry)
+        self._order = 0
 
     def address(self, name: str) -> str:
         """The address of sample ``name`` (``Sample.path`` and error messages)."""
@@ -115,6 +129,8 @@ class StoreBackend:
         finally:
             if self._leases is not None:
                 self._leases.stop()
+            if self._membership is not None:
+                self._membership.leave()
 
     def pending(self) -> list[str]:
         """Always empty: the store shows a sample only once it is complete."""
@@ -141,14 +157,18 @@ class StoreBackend:
 
     # -- where entries come from ------------------------------------------------------
 
-    def _logged(self) -> Iterator[Entry]:
+    def _logged(self) -> Iterator[Entry | Outcome]:
         cursor = CommitLog(self.client, hole_grace=self.options.orphan_grace)
         last_news, delay = time.monotonic(), _POLL_MIN
         idle_timeout = self.options.idle_timeout
         while not self._cancel.cancelled:
+            self._keep_membership()
             records = cursor.poll()
             for _key, record in records:
-                yield Entry(record.name, record.ok, record)
+                routed = self._route(Entry(record.name, record.ok, record))
+                if routed is not None:
+                    yield routed
+            yield from self._due()
             for entry in self._leases.takeovers() if self._leases is not None else ():
                 assert isinstance(entry, Entry)
                 yield entry
@@ -157,8 +177,10 @@ class StoreBackend:
                 continue
             idle = time.monotonic() - last_news
             stop = not self.options.follow or (idle_timeout is not None and idle >= idle_timeout)
-            # Before stopping, wait until every claim seen held is done or proven alive.
-            if stop and (self._leases is None or self._leases.settled()):
+            # Before stopping, wait until every claim seen held is done or proven alive,
+            # and every sample this reader stands in for has had its turn.
+            settled = self._leases is None or self._leases.settled()
+            if stop and settled and not self._deferred:
                 return
             self._cancel.sleep(delay)
             delay = min(delay * 2, self._poll_max)
@@ -191,6 +213,53 @@ class StoreBackend:
             "(the request has not finished, or its producer died before publishing it)",
         )
         return Outcome(OutcomeKind.TIMED_OUT, name, error=error)
+
+    # -- ownership in a group ---------------------------------------------------------
+
+    def _keep_membership(self) -> None:
+        """Join (again, if taken for dead) and watch the neighbour member."""
+        membership = self._membership
+        if membership is None:
+            return
+        if not membership.joined:
+            membership.join()
+            self._ownership = Ownership(membership.members, membership.me,
+                                        self.options.claim_steal_after)  # fmt: skip
+        membership.watch_neighbour()
+
+    def _route(self, entry: Entry) -> Entry | Outcome | None:
+        """An announced sample: this reader's to claim now, later (None), or not at all."""
+        ownership = self._ownership
+        if ownership is None:
+            return entry
+        ranking = ownership.ranking(entry.name)
+        if not ranking or ranking[0] == ownership.me:
+            return entry
+        if ownership.me not in ranking:
+            return Outcome(OutcomeKind.OWNED_ELSEWHERE, entry.name)
+        turn = time.monotonic() + ranking.index(ownership.me) * ownership.steal_after
+        self._order += 1
+        heapq.heappush(self._deferred, (turn, self._order, entry))
+        return None
+
+    def _due(self) -> Iterator[Entry | Outcome]:
+        """Stand-in turns that came: one ``batch_is_exist`` for all of them."""
+        now, due = time.monotonic(), []
+        while self._deferred and self._deferred[0][0] <= now:
+            due.append(heapq.heappop(self._deferred)[2])
+        if not due:
+            return
+        group = self.options.claim_group
+        probe = [k for e in due for k in (done_key(self.prefix, group, e.name),
+                                          data_key(self.prefix, e.name))]  # fmt: skip
+        found = self.client.exists(probe)
+        assert self._ownership is not None
+        for i, entry in enumerate(due):
+            done, data = found[2 * i], found[2 * i + 1]
+            if done or (entry.ok and not data):
+                yield Outcome(OutcomeKind.OWNED_ELSEWHERE, entry.name)  # its owner took it
+            else:
+                yield entry  # unclaimed, or its claim dies with its owner: claim it here
 
     # -- one entry --------------------------------------------------------------------
 

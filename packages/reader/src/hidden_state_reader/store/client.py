@@ -279,4 +279,3 @@ class StoreClient:
                 raise StoreError(f"{key}: no claim became readable within {timeout:g} s")
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
-
