@@ -23,6 +23,7 @@ import fcntl
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hidden_state_reader.format.lockfile import read_status_fd, write_status
@@ -30,6 +31,31 @@ from hidden_state_reader.format.names import CLAIMS_DIR, temp_path
 
 _DONE = "done"
 _CLAIMED = "claimed"
+
+
+def create_locked(path: str, fill: Callable[[int], object]) -> int | None:
+    """Create ``path`` already locked ``LOCK_EX``: the descriptor, or None if it exists.
+
+    The file is created under a temporary name, locked, filled (``fill(fd)``) and then
+    hard-linked into place, so it never appears unlocked or empty; ``link`` fails
+    atomically if the name exists, also on NFS. Claims and group member files use it.
+    """
+    tmp = temp_path(path)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fill(fd)
+        os.link(tmp, path)
+    except FileExistsError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return fd
 
 
 class ClaimResult(enum.Enum):
@@ -115,22 +141,8 @@ class ClaimStore:
         return ClaimResult.HELD
 
     def _create(self, name: str, path: str) -> Claim | None:
-        tmp = temp_path(path)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            write_status(fd, _CLAIMED, owner=self.owner)
-            os.link(tmp, path)
-        except FileExistsError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        return Claim(name, path, fd, reclaimed=False)
+        fd = create_locked(path, lambda fd: write_status(fd, _CLAIMED, owner=self.owner))
+        return None if fd is None else Claim(name, path, fd, reclaimed=False)
 
     def _take_over(self, name: str, path: str) -> Claim | ClaimResult | None:
         try:

@@ -26,7 +26,7 @@ import os
 import socket
 import time
 
-from hidden_state_reader.format.names import temp_path
+from hidden_state_reader.read.claims import create_locked
 
 MEMBERS_DIR = ".members"
 """The folder of the groups' member folders inside ``.claims`` (no group name starts with
@@ -65,19 +65,10 @@ class Membership:
             return
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, self.me)
-        tmp = temp_path(path)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-            os.write(fd, json.dumps(record).encode())
-            os.link(tmp, path)
-        except BaseException:
-            os.close(fd)
-            raise
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        fd = create_locked(path, lambda fd: os.write(fd, json.dumps(record).encode()))
+        if fd is None:
+            raise FileExistsError(f"group member file exists already: {path}")
         self._fd = fd
         self._listed_at = float("-inf")
 
