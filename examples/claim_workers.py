@@ -6,7 +6,10 @@ What it shows:
   default in follow mode): a claim file under ``<dir>/.claims/<group>/`` taken
   atomically, so among all processes following the directory, on this host or on
   others sharing the filesystem, exactly one gets each sample. No coordinator, no
-  process group, no ranks: start as many consumers as you like, whenever you like;
+  process group, no ranks: start as many consumers as you like, whenever you like.
+  While it follows, each consumer is a member of its group (``.claims/.members/``): every
+  sample has one owner among the members, who claims it, so the others do not race for
+  it (docs/scale-out.md);
 * ``claim_group``: consumers in different groups do not see each other's claims, so
   each group gets every sample once (e.g. a training job and an evaluation job);
 * this script plays both sides: it starts ``--workers`` consumer processes per group

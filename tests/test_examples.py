@@ -238,8 +238,11 @@ def test_claim_workers(tmp_path: Path) -> None:
         )
         assert match, text
     claims = tmp_path / ".claims"
-    assert sorted(p.name for p in claims.iterdir()) == ["default", "group1"]
+    assert sorted(p.name for p in claims.iterdir()) == [".members", "default", "group1"]
     assert len(list((claims / "default").iterdir())) == 30
+    # Each consumer was a member of its group while it followed, and left when it stopped.
+    assert sorted(p.name for p in (claims / ".members").iterdir()) == ["default", "group1"]
+    assert list((claims / ".members" / "default").iterdir()) == []
 
 
 @runs("store_two_process.py")

@@ -15,6 +15,7 @@ import pytest
 
 from hidden_state_reader import HiddenStateReader, WaitCancelledError
 from hidden_state_reader.format import SharedLock, WriterLock
+from hidden_state_reader.format.flockwait import install_wake_handler
 
 from procs import WRITER
 
@@ -33,6 +34,11 @@ def syscall_of(thread_id: int) -> str:
 
 
 def test_reader_sleeps_in_flock_until_another_process_releases(hs_dir: Path) -> None:
+    # The reader below is built on a helper thread; only the main thread can install the
+    # wake handler that lets helper threads sleep in flock (the reader's docs: build it on
+    # the main thread). Installed here, as a reader built on the main thread would, so the
+    # test does not depend on which tests ran before it in this process.
+    install_wake_handler()
     path = str(hs_dir / "hs_0.safetensors")
     writer = start_writer("hold", path)
     assert writer.stdout is not None and writer.stdin is not None
