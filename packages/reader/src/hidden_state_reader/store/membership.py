@@ -101,14 +101,6 @@ class StoreMembership:
             self._replay()
         return tuple(sorted(self._members.values()))
 
-    def alive(self, member: str) -> bool:
-        """Whether ``member`` is in the log and not found dead (the neighbour is probed)."""
-        return member in self._members.values()
-
-    def reap(self, member: str) -> bool:
-        """Nothing to remove by hand: a dead member leaves when its watcher says so."""
-        return False
-
     def watch_neighbour(self) -> bool:
         """Probe the next member's renewals; write its leave entry if it went silent."""
         members = self.members()
