@@ -50,7 +50,10 @@ help:
 	@echo "make test   - ruff, mypy and pytest (sets up .venv)"
 	@echo "make bench  - benchmarks, writes docs/benchmarks.md (BENCH_ARGS=--quick for a smoke run)"
 
-$(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pyproject.toml
+# The reader's native fp8 kernel is compiled at install (packages/reader/setup.py): a
+# change to its source re-runs the install.
+$(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pyproject.toml \
+		packages/reader/setup.py packages/reader/src/hidden_state_reader/format/_fp8_native.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "== installing into $(VENV): $(VLLM) (about a minute the first time)"
 	$(PY) -m pip install -q --disable-pip-version-check $(UV_PIN)
@@ -97,4 +100,5 @@ bench-quick: $(STAMP)
 	$(PY) -m benchmarks --quick
 
 clean:
-	rm -rf $(VENV) $(SPEC_DIR) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(SPEC_DIR) out .pytest_cache .mypy_cache .ruff_cache packages/*/build
+	find packages -name '*.so' -delete

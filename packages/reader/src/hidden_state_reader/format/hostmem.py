@@ -1,16 +1,27 @@
-"""Fresh host memory for large tensors, backed by transparent huge pages where allowed.
+"""Host memory for large tensors: huge-page-advised, and recycled once no tensor uses it.
 
-A tensor written into fresh memory pays one page fault per 4 KiB page the first time it
-is touched; on the benchmark machine (a VM) that alone limits filling a new 32 MiB
-tensor to 2-4 GB/s, slower than dequantizing into it. Anonymous memory advised with
-``MADV_HUGEPAGE`` faults in 2 MiB at a time (measured up to 28 GB/s there). Linux's
-default transparent-huge-page mode (``madvise``) honours the advice; elsewhere it is
-ignored and the memory is ordinary.
+A tensor written into fresh memory pays for its pages the first time it is touched: one
+page fault per 4 KiB page (on the benchmark machine, a VM, that alone limits filling a
+new 32 MiB tensor to 2-4 GB/s), or, with transparent huge pages, the kernel zeroing each
+2 MiB page (about 2 ms per 32 MiB there: as long as dequantizing fp8 into it). So:
+
+* anonymous memory is advised with ``MADV_HUGEPAGE`` (faults in 2 MiB at a time; Linux's
+  default transparent-huge-page mode, ``madvise``, honours the advice; elsewhere it is
+  ignored and the memory is ordinary);
+* mappings are kept in a small per-process cache (``CACHE_BYTES`` in all, in power-of-two
+  size classes) and handed out again once no tensor views them any more, so a reader that
+  makes one sample after another writes into pages that are already there.
+
+A mapping is known to be unused when nothing but the cache refers to it: every tensor
+made from it (``torch.frombuffer``) holds a reference through its storage, views and
+numpy arrays of it too, so memory is never reused while anything can still read it.
 """
 
 from __future__ import annotations
 
 import mmap
+import sys
+import threading
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
@@ -19,14 +30,17 @@ if TYPE_CHECKING:
     import torch
 
 HUGE_PAGE = 2 << 20
-"""Buffers of at least this many bytes are advised to use huge pages."""
+"""Buffers of at least this many bytes are advised to use huge pages (and recycled)."""
+CACHE_BYTES = 512 << 20
+"""Most bytes of mappings a process keeps for reuse (in use or idle); larger ones are not kept."""
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised CPU tensor; large ones in huge-page-advised anonymous memory.
+    """An uninitialised CPU tensor; large ones in recycled huge-page-advised memory.
 
-    The tensor keeps its mapping alive (it is unmapped with the last tensor using it).
-    Pinned memory comes from torch's pinned allocator (which caches its blocks).
+    The tensor keeps its mapping alive (it returns to the cache, or is unmapped, with the
+    last tensor using it). Pinned memory comes from torch's pinned allocator (which
+    caches its blocks).
 
     Args:
         shape: The tensor's shape.
@@ -41,10 +55,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = Fals
     nbytes = numel * dtype.itemsize
     if pin_memory or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with suppress(OSError):  # advice refused (an old kernel, THP compiled out): ordinary pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
+    mapping = _CACHE.take(nbytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def empty_bytes(nbytes: int) -> np.ndarray:
@@ -52,3 +64,51 @@ def empty_bytes(nbytes: int) -> np.ndarray:
     import torch
 
     return empty((nbytes,), torch.uint8).numpy()
+
+
+def _size_class(nbytes: int) -> int:
+    """The power of two at or above ``nbytes`` (untouched pages of a mapping cost nothing)."""
+    return 1 << max(nbytes - 1, 1).bit_length()
+
+
+def _new_mapping(size: int) -> mmap.mmap:
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with suppress(OSError):  # advice refused (an old kernel, THP compiled out): ordinary pages
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return mapping
+
+
+class _MappingCache:
+    """Anonymous mappings by size class, reused once only the cache refers to them."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._classes: dict[int, list[mmap.mmap]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> mmap.mmap:
+        """A mapping of at least ``nbytes`` that no tensor uses (a kept one if possible)."""
+        size = _size_class(nbytes)
+        with self._lock:
+            kept = self._classes.setdefault(size, [])
+            for i in range(len(kept)):
+                if sys.getrefcount(kept[i]) == 2:  # the list and this call: nothing else
+                    return kept[i]
+            if self._bytes + size > self._limit:
+                self._drop_unused()
+            mapping = _new_mapping(size)
+            if self._bytes + size <= self._limit:
+                kept.append(mapping)
+                self._bytes += size
+            return mapping
+
+    def _drop_unused(self) -> None:
+        """Forget the mappings no tensor uses (each is unmapped as it is dropped)."""
+        for size, kept in self._classes.items():
+            busy = [m for m in kept if sys.getrefcount(m) > 3]  # list, loop variable, call
+            self._bytes -= size * (len(kept) - len(busy))
+            kept[:] = busy
+
+
+_CACHE = _MappingCache(CACHE_BYTES)

@@ -1,0 +1,107 @@
+"""CPU fp8 dequantization: every implementation bit for bit equal to torch's definition.
+
+The implementations (``format.fp8_cpu``): the native kernel's vector lookup (AVX-512 VBMI,
+where the CPU has it), its scalar lookup, and the torch passes (float16 results, or where
+the extension is not built); ``dequantize`` picks one. Each is checked against
+``reference`` (``fp8.float() * scales`` then one rounding) over all 256 codes under scales
+from tiny to huge, infinite and NaN, for both scale layouts ([T, 1, 1] and [T, L, 1]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from hidden_state_reader.format import fp8_cpu
+from hidden_state_reader.format.fp8 import dequantize, quantize
+
+SCALES = [1.0, 1e-12, 3.7e-3, 0.1234567, 1 / 448, 7.3, -2.5, 0.0, 1e20, 7.5e35, 2.0**-126,
+          1e-40, float("inf"), float("nan"), 2.0**119, 3e38]  # fmt: skip
+
+Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _public(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(dequantize(fp8, scales, out.dtype))
+
+
+IMPLS: dict[str, Impl] = {
+    "dequantize (the default choice)": _public,
+    "native, vector": lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=True),
+    "native, scalar": lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=False),
+    "torch passes": fp8_cpu.torch_passes_into,
+}
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def every_code_under_every_scale(hidden: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[len(SCALES), 2, hidden]`` codes (all 256, cycled from a different start in each
+    row, so vector tails see every code too) and ``[len(SCALES), 1, 1]`` scales."""
+    rows = [(torch.arange(hidden) + 37 * i) % 256 for i in range(len(SCALES))]
+    codes = torch.stack(rows).to(torch.uint8).view(len(SCALES), 1, hidden).expand(-1, 2, -1)
+    return codes.contiguous().view(torch.float8_e4m3fn), torch.tensor(SCALES).view(-1, 1, 1)
+
+
+def assert_bit_exact(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan), "NaN stays NaN (codes 0x7f, 0xff; NaN scales)"
+    bits = torch.int16 if want.dtype.itemsize == 2 else torch.int32
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])  # signed zeros too
+
+
+# The native kernel makes bfloat16 and float32 only (float16 takes the torch passes).
+CASES = [
+    (impl, dtype)
+    for impl in IMPLS
+    for dtype in (torch.bfloat16, torch.float16, torch.float32)
+    if not impl.startswith("native") or dtype in NATIVE_DTYPES
+]
+
+
+@pytest.mark.parametrize(("impl", "dtype"), CASES)
+@pytest.mark.parametrize("hidden", [256, 300])  # 300: a scalar tail after the 64-code steps
+def test_bit_exact_for_every_code_and_scale(impl: str, dtype: torch.dtype, hidden: int) -> None:
+    fp8, scales = every_code_under_every_scale(hidden)
+    for per_row in (scales, scales.expand(-1, 2, 1).contiguous() * 3):  # [T,1,1] and [T,L,1]
+        want = fp8_cpu.reference(fp8, per_row, torch.empty(fp8.shape, dtype=dtype))
+        got = IMPLS[impl](fp8, per_row, torch.empty(fp8.shape, dtype=dtype))
+        assert_bit_exact(got, want)
+
+
+@pytest.mark.parametrize("vector", [True, False])
+def test_native_reads_strided_codes_and_selected_layers(vector: bool) -> None:
+    """A strided view of the codes (e.g. every other layer) and its per-layer scales."""
+    x = torch.randn(40, 4, 192).bfloat16() * torch.logspace(-3, 3, 4).view(1, 4, 1)
+    q, s = quantize(x)
+    picked_q, picked_s = q[:, ::2], s[:, ::2]
+    assert not picked_q.is_contiguous()
+    out = torch.empty(picked_q.shape, dtype=torch.bfloat16)
+    want = fp8_cpu.reference(picked_q, picked_s, torch.empty_like(out))
+    assert_bit_exact(fp8_cpu.native_into(picked_q, picked_s, out, vector=vector), want)
+
+
+def test_native_kernel_refuses_mismatched_buffers() -> None:
+    native = fp8_cpu._native()
+    codes = torch.zeros(4, 64, dtype=torch.uint8).numpy()
+    values = torch.zeros(256).numpy()
+    out = torch.zeros(4, 64, dtype=torch.int16).numpy()
+    with pytest.raises(ValueError, match="scales must hold"):
+        native.dequantize(codes, torch.zeros(3).numpy(), values, out, 64, 1, 0, True)
+    with pytest.raises(ValueError, match="codes must be rows x hidden"):
+        native.dequantize(codes, torch.zeros(4).numpy(), values, out[:3], 64, 1, 0, True)
+    with pytest.raises(ValueError, match="values must hold"):
+        native.dequantize(codes, torch.zeros(4).numpy(), values[:8], out, 64, 1, 0, True)
+    with pytest.raises(ValueError, match="kind must be"):
+        native.dequantize(codes, torch.zeros(4).numpy(), values, out, 64, 1, 7, True)
+
+
+def test_this_environment_builds_the_native_kernel() -> None:
+    """``make install`` compiles the extension (a C compiler is there): the suite runs it.
+
+    Without a compiler the package installs without it and ``kernel()`` says "torch
+    passes" (the other tests above still check that path).
+    """
+    assert fp8_cpu.kernel("torch.bfloat16").startswith("native")
+    assert fp8_cpu.kernel("torch.float16") == "torch passes"
