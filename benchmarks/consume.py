@@ -68,6 +68,7 @@ class Plan:
     readers: int
     idle: float  # the readers' idle_timeout, seconds
     staged: int = 4  # distinct files the producer publishes in turn
+    rounds: int = 1  # every kind once per round, kinds interleaved (drift hits all alike)
 
     @property
     def bf16_bytes(self) -> int:
@@ -75,7 +76,8 @@ class Plan:
 
 
 QUICK = Plan(tokens=64, layers=4, hidden=1024, samples=12, rate=40.0, readers=2, idle=2.0)
-FULL = Plan(tokens=1024, layers=4, hidden=4096, samples=48, rate=12.0, readers=2, idle=3.0)
+FULL = Plan(tokens=1024, layers=4, hidden=4096, samples=48, rate=12.0, readers=2, idle=3.0,
+            rounds=3)  # fmt: skip
 
 
 def available(kinds: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -298,23 +300,63 @@ def raw_store(client: Any, staged: list[str], delivered: int, rounds: int = 3) -
 
 
 def measure(plan: Plan, work: Path, kinds: list[str]) -> dict[str, Any]:
-    """Every kind that can run here, interleaved with nothing (each has the machine)."""
+    """Every kind that can run here, once per round, the kinds interleaved.
+
+    Each run has the machine to itself; running the kinds in turn, round after round,
+    lets drift in the machine's speed hit every kind alike, and ratios between kinds are
+    taken per round (``combine``).
+    """
     runnable, skipped = available(kinds)
     staged: dict[str, list[str]] = {}
-    rows: dict[str, Any] = {}
-    for kind in runnable:
-        storage, device, backend = KINDS[kind]
-        if storage not in staged:
-            staged[storage] = stage(work / f"staged-{storage}", storage, plan)
-        log(f"consume: {kind}, {plan.readers} readers, {plan.samples} samples at {plan.rate}/s")
-        if backend == "store":
-            rows[kind] = store_kind(plan, work, staged[storage])
-        else:
-            rows[kind] = files_kind(kind, plan, work, staged[storage])
-            rows[kind]["raw_gb_s"] = raw_read(staged[storage], plan.bf16_bytes)
-        rows[kind].update(storage=storage, device=device, backend=backend)
-    return {"plan": asdict(plan), "kinds": rows, "skipped": skipped,
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in runnable}
+    for round_no in range(plan.rounds):
+        for kind in runnable:
+            storage, _, backend = KINDS[kind]
+            if storage not in staged:
+                staged[storage] = stage(work / f"staged-{storage}", storage, plan)
+            log(f"consume: {kind}, round {round_no + 1} of {plan.rounds}, {plan.readers} "
+                f"readers, {plan.samples} samples at {plan.rate}/s")  # fmt: skip
+            here = work / f"round-{round_no}"
+            here.mkdir(exist_ok=True)
+            if backend == "store":
+                run = store_kind(plan, here, staged[storage])
+            else:
+                run = files_kind(kind, plan, here, staged[storage])
+                run["raw_gb_s"] = raw_read(staged[storage], plan.bf16_bytes)
+            runs[kind].append(run)
+    rows = {kind: {**combine(results), "storage": KINDS[kind][0], "device": KINDS[kind][1],
+                   "backend": KINDS[kind][2]} for kind, results in runs.items()}  # fmt: skip
+    from hidden_state_reader.format.fp8_cpu import kernel
+
+    return {"plan": asdict(plan), "kinds": rows, "skipped": skipped, "fp8_kernel": kernel(),
             "loadavg": list(os.getloadavg())}  # fmt: skip
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One kind's rounds: counts summed, rates the median round's, the worst backlog and p99.
+
+    The per-round figures stay under ``rounds`` (ratios between kinds use them).
+    """
+    total = {key: sum(r[key] for r in runs) for key in ("produced", "consumed", "duplicates",
+                                                       "unknown")}  # fmt: skip
+    return {
+        **total,
+        "gb_s_per_reader_busy": median([r["gb_s_per_reader_busy"] for r in runs]),
+        "per_reader_busy_gb_s": [x for r in runs for x in r["per_reader_busy_gb_s"]],
+        "delivered_gb_s_wall": median([r["delivered_gb_s_wall"] for r in runs]),
+        "raw_gb_s": median([r["raw_gb_s"] for r in runs]),
+        "max_backlog_files": max(r["max_backlog_files"] for r in runs),
+        "yield_latency_p50_ms": median([r["yield_latency_p50_ms"] for r in runs]),
+        "yield_latency_p99_ms": max(r["yield_latency_p99_ms"] for r in runs),
+        "rounds": runs,
+    }
+
+
+def round_ratio(rows: dict[str, Any], kind: str, base: str) -> float:
+    """Median over rounds of ``kind``'s GB/s per reader while busy over ``base``'s."""
+    one = [rows[kind]]  # a result without rounds: one round
+    pairs = zip(rows[kind].get("rounds", one), rows[base].get("rounds", [rows[base]]), strict=True)
+    return median([a["gb_s_per_reader_busy"] / b["gb_s_per_reader_busy"] for a, b in pairs])
 
 
 def _goals(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -325,7 +367,7 @@ def _goals(res: dict[str, Any]) -> list[dict[str, Any]]:
         for kind, r in rows.items()
     ]  # fmt: skip
     if "bf16" in rows and "fp8" in rows:
-        ratio = rows["fp8"]["gb_s_per_reader_busy"] / rows["bf16"]["gb_s_per_reader_busy"]
+        ratio = round_ratio(rows, "fp8", "bf16")
         out.append(goal("consume: fp8 files / bf16 files, GB/s per reader while busy "
                         "(default options, dequantized on the CPU)", ratio, GOAL_FP8))  # fmt: skip
     return out
@@ -347,13 +389,14 @@ def render(res: dict[str, Any]) -> str:
     p = res["plan"]
     size = p["tokens"] * (8 + p["layers"] * p["hidden"] * 2)
     rows = []
-    bf16 = res["kinds"].get("bf16", {}).get("gb_s_per_reader_busy")
-    for kind, r in res["kinds"].items():
+    kinds = res["kinds"]
+    for kind, r in kinds.items():
         busy = r["gb_s_per_reader_busy"]
         latency = f"{fmt(r['yield_latency_p50_ms'])} / {fmt(r['yield_latency_p99_ms'])}"
         rows.append(
             [kind, r["produced"], f"{r['consumed']} ({r['duplicates']} twice)", busy,
-             r["raw_gb_s"], busy / r["raw_gb_s"], busy / bf16 if bf16 else None,
+             r["raw_gb_s"], busy / r["raw_gb_s"],
+             round_ratio(kinds, kind, "bf16") if "bf16" in kinds else None,
              r["delivered_gb_s_wall"], r["max_backlog_files"], latency]
         )  # fmt: skip
     out = [
@@ -364,7 +407,10 @@ def render(res: dict[str, Any]) -> str:
         "in bf16). GB/s are of delivered bytes (bf16 for fp8 files); \"while busy\": from "
         "the moment a sample was published and asked for until the reader had touched it "
         "(the rate one reader sustains); raw: a raw read loop over the same samples "
-        "(files: `preadv` into a fresh buffer; store: `get_into` a registered buffer).",
+        "(files: `preadv` into a fresh buffer; store: `get_into` a registered buffer). "
+        f"{p.get('rounds', 1)} round(s), the kinds interleaved: rates are the median round's, "
+        "\"÷ bf16 files\" the median of per-round ratios, counts summed over rounds, the "
+        f"backlog and p99 the worst round's. fp8 dequantization: {res.get('fp8_kernel', '?')}.",
         "",
         table(HEADER, rows),
     ]
