@@ -13,6 +13,10 @@ fi
 export PYTHONPATH=$PWD/packages/reader/src:$PWD/packages/connector/src:$PWD:$PYTHONPATH
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# The reader's native fp8 kernel (the image has a C compiler; without it the reader uses
+# torch passes and says so).
+(cd packages/reader && python3 setup.py -q build_ext --inplace) >"$OUT/build.log" 2>&1
+python3 -c "from hidden_state_reader.format.fp8_cpu import kernel; print('fp8 CPU kernel:', kernel())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /tmp /dev/shm | tail -2
 B="python3 benchmarks/gpu/bench.py"
@@ -120,6 +124,21 @@ case "$plan" in
       2>>"$OUT/v24c.log" | tail -1
     timeout 120 $S --kind ours --batches 4 --connector '{"storage_dtype": "fp8_e4m3"}' \
       --reader-device cuda 2>>"$OUT/v24c.log" | tail -1
+    ;;
+  # Issue 24 (2026-12-04): fp8 storage read with the native CPU kernel (default reader
+  # options) and with device="cuda", against no extraction in the same call.
+  v24e)
+    S="python3 benchmarks/gpu/sustain.py --jsonl $OUT/results.jsonl"
+    timeout 110 $S --kind none --batches 4 2>>"$OUT/v24e.log" | tail -1
+    timeout 150 $S --kind ours --batches 6 --connector '{"storage_dtype": "fp8_e4m3"}' \
+      2>>"$OUT/v24e.log" | tail -1
+    timeout 130 $S --kind ours --batches 4 --connector '{"storage_dtype": "fp8_e4m3"}' \
+      --reader-device cuda 2>>"$OUT/v24e.log" | tail -1
+    ;;
+  v24f)  # decode-heavy again (512-token prompts, 256 generated): none / null sink / ours
+    $B throughput --num-prompts 256 --prompt-len 512 --max-tokens 256 --max-model-len 1024 \
+      --kinds ours,null,none --timeout 150 --json "$OUT/t.json" 2>>"$OUT/v24f.log" | tail -5
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

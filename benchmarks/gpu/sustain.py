@@ -201,12 +201,15 @@ def sustain(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(len(readers))
     ]
     conn = json.loads(args.connector)
+    from hidden_state_reader.format.fp8_cpu import kernel  # the readers' install too
+
     row = {
         "date": time.strftime("%Y-%m-%d"),
         "kind": "sustain",
         "producer": args.kind,
         "storage_dtype": conn.get("storage_dtype", "model"),
         "reader_device": args.reader_device,
+        "fp8_cpu_kernel": kernel(),
         "readers": args.readers,
         "graphs": args.graphs,
         "prompts_per_batch": args.num_prompts,
