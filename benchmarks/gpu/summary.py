@@ -3,8 +3,9 @@
     python benchmarks/gpu/summary.py            # reads benchmarks/gpu/results/*.jsonl
 
 Every RESULT line of every H200 run is kept in ``benchmarks/gpu/results/DATE.jsonl``; this
-turns the newest date's lines into tables, so the docs never hold a number that is not in
-a results file. ``python -m benchmarks`` then appends the summary to docs/benchmarks.md.
+turns each date's lines into tables (newest date first), followed by that date's
+hand-written findings (``findings-DATE.md``), so the docs never hold a number that is not
+in a results file. ``python -m benchmarks`` then appends the summary to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -38,11 +39,19 @@ def _f(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def render(rows: list[dict[str, Any]], date: str) -> str:
-    """The markdown summary of one date's result lines."""
-    out = [f"## GPU (NVIDIA H200), {date}: from `benchmarks/gpu/results/{date}.jsonl`", ""]
+def render_all(dates: dict[str, list[dict[str, Any]]], findings: dict[str, str]) -> str:
+    """The GPU section: the common notes, then every date's tables and findings, newest first."""
+    out = ["## GPU (NVIDIA H200): from `benchmarks/gpu/results/DATE.jsonl`", ""]
     out += ["How each plan is run and what every session found: `benchmarks/gpu/NOTES.md`.", ""]
     out += [NOTES, ""]
+    for date in sorted(dates, reverse=True):
+        out += [render(dates[date], date), findings.get(date, "")]
+    return "\n".join(out)
+
+
+def render(rows: list[dict[str, Any]], date: str) -> str:
+    """The markdown tables of one date's result lines."""
+    out = [f"### {date}: `benchmarks/gpu/results/{date}.jsonl`", ""]
     val = [r for r in rows if r.get("kind") == "validate"]
     if val:
         out += [
@@ -106,33 +115,48 @@ def _long_table(rows: list[dict[str, Any]]) -> list[str]:
 NULL_SINK = "null sink (extraction, nothing copied or written)"
 
 
+def runs_of(rows: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Consecutive rows grouped into runs: a run ends where a kind comes again.
+
+    A plan runs each kind once per call (``bench.py throughput --kinds ...``), so rows of
+    one run share a machine and compare with each other, not with another call's.
+    """
+    runs: list[list[dict[str, Any]]] = []
+    for row in rows:
+        if not runs or row["kind"] in {r["kind"] for r in runs[-1]}:
+            runs.append([])
+        runs[-1].append(row)
+    return runs
+
+
 def _decode_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
-    none = [r["tok_s"] for r in rows if r["kind"] == "none"]
     out = [
-        "| decode-heavy (prompt tokens, generated) | kind | prompt tok/s | generated tok/s | "
-        "vs none |",
-        "|---|---|---|---|---|",
+        "| run | decode-heavy (prompt tokens, generated) | kind | prompt tok/s | generated "
+        "tok/s | vs none (same run) | vs null sink (same run) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        ratio = r["tok_s"] / none[0] if none else None
-        kind = NULL_SINK if r["kind"] == "null" else r["kind"]
-        out.append(
-            f"| {r['prompt_len']}, {r['max_tokens']} | {kind} | {_f(r['tok_s'], 0)} | "
-            f"{_f(r.get('out_tok_s'), 0)} | {_f(ratio, 3)} |"
-        )
+    for i, run in enumerate(runs_of(rows), 1):
+        base = {r["kind"]: r["tok_s"] for r in run}
+        for r in run:
+            kind = NULL_SINK if r["kind"] == "null" else r["kind"]
+            vs = [r["tok_s"] / base[k] if k in base else None for k in ("none", "null")]
+            out.append(
+                f"| {i} | {r['prompt_len']}, {r['max_tokens']} | {kind} | {_f(r['tok_s'], 0)} | "
+                f"{_f(r.get('out_tok_s'), 0)} | {_f(vs[0], 3)} | {_f(vs[1], 3)} |"
+            )
     return [*out, ""]
 
 
 def _sustain_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
-    none = [r["tok_s"] for r in rows if r.get("producer") == "none"]
+    none = None  # the latest no-extraction baseline before a row (same call)
     out = [
-        "| sustained run | readers | reader device | produced (samples, GB on disk) | consumed "
-        "exactly once | max backlog (files) | yield p50 / p99 ms | tok/s (median batch) | vs "
-        "none |",
+        "| sustained run | readers | reader device (fp8 on the CPU by) | produced (samples, GB "
+        "on disk) | consumed exactly once | max backlog (files) | yield p50 / p99 ms | tok/s "
+        "(median batch) | vs none |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -140,10 +164,14 @@ def _sustain_table(rows: list[dict[str, Any]]) -> list[str]:
             dash = "\u2013"
             cells = " | ".join([dash] * 6)
             out.append(f"| no extraction | {cells} | {_f(r['tok_s'], 0)} | 1.000 |")
+            none = r["tok_s"]
             continue
-        ratio = r["tok_s"] / none[0] if none else None
+        ratio = r["tok_s"] / none if none else None
+        device = r["reader_device"]
+        if r["storage_dtype"] != "model" and device == "cpu":
+            device += f" ({r.get('fp8_cpu_kernel', 'torch passes')})"
         out.append(
-            f"| {r['storage_dtype']} storage | {r['readers']} | {r['reader_device']} | "
+            f"| {r['storage_dtype']} storage | {r['readers']} | {device} | "
             f"{r['produced']}, {r['produced_bytes'] / 1e9:,.1f} | "
             f"{r['consumed']} ({'yes' if r['exactly_once'] else 'NO'}) | "
             f"{r['max_backlog_files']} | {_f(r['yield_latency_p50_ms'])} / "
@@ -152,15 +180,23 @@ def _sustain_table(rows: list[dict[str, Any]]) -> list[str]:
     return [*out, ""]
 
 
+def load() -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """Every date's result lines and hand-written findings."""
+    dates = {
+        path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for path in sorted(RESULTS.glob("*.jsonl"))
+    }
+    findings = {p.stem.removeprefix("findings-"): p.read_text() for p in HERE.glob("findings-*.md")}
+    return dates, findings
+
+
 def main() -> int:
-    files = sorted(RESULTS.glob("*.jsonl"))
-    if not files:
+    dates, findings = load()
+    if not dates:
         print(f"no results in {RESULTS}", file=sys.stderr)
         return 1
-    newest = files[-1]
-    rows = [json.loads(line) for line in newest.read_text().splitlines() if line.strip()]
-    OUT.write_text(render(rows, newest.stem) + "\n" + (HERE / "findings.md").read_text())
-    print(f"wrote {OUT} from {len(rows)} results in {newest}")
+    OUT.write_text(render_all(dates, findings))
+    print(f"wrote {OUT} from {sum(map(len, dates.values()))} results of {len(dates)} dates")
     return 0
 
 
