@@ -243,6 +243,20 @@ def test_the_reader_docs_fp8_example_runs_and_matches_the_default_read(hs_dir: P
     assert torch.equal(seen[str(hs_dir / "b.safetensors")], x)
 
 
+def test_the_reader_docs_device_example_runs_and_both_loops_agree(hs_dir: Path) -> None:
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "reader.md").read_text()
+    block = doc.split("<!-- fp8-device-example -->", 1)[1].split("```python\n", 1)[1]
+    block = block.split("```", 1)[0]
+    x = residual_like(tokens=16)
+    path = write_sample(hs_dir / "a.safetensors", torch.arange(16), x, storage="fp8_e4m3")
+    seen: list[torch.Tensor] = []
+    code = block.replace("hidden = ", "hidden = seen.append(sample.hidden_states) or ")
+    exec(compile(code, "reader.md", "exec"), {"path": hs_dir, "device": "cpu", "seen": seen})
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+    assert torch.equal(seen[0], load_sample(path).hidden_states)
+    assert seen[0].dtype == torch.bfloat16
+
+
 def test_large_results_dequantize_in_chunks_and_keep_nan_codes() -> None:
     x = residual_like(tokens=300, layers=4, hidden=1024)  # several chunks of the CPU path
     q, s = quantize(x)
