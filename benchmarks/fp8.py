@@ -115,6 +115,33 @@ def _interleaved(work: Path, big: Any, reps: int) -> dict[str, list[float]]:
     return times
 
 
+def _kernels(big: Any, reps: int) -> dict[str, Any]:
+    """GB/s (bf16 bytes) of each CPU dequantization on its own, into one reused output.
+
+    Interleaved, median of ``reps`` rounds; also the kernel ``dequantize`` picks here.
+    """
+    import torch
+
+    from hidden_state_reader.format import fp8_cpu
+    from hidden_state_reader.format.fp8 import quantize
+
+    q, scales = quantize(big)
+    out = torch.empty(big.shape, dtype=torch.bfloat16)
+    impls = {"torch passes": fp8_cpu.torch_passes_into}
+    if fp8_cpu.kernel() != "torch passes":
+        impls["native, scalar"] = lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=False)
+        if "VBMI" in fp8_cpu.kernel():
+            impls["native, AVX-512 VBMI"] = fp8_cpu.native_into
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    for _ in range(reps):
+        for name, fn in impls.items():
+            start = time.perf_counter()
+            fn(q, scales, out)
+            times[name].append(time.perf_counter() - start)
+    gbps = {name: gb(big.numel() * 2 / median(t)) for name, t in times.items()}
+    return {"gbps": gbps, "default": fp8_cpu.kernel()}
+
+
 def _gpu(big: Any, reps: int) -> dict[str, float] | None:
     """GB/s (bf16 bytes) of quantize and dequantize on the GPU, when there is one."""
     import torch
@@ -190,6 +217,7 @@ def run(ctx: Context) -> dict[str, Any]:
         "sizes_8b": big_sizes,
         "errors": errors,
         "gbps": speed,
+        "kernels": _kernels(big, ctx.pick(3, 7)),
         "gpu_gbps": _gpu(big, ctx.pick(3, 10)),
         "goals": [
             goal(
@@ -241,6 +269,16 @@ def render(res: dict[str, Any]) -> str:
         "",
         table(["operation", "GB/s"], [[k, v] for k, v in res["gbps"].items()]),
     ]
+    kernels = res.get("kernels")
+    if kernels:
+        out += [
+            "",
+            "Dequantization alone, same sample, into one reused bf16 output (no page "
+            "faults), one thread, GB/s of bf16 (median); reads use "
+            f"**{kernels['default']}** here:",
+            "",
+            table(["CPU dequantization", "GB/s"], [[k, v] for k, v in kernels["gbps"].items()]),
+        ]
     if res.get("gpu_gbps"):
         out += ["", table(["on the GPU", "GB/s"], [[k, v] for k, v in res["gpu_gbps"].items()])]
     else:
@@ -257,4 +295,12 @@ def findings(res: dict[str, Any]) -> list[str]:
         f"per-layer relative error {ours:.2%} (per-token scales: {theirs:.2%}); CPU write "
         f"{speed['write fp8_e4m3']:.2f} vs {speed['write model']:.2f} GB/s, read (dequantize) "
         f"{speed['read fp8_e4m3']:.2f} vs {speed['read model']:.2f} GB/s"
+        + _kernel_finding(res.get("kernels"))
     ]
+
+
+def _kernel_finding(kernels: dict[str, Any] | None) -> str:
+    if not kernels:
+        return ""
+    parts = ", ".join(f"{name} {v:.1f}" for name, v in kernels["gbps"].items())
+    return f"; dequantization alone (GB/s of bf16): {parts} (reads use {kernels['default']})"
