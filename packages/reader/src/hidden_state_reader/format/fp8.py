@@ -137,7 +137,7 @@ def dequantize(
     the host-to-device bytes of bf16). On the CPU the result is computed by the native
     lookup-table kernel, or torch passes where it is not built (``format.fp8_cpu``), bit
     for bit the same and 10-30x faster than torch's float8 conversion; large results go
-    into huge-page-advised memory.
+    into recycled huge-page-advised memory (``format.hostmem``).
 
     Args:
         fp8: ``[tokens, layers, hidden]`` float8_e4m3fn.
