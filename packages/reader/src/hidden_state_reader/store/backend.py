@@ -12,7 +12,6 @@ same as for a directory. See ``docs/scale-out.md``.
 from __future__ import annotations
 
 import heapq
-import json
 import os
 import socket
 import time
@@ -21,28 +20,25 @@ from collections.abc import Generator, Iterator, Sequence
 from typing import NamedTuple
 
 from hidden_state_reader.errors import (
-    FailedSampleError,
     LockTimeoutError,
-    SampleError,
     WaitCancelledError,
 )
 from hidden_state_reader.format.flockwait import CancelToken
-from hidden_state_reader.format.lockfile import LockState
 from hidden_state_reader.format.store_keys import CommitRecord, data_key, done_key, failed_key
 from hidden_state_reader.options import ReaderOptions
-from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
+from hidden_state_reader.read.backend import Outcome, OutcomeKind
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
 from hidden_state_reader.read.ownership import Ownership
-from hidden_state_reader.sample.sample import Sample
-from hidden_state_reader.sample.states import Observation, SampleState, judge
 from hidden_state_reader.store.claims import StoreClaims
 from hidden_state_reader.store.client import StoreClient
+from hidden_state_reader.store.fetch import Fetched, fetch, load
 from hidden_state_reader.store.follow import CommitLog
-from hidden_state_reader.store.load import load_bytes
 from hidden_state_reader.store.membership import StoreMembership
+from hidden_state_reader.store.read_ahead import ReadAhead
 from hidden_state_reader.store.url import parse_store_url, store_url
 
 _POLL_MIN = 0.002
+_READ_AHEAD = 1  # loaded samples queued ahead of the caller (one more is being read)
 
 
 class Entry(NamedTuple):
@@ -107,6 +103,7 @@ class StoreBackend:
         self._ownership: Ownership | None = None
         self._deferred: list[tuple[float, int, Entry]] = []  # (turn, order, entry)
         self._order = 0
+        self._passes: set[CancelToken] = set()  # the cancel tokens of passes in progress
 
     def address(self, name: str) -> str:
         """The address of sample ``name`` (``Sample.path`` and error messages)."""
@@ -115,22 +112,58 @@ class StoreBackend:
     # -- the Backend protocol ---------------------------------------------------------
 
     def outcomes(self, names: Sequence[str] | None = None) -> Generator[Outcome, None, None]:
-        """Decided samples: from the commit logs, or the names asked for."""
-        names = self.options.names if names is None else names
-        entries = self._pulled(names) if names is not None else self._logged()
+        """Decided samples: from the commit logs, or the names asked for.
+
+        A pass over more than one sample runs in a read-ahead thread
+        (``store.read_ahead``): the next sample is claimed, transferred and checked
+        while the caller uses this one. Claims and membership end with the pass, in the
+        caller's thread, once the last sample yielded has been consumed.
+        """
+        token = CancelToken()  # this pass's waits: ended by ``close`` or by the caller
+        self._passes.add(token)
+        if self._cancel.cancelled:
+            token.cancel()
+        decisions = self._decisions(names, token)
+        single = names is not None and len(names) == 1  # ``in_order``: nothing to overlap
+        ahead = None
+        if not single:
+            ahead = ReadAhead(decisions, holds_sample=_holds_sample, samples=_READ_AHEAD,
+                              interrupt=token.cancel)  # fmt: skip
         try:
-            for entry in entries:
-                if isinstance(entry, Outcome):
-                    yield entry
-                else:
-                    yield self._decide(entry)
-        except WaitCancelledError:
-            return
+            for decision in decisions if ahead is None else ahead:
+                yield load(decision, self.options) if isinstance(decision, Fetched) else decision
         finally:
+            if ahead is not None:
+                for decision in ahead.close():  # decided, never handed out: give them back
+                    settle(decision.claim, Ending.RETURNED)
+            decisions.close()
+            self._passes.discard(token)
             if self._leases is not None:
                 self._leases.stop()
             if self._membership is not None:
                 self._membership.leave()
+
+    def _decisions(
+        self, names: Sequence[str] | None, token: CancelToken
+    ) -> Generator[Outcome | Fetched, None, None]:
+        """One pass: each entry claimed (when asked to) and fetched, in order.
+
+        Stops after ``max_samples`` samples fetched (on a pass over the whole store), so
+        that reading ahead claims no sample the caller will not take.
+        """
+        limit = self.options.max_samples if names is None else None
+        names = self.options.names if names is None else names
+        entries = self._pulled(names, token) if names is not None else self._logged(token)
+        fetched = 0
+        try:
+            for entry in entries:
+                decision = entry if isinstance(entry, Outcome) else self._decide(entry)
+                yield decision
+                fetched += isinstance(decision, Fetched)
+                if limit is not None and fetched >= limit:
+                    return
+        except WaitCancelledError:
+            return
 
     def pending(self) -> list[str]:
         """Always empty: the store shows a sample only once it is complete."""
@@ -153,15 +186,17 @@ class StoreBackend:
             self.client.remove(data_key(self.prefix, name))
 
     def close(self) -> None:
-        """Nothing to close: the reader's cancel token ends a wait in progress."""
+        """End the waits of every pass in progress (safe from another thread)."""
+        for token in list(self._passes):
+            token.cancel()
 
     # -- where entries come from ------------------------------------------------------
 
-    def _logged(self) -> Iterator[Entry | Outcome]:
+    def _logged(self, token: CancelToken) -> Iterator[Entry | Outcome]:
         cursor = CommitLog(self.client, hole_grace=self.options.orphan_grace)
         last_news, delay = time.monotonic(), _POLL_MIN
         idle_timeout = self.options.idle_timeout
-        while not self._cancel.cancelled:
+        while not token.cancelled:
             self._keep_membership()
             records = cursor.poll()
             for _key, record in records:
@@ -182,13 +217,13 @@ class StoreBackend:
             settled = self._leases is None or self._leases.settled()
             if stop and settled and not self._deferred:
                 return
-            self._cancel.sleep(delay)
+            token.sleep(delay)
             delay = min(delay * 2, self._poll_max)
 
-    def _pulled(self, names: Sequence[str]) -> Iterator[Entry | Outcome]:
+    def _pulled(self, names: Sequence[str], token: CancelToken) -> Iterator[Entry | Outcome]:
         pending, started, delay = list(names), time.monotonic(), _POLL_MIN
         timeout = self.options.lock_timeout
-        while pending and not self._cancel.cancelled:
+        while pending and not token.cancelled:
             keys = [data_key(self.prefix, n) for n in pending]
             found = self.client.exists(keys + [failed_key(self.prefix, n) for n in pending])
             failed = found[len(keys) :]
@@ -203,7 +238,7 @@ class StoreBackend:
                 for name in pending:
                     yield self._timed_out(name, timeout)
                 return
-            self._cancel.sleep(delay)
+            token.sleep(delay)
             delay = min(delay * 2, self._poll_max)
 
     def _timed_out(self, name: str, timeout: float) -> Outcome:
@@ -263,7 +298,7 @@ class StoreBackend:
 
     # -- one entry --------------------------------------------------------------------
 
-    def _decide(self, entry: Entry) -> Outcome:
+    def _decide(self, entry: Entry) -> Outcome | Fetched:
         """Claim (when asked to) and fetch one announced sample."""
         if self._leases is None:
             return self._fetch(entry, None)
@@ -271,38 +306,21 @@ class StoreBackend:
         if claim is None:
             return Outcome(OutcomeKind.CLAIMED, entry.name)
         try:
-            outcome = self._fetch(entry, claim)
+            decision = self._fetch(entry, claim)
         except BaseException:
             settle(claim, Ending.RETURNED)
             raise
-        if outcome.kind is OutcomeKind.VANISHED:
+        if isinstance(decision, Outcome) and decision.kind is OutcomeKind.VANISHED:
             settle(claim, Ending.GONE)
-        return outcome
+        return decision
 
-    def _fetch(self, entry: Entry, claim: HeldClaim | None) -> Outcome:
-        name, where = entry.name, self.address(entry.name)
-        if not entry.ok:
-            raw = self.client.get(failed_key(self.prefix, name)) or b"{}"
-            reason = str(json.loads(raw).get("reason", "no reason recorded"))
-            error = FailedSampleError(where, f"the writer gave up: {reason}")
-            return rejected(name, SampleState.FAILED, error, claim)
-        data = self.client.get_object(data_key(self.prefix, name))
-        if data is None:
-            return Outcome(OutcomeKind.VANISHED, name)  # consumed and deleted by another reader
-        sample: Sample | None = None
-        problem: SampleError | None = None
-        try:
-            sample = load_bytes(where, data, entry.record, self.options)
-        except SampleError as exc:
-            problem = exc
-        # A stored object is complete or it is not: no lock, and no age to wait out.
-        obs = Observation(
-            LockState.ABSENT,
-            data_exists=True,
-            problem=problem,
-            num_tokens=None if sample is None else sample.num_tokens,
-        )
-        return judged(name, where, judge(obs), sample, problem, claim)
+    def _fetch(self, entry: Entry, claim: HeldClaim | None) -> Outcome | Fetched:
+        return fetch(self.client, entry.name, self.address(entry.name), entry.record,
+                     entry.ok, claim)  # fmt: skip
+
+
+def _holds_sample(decision: Outcome | Fetched) -> bool:
+    return isinstance(decision, Fetched)
 
 
 def _check_store_options(options: ReaderOptions) -> None:
