@@ -127,7 +127,10 @@ class StoreClaims:
         # In a full store a claim waits for room like a producer's put (up to a lease).
         if self.client.put_first(key, self._record, full_timeout=self.lease) != self._record:
             return False
-        if self._is_done(name):  # finished by the previous owner after all
+        # Finished by the previous owner after all? Only a holder of a claim writes
+        # ``done``, and claims are never removed: whoever wins generation 0 is the first
+        # holder, so only a takeover needs to look.
+        if generation > 0 and self._is_done(name):
             return False
         with self._lock:
             self._held[name] = [generation, 0]

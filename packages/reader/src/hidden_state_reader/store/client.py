@@ -188,21 +188,24 @@ class StoreClient:
         return None if n < 0 else n
 
     def get(self, key: str) -> bytes | None:
-        """The object at ``key``, None if there is none; its size is checked.
+        """The object at ``key``, None if there is none.
+
+        One round trip for an object that is there (commit records, claims: the small
+        objects of the protocol); only an empty answer costs more, to tell a missing
+        object from one too large for the transfer buffer or one whose put just ended.
 
         Raises:
-            StoreError: The object is larger than the transfer buffer, or the read came
-                back short.
+            StoreError: The object is larger than the transfer buffer, or cannot be read.
         """
-        size = self.size(key)
-        if size is None:
-            return None
-        self._fits(key, size)
         data = self._store.get(key)
-        if len(data) != size:
-            if not data and self.size(key) is None:
-                return None  # removed between the two calls
-            raise StoreError(f"{key}: read {len(data)} of {size} bytes")
+        if not data:
+            size = self.size(key)
+            if size is None:
+                return None  # not there (or removed meanwhile)
+            self._fits(key, size)
+            data = self._store.get(key)  # its put ended between the two calls
+            if not data:
+                raise StoreError(f"{key}: read nothing of {size} bytes")
         return bytes(data) if not isinstance(data, bytes) else data
 
     def get_object(self, key: str, size: int | None = None) -> np.ndarray | None:
@@ -248,6 +251,11 @@ class StoreClient:
             actual = self.size(key)
             return None if actual is None else self.get_object(key, max(actual, size + 1))
         raise StoreError(f"{key}: get_into of {size} bytes failed with code {n}")
+
+    @property
+    def receive_pool(self) -> ReceivePool | None:
+        """The receive arena of ``get_object`` (None before the first sample is read)."""
+        return self._pool
 
     def _receive_pool(self) -> ReceivePool:
         with self._pool_lock:
