@@ -109,7 +109,8 @@ class StoreBackend:
         self._ownership: Ownership | None = None
         self._deferred: list[tuple[float, int, Entry]] = []  # (turn, order, entry)
         self._order = 0
-        self._passes: set[CancelToken] = set()  # the cancel tokens of passes in progress
+        # Passes in progress: their cancel tokens and read-aheads (``close`` stops both).
+        self._passes: dict[CancelToken, ReadAhead[Outcome | Fetched] | None] = {}
 
     def address(self, name: str) -> str:
         """The address of sample ``name`` (``Sample.path`` and error messages)."""
@@ -126,9 +127,6 @@ class StoreBackend:
         caller's thread, once the last sample yielded has been consumed.
         """
         token = CancelToken()  # this pass's waits: ended by ``close`` or by the caller
-        self._passes.add(token)
-        if self._cancel.cancelled:
-            token.cancel()
         single = names is not None and len(names) == 1  # ``in_order``: nothing to overlap
         here = self._decisions(names, token, _no_wait) if single else None
         ahead: ReadAhead[Outcome | Fetched] | None = None
@@ -139,8 +137,14 @@ class StoreBackend:
             decisions = ahead = ReadAhead(lambda room: self._decisions(names, token, room),
                                           holds_sample=_holds_sample, samples=_READ_AHEAD,
                                           interrupt=token.cancel)  # fmt: skip
+        self._passes[token] = ahead
+        if self._cancel.cancelled:
+            self.close()
         try:
             for decision in decisions:
+                if token.cancelled:  # closed: hand out nothing more, give it back
+                    settle(decision.claim, Ending.RETURNED)
+                    break
                 yield load(decision, self.options) if isinstance(decision, Fetched) else decision
         finally:
             if here is not None:
@@ -148,7 +152,7 @@ class StoreBackend:
             if ahead is not None:
                 for decision in ahead.close():  # decided, never handed out: give them back
                     settle(decision.claim, Ending.RETURNED)
-            self._passes.discard(token)
+            self._passes.pop(token, None)
             if self._leases is not None:
                 self._leases.stop()
             if self._membership is not None:
@@ -203,9 +207,11 @@ class StoreBackend:
             self.client.remove(data_key(self.prefix, name))
 
     def close(self) -> None:
-        """End the waits of every pass in progress (safe from another thread)."""
-        for token in list(self._passes):
+        """End every pass in progress: its waits and its read-ahead (safe from any thread)."""
+        for token, ahead in list(self._passes.items()):
             token.cancel()
+            if ahead is not None:
+                ahead.stop()
 
     # -- where entries come from ------------------------------------------------------
 

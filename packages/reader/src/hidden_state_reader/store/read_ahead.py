@@ -96,12 +96,16 @@ class ReadAhead(Generic[T]):
             if self._stopping:
                 raise WaitCancelledError("read-ahead closed")
 
-    def close(self) -> list[T]:
-        """Stop the thread (after the store call it is in, if any); the items not taken."""
+    def stop(self) -> None:
+        """Ask the thread to stop reading ahead (safe from any thread; does not wait)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._interrupt()
+
+    def close(self) -> list[T]:
+        """Stop the thread (after the store call it is in, if any); the items not taken."""
+        self.stop()
         self._thread.join()
         with self._cond:
             left, self._items = list(self._items), collections.deque()
