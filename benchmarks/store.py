@@ -193,7 +193,7 @@ def _inside(quick: bool, scratch: Path, model: Path | None) -> dict[str, Any]:
                 "steady_GB_per_s_each": [r["steady_B_per_s"] / 1e9 for r in runs]}  # fmt: skip
 
     from benchmarks.common import median
-    from hidden_state_reader.store.load import crc32
+    from hidden_state_reader.store.crc import CRC32_NAME
 
     store_read, raw_read = read(reads["store"]), read(reads["raw"])
     return {
@@ -205,7 +205,7 @@ def _inside(quick: bool, scratch: Path, model: Path | None) -> dict[str, Any]:
         "store_over_raw": median([s["steady_B_per_s"] / r["steady_B_per_s"]
                                   for s, r in zip(reads["store"], reads["raw"], strict=True)]),
         "store_read_samples": reads["store"][-1]["samples"],
-        "crc32": f"{crc32.__module__}.{crc32.__name__}",
+        "crc32": CRC32_NAME,
         **({} if engines is None else {"vllm": engines}),
     }  # fmt: skip
 

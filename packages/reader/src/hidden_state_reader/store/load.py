@@ -8,18 +8,12 @@ files. The tensors are views of the bytes (no copy).
 The CRC32 is always checked, here, before any tensor is made (``check_bytes``, in the
 read-ahead thread; ``load_checked`` makes the tensors in the caller's thread, where a
 ``device=`` copy is ordered on the caller's CUDA stream), with the fastest CRC-32
-implementation installed: ``zlib-ng``'s or ISA-L's (``pip install zlib-ng``: about 30-40
-GB/s on the benchmark machine, against 4 GB/s for the standard library's ``zlib``, which
-is used otherwise). At the store's transfer rate the standard library's CRC costs a
-third of a sample's time; every implementation computes the same CRC-32.
+implementation this host has (``store.crc``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import zlib
-from collections.abc import Callable
 
 import numpy as np
 
@@ -29,23 +23,7 @@ from hidden_state_reader.format.store_keys import CommitRecord
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.load import load_buffer
 from hidden_state_reader.sample.sample import Sample
-
-_FAST_CRC32 = (("zlib_ng.zlib_ng", "crc32"), ("isal.isal_zlib", "crc32"))
-
-
-def _crc32_implementation() -> Callable[[memoryview], int]:
-    """The first CRC-32 of ``_FAST_CRC32`` that imports, else ``zlib.crc32``."""
-    for module, name in _FAST_CRC32:
-        try:
-            function: Callable[[memoryview], int] = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        return function
-    return zlib.crc32
-
-
-crc32 = _crc32_implementation()
-"""``crc32(data) -> int``: zlib's CRC-32, from the fastest implementation installed."""
+from hidden_state_reader.store.crc import crc32
 
 
 def check_bytes(where: str, data: np.ndarray, record: CommitRecord | None) -> None:
@@ -72,7 +50,7 @@ def check_bytes(where: str, data: np.ndarray, record: CommitRecord | None) -> No
         raise CorruptSampleError(where, "no crc32 in the header (store samples always carry one)")
     if record is not None and record.crc32 and record.crc32 != crc:
         raise CorruptSampleError(where, f"header crc32 {crc}, commit record says {record.crc32}")
-    actual = f"{crc32(data[header.data_start :].data) & 0xFFFFFFFF:08x}"
+    actual = f"{crc32(data[header.data_start :]) & 0xFFFFFFFF:08x}"
     if actual != crc:
         raise CorruptSampleError(where, f"CRC32 mismatch: file says {crc}, data is {actual}")
 
