@@ -67,19 +67,6 @@ def load_checked(where: str, data: np.ndarray, options: LoadOptions) -> Sample:
     return load_buffer(where, data, dataclasses.replace(options, verify_checksum=False))
 
 
-def load_bytes(
-    where: str, data: np.ndarray, record: CommitRecord | None, options: LoadOptions
-) -> Sample:
-    """``check_bytes``, then ``load_checked``: one sample's bytes, validated and loaded.
-
-    Raises:
-        IncompleteSampleError: Fewer bytes than the commit record or the header promise.
-        CorruptSampleError: Malformed, a CRC32 mismatch, or no CRC32 recorded.
-    """
-    check_bytes(where, data, record)
-    return load_checked(where, data, options)
-
-
 def _header(where: str, data: np.ndarray) -> SampleHeader:
     """The validated header of a whole sample held in ``data``."""
     length = header_length(where, data[:8].tobytes(), len(data))
