@@ -2,6 +2,7 @@
 
     python -m benchmarks --only store [--quick]      # a section of docs/benchmarks.md
     python -m benchmarks.store [--quick] [--json OUT] # this benchmark alone
+    python -m benchmarks.store --paths   # one sample's read path, before and now, in turns
 
 Re-runs itself in a loopback-only network namespace (needs root and ``unshare``) with a
 real ``mooncake_master`` and a separate segment host (``mooncake_client``). Store path:
@@ -123,6 +124,75 @@ def _reader(source: str, how: str = "--read") -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "benchmarks.store", how, source],
                          capture_output=True, text=True, check=True)  # fmt: skip
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _paths(samples: int = 40) -> dict[str, Any]:
+    """One sample's read path, before and now, taking turns sample by sample (``--paths``).
+
+    Run inside the namespace with a store up: 4 objects of 32 MiB, then per turn a raw
+    ``get_into`` and each variant reading the next object; per variant the median GB/s
+    and the median over turns of its rate over the raw one of the same turn. "before" is
+    the read path this release replaced (a size query, ``get_into`` a staging buffer, a
+    copy into fresh memory, ``load_buffer`` with zlib's CRC); "now (X)" is
+    ``StoreClient.get_object``, ``check_bytes`` with CRC implementation X, and
+    ``load_checked`` (no read-ahead: one sample at a time).
+    """
+    import numpy as np
+
+    from benchmarks.common import median
+    from hidden_state_reader.format import hostmem
+    from hidden_state_reader.options import LoadOptions
+    from hidden_state_reader.sample.load import load_buffer
+    from hidden_state_reader.store import crc, load
+    from hidden_state_reader.store.client import StoreClient
+    from hidden_state_reader.store.url import parse_store_url
+
+    client = StoreClient(parse_store_url(URL.replace("128MiB", "256MiB")))
+    store = client._store
+    files, _ = _stage(Path(tempfile.mkdtemp(prefix="bench-paths-")), 4, 4096)
+    keys = [f"paths-{i}" for i in range(len(files))]
+    for key, path in zip(keys, files, strict=True):
+        client.put(key, path.read_bytes())
+    shutil.rmtree(files[0].parent, ignore_errors=True)
+    size = max(client.size(k) or 0 for k in keys)
+    staging = np.empty(size, dtype=np.uint8)
+    store.register_buffer(staging.ctypes.data, size)
+
+    def raw(key: str) -> None:
+        store.get_into(key, staging.ctypes.data, size)
+
+    def before(key: str) -> None:
+        n = client.size(key) or 0
+        out = hostmem.empty_bytes(n)
+        store.get_into(key, staging.ctypes.data, n)
+        np.copyto(out, staging[:n])
+        load_buffer(key, out, LoadOptions(verify_checksum=True))
+
+    def now(function: crc.Crc32) -> Any:
+        def read(key: str) -> None:
+            load.crc32 = function  # the module's CRC, for this variant
+            data = client.get_object(key, size)
+            assert data is not None
+            load.check_bytes(key, data, None)
+            load.load_checked(key, data, LoadOptions())
+
+        return read
+
+    variants = {"raw": raw, "before": before}
+    variants.update({f"now ({name})": now(f) for name, f in crc.implementations().items()})
+    chosen = load.crc32
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for i in range(samples):
+            for name, read in variants.items():
+                started = time.perf_counter()
+                read(keys[i % len(keys)])
+                seconds[name].append(time.perf_counter() - started)
+    finally:
+        load.crc32 = chosen
+    return {name: {"GB_per_s": size / median(ts) / 1e9,
+                   "over_raw": median([r / t for r, t in zip(seconds["raw"], ts, strict=True)])}
+            for name, ts in seconds.items()}  # fmt: skip
 
 
 def _store_write(paths: list[Path]) -> float:
@@ -342,6 +412,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--read", default="", help=argparse.SUPPRESS)
     parser.add_argument("--raw", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--paths", action="store_true",
+                        help="time one sample's read path, before and now, in turns")  # fmt: skip
+    parser.add_argument("--paths-inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.read:
         return _read_child(args.read)
@@ -349,6 +422,21 @@ def main() -> None:
         return _raw_child(args.raw)
     if args.inside:
         print(json.dumps(_inside(args.quick, args.scratch, args.model)))
+        return
+    if args.paths_inside:
+        procs = _start_store(Path(tempfile.mkdtemp(prefix="bench-paths-logs-")), "2GB")
+        try:
+            print(json.dumps(_paths()))
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        return
+    if args.paths:  # the same, in a loopback-only namespace of its own
+        cmd = f"ip link set lo up && exec {sys.executable} -m benchmarks.store --paths-inside"
+        out = subprocess.run(["unshare", "-n", "sh", "-c", cmd], capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        print(json.dumps(json.loads(out.stdout.strip().splitlines()[-1]), indent=1))
         return
     from benchmarks.common import Context
 
