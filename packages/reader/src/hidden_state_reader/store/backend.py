@@ -3,10 +3,12 @@
 ``StoreBackend`` implements the reader's ``Backend`` protocol (``read.backend``) over
 the store protocol of ``format.store_keys``: samples are discovered by following every
 producer's commit log (``follow.CommitLog``), or pulled by name; claimed first-put-wins
-for delivery to one reader of a consumer group (``claims``); loaded from their bytes
-through the file format's own loader, size- and CRC32-checked (``load``), and judged by
-the one sample-state rule. The reader's iteration, error policy and options are the
-same as for a directory. See ``docs/scale-out.md``.
+for delivery to one reader of a consumer group (``claims``); transferred straight into
+the memory that becomes the sample's and size- and CRC32-checked (``fetch``, ``pool``),
+one sample ahead of the caller in a thread of their own (``read_ahead``); then loaded
+through the file format's own loader in the caller's thread (``load``) and judged by the
+one sample-state rule. The reader's iteration, error policy and options are the same as
+for a directory. See ``docs/scale-out.md``.
 """
 
 from __future__ import annotations
