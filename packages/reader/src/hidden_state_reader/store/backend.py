@@ -95,11 +95,15 @@ class StoreBackend:
         self.client = StoreClient(settings, where=self.where)
         self.prefix = settings.prefix
         token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
-        self._leases = (
-            StoreClaims(self.client, options.claim_group, token, settings.claim_lease)
-            if options.claim
-            else None
-        )
+        self._leases = None
+        if options.claim:
+            self._leases = StoreClaims(
+                self.client,
+                options.claim_group,
+                token,
+                settings.claim_lease,
+                takes_over=options.names is None,
+            )
         # A follower of a group is a member of it while it follows (``store.membership``):
         # each announced sample is claimed by its owner, looked at by two stand-ins when
         # their turn comes and left alone by everyone else (``read.ownership``).
