@@ -2,6 +2,7 @@
 
     python -m benchmarks --only store [--quick]      # a section of docs/benchmarks.md
     python -m benchmarks.store [--quick] [--json OUT] # this benchmark alone
+    python -m benchmarks.store --paths   # one sample's read path, before and now, in turns
 
 Re-runs itself in a loopback-only network namespace (needs root and ``unshare``) with a
 real ``mooncake_master`` and a separate segment host (``mooncake_client``). Store path:
@@ -10,7 +11,10 @@ record), then a second process reads them all with ``HiddenStateReader("mooncake
 (get, size and CRC32 check, load). File path: ``write_sample`` with a CRC32 into a
 directory, then a second process reads it with ``HiddenStateReader(dir,
 verify_checksum=True)``. The files live in the page cache: both paths are measured
-from memory, which is the fair comparison for a store that lives in memory. Where the
+from memory, which is the fair comparison for a store that lives in memory. The store's
+own limit is measured beside them: a third process that only ``get_into``s the same
+objects, one after another, into one registered buffer (no check, no load). The three
+reads take turns, ``READ_ROUNDS`` times (medians): the machine is shared. Where the
 namespace or Mooncake is not available the section records why and measures nothing.
 
 Full mode also measures the vLLM server ratio with the Mooncake backend
@@ -39,6 +43,7 @@ MASTER = "127.0.0.1:50051"
 URL = f"mooncake://{MASTER}/bench?hostname=127.0.0.1&buffer=128MiB"
 BIN = Path(sys.executable).parent
 ENGINE_ROUNDS = (5, 16, 512)  # full mode: rounds per backend, prompts per round, tokens
+READ_ROUNDS = 3  # full mode: files, raw store, store reader, in turn
 
 
 def _sizes(quick: bool) -> tuple[int, int]:
@@ -79,17 +84,115 @@ def _read_child(source: str) -> None:
 
     started = time.perf_counter()
     reader = HiddenStateReader(source, verify_checksum=True)
-    total = 0
+    total = first = 0
     for sample in reader:
         total += sample.nbytes  # verify_checksum: every byte was read and CRC-checked
-    print(json.dumps({"seconds": time.perf_counter() - started, "bytes": total,
-                      "samples": reader.stats.yielded}))  # fmt: skip
+        if not first:
+            first, after_first = sample.nbytes, time.perf_counter()
+    end = time.perf_counter()
+    steady = (total - first) / max(end - after_first, 1e-9)
+    print(json.dumps({"seconds": end - started, "bytes": total, "samples": reader.stats.yielded,
+                      "steady_B_per_s": steady}))  # fmt: skip
 
 
-def _reader(source: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.store", "--read", source],
+def _raw_child(source: str) -> None:
+    """``get_into`` every sample of the store, in order, into one registered buffer."""
+    import numpy as np
+
+    from hidden_state_reader.format.store_keys import data_key
+    from hidden_state_reader.store.client import StoreClient
+    from hidden_state_reader.store.follow import CommitLog
+    from hidden_state_reader.store.url import parse_store_url
+
+    client = StoreClient(parse_store_url(source))
+    log, records = CommitLog(client, hole_grace=60), []  # what the reader reads
+    while batch := log.poll():
+        records += [record for _, record in batch]
+    keys = [data_key(client.settings.prefix, r.name) for r in records]
+    size = max(r.size for r in records)
+    buf = np.empty(size, dtype=np.uint8)
+    client._store.register_buffer(buf.ctypes.data, size)
+    started, total = time.perf_counter(), 0
+    for key in keys:
+        total += client._store.get_into(key, buf.ctypes.data, size)
+    end = time.perf_counter()
+    print(json.dumps({"seconds": end - started, "bytes": total, "samples": len(keys),
+                      "steady_B_per_s": total / (end - started)}))  # fmt: skip
+
+
+def _reader(source: str, how: str = "--read") -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.store", how, source],
                          capture_output=True, text=True, check=True)  # fmt: skip
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def _paths(samples: int = 40) -> dict[str, Any]:
+    """One sample's read path, before and now, taking turns sample by sample (``--paths``).
+
+    Run inside the namespace with a store up: 4 objects of 32 MiB, then per turn a raw
+    ``get_into`` and each variant reading the next object; per variant the median GB/s
+    and the median over turns of its rate over the raw one of the same turn. "before" is
+    the read path this release replaced (a size query, ``get_into`` a staging buffer, a
+    copy into fresh memory, ``load_buffer`` with zlib's CRC); "now (X)" is
+    ``StoreClient.get_object``, ``check_bytes`` with CRC implementation X, and
+    ``load_checked`` (no read-ahead: one sample at a time).
+    """
+    import numpy as np
+
+    from benchmarks.common import median
+    from hidden_state_reader.format import hostmem
+    from hidden_state_reader.options import LoadOptions
+    from hidden_state_reader.sample.load import load_buffer
+    from hidden_state_reader.store import crc, load
+    from hidden_state_reader.store.client import StoreClient
+    from hidden_state_reader.store.url import parse_store_url
+
+    client = StoreClient(parse_store_url(URL.replace("128MiB", "256MiB")))
+    store = client._store
+    files, _ = _stage(Path(tempfile.mkdtemp(prefix="bench-paths-")), 4, 4096)
+    keys = [f"paths-{i}" for i in range(len(files))]
+    for key, path in zip(keys, files, strict=True):
+        client.put(key, path.read_bytes())
+    shutil.rmtree(files[0].parent, ignore_errors=True)
+    size = max(client.size(k) or 0 for k in keys)
+    staging = np.empty(size, dtype=np.uint8)
+    store.register_buffer(staging.ctypes.data, size)
+
+    def raw(key: str) -> None:
+        store.get_into(key, staging.ctypes.data, size)
+
+    def before(key: str) -> None:
+        n = client.size(key) or 0
+        out = hostmem.empty_bytes(n)
+        store.get_into(key, staging.ctypes.data, n)
+        np.copyto(out, staging[:n])
+        load_buffer(key, out, LoadOptions(verify_checksum=True))
+
+    def now(function: crc.Crc32) -> Any:
+        def read(key: str) -> None:
+            load.crc32 = function  # the module's CRC, for this variant
+            data = client.get_object(key, size)
+            assert data is not None
+            load.check_bytes(key, data, None)
+            load.load_checked(key, data, LoadOptions())
+
+        return read
+
+    variants = {"raw": raw, "before": before}
+    variants.update({f"now ({name})": now(f) for name, f in crc.implementations().items()})
+    chosen = load.crc32
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for i in range(samples):
+            for name, read in variants.items():
+                started = time.perf_counter()
+                read(keys[i % len(keys)])
+                seconds[name].append(time.perf_counter() - started)
+    finally:
+        load.crc32 = chosen
+    return {name: {"GB_per_s": size / median(ts) / 1e9,
+                   "over_raw": median([r / t for r, t in zip(seconds["raw"], ts, strict=True)])}
+            for name, ts in seconds.items()}  # fmt: skip
 
 
 def _store_write(paths: list[Path]) -> float:
@@ -136,26 +239,43 @@ def _inside(quick: bool, scratch: Path, model: Path | None) -> dict[str, Any]:
     procs = _start_store(work, "256MB" if quick else "2GB")
     try:
         _, files_write = _stage(work / "files", count, tokens)
-        files_read = _reader(str(work / "files"))
         staged, _ = _stage(work / "staged", count, tokens)
         store_write = _store_write(staged)
-        store_read = _reader(URL)
+        reads: dict[str, list[dict[str, Any]]] = {"files": [], "raw": [], "store": []}
+        for _ in range(1 if quick else READ_ROUNDS):
+            reads["files"].append(_reader(str(work / "files")))
+            reads["raw"].append(_reader(URL, "--raw"))
+            reads["store"].append(_reader(URL))
         engines = None if model is None else _engines(model, work / "vllm")
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
         shutil.rmtree(work, ignore_errors=True)
-    size = files_read["bytes"]
+    size = reads["files"][0]["bytes"]
 
     def rate(seconds: float) -> dict[str, float]:
         return {"samples_per_s": count / seconds, "GB_per_s": size / seconds / 1e9}
 
+    def read(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**rate(median([r["seconds"] for r in runs])),
+                "steady_GB_per_s": median([r["steady_B_per_s"] for r in runs]) / 1e9,
+                "steady_GB_per_s_each": [r["steady_B_per_s"] / 1e9 for r in runs]}  # fmt: skip
+
+    from benchmarks.common import median
+    from hidden_state_reader.store.crc import CRC32_NAME
+
+    store_read, raw_read = read(reads["store"]), read(reads["raw"])
     return {
         "samples": count, "tokens": tokens, "sample_MB": size / count / 1e6,
-        "files": {"write": rate(files_write), "read": rate(files_read["seconds"])},
-        "store": {"write": rate(store_write), "read": rate(store_read["seconds"])},
-        "store_read_samples": store_read["samples"],
+        "files": {"write": rate(files_write), "read": read(reads["files"])},
+        "store": {"write": rate(store_write), "read": store_read},
+        "raw_get_into": {"read": raw_read},
+        # Per round, the store reader over the raw get_into of the same round.
+        "store_over_raw": median([s["steady_B_per_s"] / r["steady_B_per_s"]
+                                  for s, r in zip(reads["store"], reads["raw"], strict=True)]),
+        "store_read_samples": reads["store"][-1]["samples"],
+        "crc32": CRC32_NAME,
         **({} if engines is None else {"vllm": engines}),
     }  # fmt: skip
 
@@ -216,8 +336,8 @@ def run(ctx: Any) -> dict[str, Any]:
     if "skipped" in res:
         log(f"store: skipped ({res['skipped']})")
     else:
-        log("store: read " + ", ".join(f"{k} {res[k]['read']['GB_per_s']:.2f} GB/s"
-                                       for k in ("files", "store")))  # fmt: skip
+        log("store: read " + ", ".join(f"{k} {res[k]['read']['steady_GB_per_s']:.2f} GB/s"
+                                       for k in ("files", "store", "raw_get_into")))  # fmt: skip
     res["goals"] = []  # no target: the store's cost is reported, not judged
     return res
 
@@ -226,25 +346,40 @@ _PATHS = {
     "files": "Files (`write_sample` with CRC, then `HiddenStateReader(dir, verify_checksum=True)`)",
     "store": "Store (put of a staged file + commit record, then "
     '`HiddenStateReader("mooncake://...")`)',
+    "raw_get_into": "Store, raw: `get_into` each object into one registered buffer "
+    "(no check, no load): the store's limit",
 }
 
 
+_HEADER = ["path", "write samples/s", "write GB/s", "read samples/s", "read GB/s",
+           "read GB/s after the first sample"]  # fmt: skip
+
+
 def render(res: dict[str, Any]) -> str:
-    from benchmarks.common import table
+    from benchmarks.common import fmt, table
     from benchmarks.store_engine import render_engines
 
     if "skipped" in res:
         return table(["measured", "why not"], [["no", res["skipped"]]])
-    rows = [[_PATHS[k], res[k]["write"]["samples_per_s"], res[k]["write"]["GB_per_s"],
-             res[k]["read"]["samples_per_s"], res[k]["read"]["GB_per_s"]]
-            for k in ("files", "store")]  # fmt: skip
+    rows = []
+    for k in ("files", "store", "raw_get_into"):
+        write, read = res[k].get("write"), res[k]["read"]
+        each = ", ".join(fmt(x) for x in read["steady_GB_per_s_each"])
+        rows.append([_PATHS[k], write["samples_per_s"] if write else "-",
+                     write["GB_per_s"] if write else "-", read["samples_per_s"],
+                     read["GB_per_s"], f"{fmt(read['steady_GB_per_s'])} ({each})"])  # fmt: skip
     return "\n".join([
         f"{res['samples']} samples of {res['sample_MB']:.1f} MB ({res['tokens']} tokens x 4 "
         "layers x 1024, bf16), loopback TCP, writer and reader in separate processes, both "
         "paths CRC-checked, files in the page cache. The store's write column times the "
-        "put alone (the connector first writes the file into tmpfs with the same code).",
+        "put alone (the connector first writes the file into tmpfs with the same code). "
+        "Reads: the median of the rounds (files, raw store, store in turn); the read "
+        "columns time the whole pass, process set-up included (joining the store), the "
+        "last one the rate after the first sample, each round in brackets. "
+        f"Store reader / raw `get_into` (per round, median): {res['store_over_raw']:.2f}; "
+        f"CRC32 by `{res['crc32']}`.",
         "",
-        table(["path", "write samples/s", "write GB/s", "read samples/s", "read GB/s"], rows),
+        table(_HEADER, rows),
         *(["", render_engines(res["vllm"])] if "vllm" in res else []),
     ])  # fmt: skip
 
@@ -256,9 +391,10 @@ def findings(res: dict[str, Any]) -> list[str]:
         return [f"Mooncake Store: not measured ({res['skipped']})"]
     f, s = res["files"], res["store"]
     return [
-        f"Mooncake Store over loopback: read {s['read']['GB_per_s']:.2f} GB/s vs "
-        f"{f['read']['GB_per_s']:.2f} GB/s from cached files; put {s['write']['GB_per_s']:.2f} "
-        f"GB/s vs write_sample {f['write']['GB_per_s']:.2f} GB/s"
+        f"Mooncake Store over loopback: read {s['read']['steady_GB_per_s']:.2f} GB/s per "
+        f"reader process ({res['store_over_raw']:.2f}x a raw get_into loop) vs "
+        f"{f['read']['steady_GB_per_s']:.2f} GB/s from cached files; put "
+        f"{s['write']['GB_per_s']:.2f} GB/s vs write_sample {f['write']['GB_per_s']:.2f} GB/s"
         + (f"; {engine_finding(res['vllm'])}" if "vllm" in res else "")
     ]
 
@@ -275,11 +411,32 @@ def main() -> None:
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--read", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--raw", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--paths", action="store_true",
+                        help="time one sample's read path, before and now, in turns")  # fmt: skip
+    parser.add_argument("--paths-inside", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.read:
         return _read_child(args.read)
+    if args.raw:
+        return _raw_child(args.raw)
     if args.inside:
         print(json.dumps(_inside(args.quick, args.scratch, args.model)))
+        return
+    if args.paths_inside:
+        procs = _start_store(Path(tempfile.mkdtemp(prefix="bench-paths-logs-")), "2GB")
+        try:
+            print(json.dumps(_paths()))
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        return
+    if args.paths:  # the same, in a loopback-only namespace of its own
+        cmd = f"ip link set lo up && exec {sys.executable} -m benchmarks.store --paths-inside"
+        out = subprocess.run(["unshare", "-n", "sh", "-c", cmd], capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        print(json.dumps(json.loads(out.stdout.strip().splitlines()[-1]), indent=1))
         return
     from benchmarks.common import Context
 

@@ -3,6 +3,7 @@
     python -m tools.store_role produce --files DIR [--fail NAME,...] [--hold BIG_FILE]
     python -m tools.store_role read --files DIR [--follow --claim --delete --names ...]
     python -m tools.store_role read --files DIR --claim --hold-first   # then killed
+    python -m tools.store_role read --files DIR --stop-after 3 [--again]   # breaks out
     python -m tools.store_role dataset --files DIR --workers 2   # HiddenStateDataset
     python -m tools.store_role tamper --files DIR
     python -m tools.store_role probe
@@ -84,7 +85,7 @@ def read_once(args: argparse.Namespace) -> None:
     kwargs = dict(follow=args.follow, idle_timeout=args.idle_timeout, claim=args.claim,
                   claim_group=args.group,
                   on_consumed="delete" if args.delete else "keep", on_error=args.on_error,
-                  lock_timeout=args.lock_timeout)  # fmt: skip
+                  lock_timeout=args.lock_timeout, max_samples=args.max_samples)  # fmt: skip
     if args.names:
         kwargs["names"] = args.names.split(",")
     reader = HiddenStateReader(args.url, **kwargs)
@@ -111,12 +112,23 @@ def read_once(args: argparse.Namespace) -> None:
                 time.sleep(3600)
             if args.slow:
                 time.sleep(args.slow)  # stands for a training step
+            if args.stop_after and len(names) == args.stop_after:
+                break  # the caller stops early: what was read ahead goes back to the group
+        if args.again:  # the same reader, iterated again
+            for sample in reader:
+                name = sample.path.rsplit("/", 1)[1]
+                names.append(name)
+                check(name, sample)
+                kept.append((name, sample))
     except SampleError as exc:
         error = {"type": type(exc).__name__, "message": str(exc)}
+    reader.close()
     for name, sample in kept:
         check(name, sample)
+    pool = getattr(reader._backend, "client", None)
+    pool = pool and pool.receive_pool
     out = {"names": names, "wrong": sorted(set(wrong)), "stats": reader.stats.as_dict(),
-           "error": error}  # fmt: skip
+           "error": error, "pool_misses": pool.misses if pool else 0}  # fmt: skip
     print(json.dumps(out), flush=True)
 
 
@@ -190,6 +202,9 @@ def main() -> None:
     parser.add_argument("--each", action="store_true")
     parser.add_argument("--hold-first", action="store_true")
     parser.add_argument("--announce", action="store_true")
+    parser.add_argument("--max-samples", type=int, default=None)
+    parser.add_argument("--stop-after", type=int, default=0)
+    parser.add_argument("--again", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
     roles = {"produce": produce, "read": read, "tamper": tamper, "probe": probe,

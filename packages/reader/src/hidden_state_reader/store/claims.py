@@ -72,7 +72,7 @@ class StoreClaim:
 
     def abandon(self) -> None:
         """Stop renewing: after one lease another reader of the group takes it over."""
-        self.claims.release(self.name)
+        self.claims.give_back(self.name)
 
 
 class StoreClaims:
@@ -84,9 +84,13 @@ class StoreClaims:
         group: The consumer group.
         token: This reader's identity, unique per reader.
         lease: Seconds a claim of this reader survives without a renewal.
+        takes_over: Whether this reader watches lost claims and takes them over (it
+            reads the commit logs); pulling by name claims generation 0 only.
     """
 
-    def __init__(self, client: StoreClient, group: str, token: str, lease: float) -> None:
+    def __init__(
+        self, client: StoreClient, group: str, token: str, lease: float, *, takes_over: bool
+    ) -> None:
         if lease <= 0:
             raise ValueError(f"claim lease must be positive seconds, got {lease!r}")
         self.client = client
@@ -94,8 +98,10 @@ class StoreClaims:
         self.group = group
         self.token = token
         self.lease = lease
+        self.takes_over = takes_over
         self._record = json.dumps({"reader": token, "lease": lease}).encode()
         self._held: dict[str, list[int]] = {}  # name -> [generation, renewals put]
+        self._given_back: dict[str, int] = {}  # name -> generation given back unused
         self._watched: dict[str, _Watched] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -115,6 +121,15 @@ class StoreClaims:
             return StoreClaim(self, name, reclaimed=held[0] > 0)
         if name in self._watched:
             return None
+        given = self._given_back.get(name)
+        if given is not None and self.takes_over:
+            # Given back earlier (read ahead, then the caller stopped): its claim is still
+            # this reader's record, but another reader may have taken it over since, so
+            # it does not count as won; it is raced for after its lease, like any other.
+            if not self._is_done(name):
+                self._watched[name] = _Watched(name, entry, generation=given,
+                                               lease=self._owner_lease(name, given))  # fmt: skip
+            return None
         if self._win(name, 0):
             return StoreClaim(self, name)
         if not self._is_done(name):
@@ -127,10 +142,11 @@ class StoreClaims:
         # In a full store a claim waits for room like a producer's put (up to a lease).
         if self.client.put_first(key, self._record, full_timeout=self.lease) != self._record:
             return False
-        if self._is_done(name):  # finished by the previous owner after all
+        if self._is_done(name):  # finished by the previous owner (or this reader) after all
             return False
         with self._lock:
             self._held[name] = [generation, 0]
+        self._given_back.pop(name, None)
         self._start_renewing()
         return True
 
@@ -143,6 +159,14 @@ class StoreClaims:
         self.client.put(done_key(self.prefix, self.group, name), self._record,
                         full_timeout=self.lease)  # fmt: skip
         self.release(name)
+
+    def give_back(self, name: str) -> None:
+        """Stop renewing the claim of ``name`` without using the sample (see ``claim``)."""
+        with self._lock:
+            held = self._held.get(name)
+        if held is not None:
+            self._given_back[name] = held[0]
+            self.release(name)
 
     def release(self, name: str) -> None:
         """Stop renewing the claim of ``name`` (without marking it done) and drop its renewals."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from hidden_state_reader.errors import HiddenStateError
 from hidden_state_reader.format import hostmem
+from hidden_state_reader.store.pool import ReceivePool
 
 # Mooncake error codes (mooncake-store/include/types.h) this module tells apart.
 NO_SPACE = -200  # NO_AVAILABLE_HANDLE: no segment has room (hard-pinned objects stay)
@@ -135,14 +136,15 @@ class StoreClient:
         # to memory pressure; a full store fails puts instead (handled in ``put``).
         self._pinned = config_type()
         self._pinned.with_hard_pin = True
-        self._staging: np.ndarray | None = None  # registered on first use (get_object)
-        self._staging_lock = threading.Lock()
+        self._pool: ReceivePool | None = None  # registered on first use (get_object)
+        self._pool_lock = threading.Lock()
 
     def close(self) -> None:
         """Leave the store (objects in other clients' segments stay)."""
-        if self._staging is not None:
-            self._store.unregister_buffer(self._staging.ctypes.data)
-            self._staging = None
+        if self._pool is not None:
+            # Samples still lent keep the arena's memory alive; only the registration goes.
+            self._store.unregister_buffer(self._pool.address)
+            self._pool = None
         self._store.close()
 
     def _fits(self, key: str, size: int) -> None:
@@ -186,62 +188,90 @@ class StoreClient:
         return None if n < 0 else n
 
     def get(self, key: str) -> bytes | None:
-        """The object at ``key``, None if there is none; its size is checked.
+        """The object at ``key``, None if there is none.
+
+        One round trip for an object that is there (commit records, claims: the small
+        objects of the protocol); only an empty answer costs more, to tell a missing
+        object from one too large for the transfer buffer or one whose put just ended.
 
         Raises:
-            StoreError: The object is larger than the transfer buffer, or the read came
-                back short.
+            StoreError: The object is larger than the transfer buffer, or cannot be read.
         """
-        size = self.size(key)
-        if size is None:
-            return None
-        self._fits(key, size)
         data = self._store.get(key)
-        if len(data) != size:
-            if not data and self.size(key) is None:
-                return None  # removed between the two calls
-            raise StoreError(f"{key}: read {len(data)} of {size} bytes")
+        if not data:
+            size = self.size(key)
+            if size is None:
+                return None  # not there (or removed meanwhile)
+            self._fits(key, size)
+            data = self._store.get(key)  # its put ended between the two calls
+            if not data:
+                raise StoreError(f"{key}: read nothing of {size} bytes")
         return bytes(data) if not isinstance(data, bytes) else data
 
-    def get_object(self, key: str) -> np.ndarray | None:
-        """The object at ``key`` as fresh ``uint8`` memory of its own, None if there is none.
+    def get_object(self, key: str, size: int | None = None) -> np.ndarray | None:
+        """The object at ``key`` as ``uint8`` memory of its own, None if there is none.
 
-        For samples: the transfer lands in a buffer registered with the transfer engine
-        once (``get_into``, ``buffer_bytes`` large) and is copied once into fresh
-        (huge-page-advised) memory, which the sample's tensors then view. ``get`` costs
-        a copy into a ``bytes`` object, and that object cannot back tensors.
+        For samples: the transfer lands (``get_into``) straight in memory that becomes
+        the sample's: a range of this client's receive arena (``store.pool``, registered
+        once, ``buffer_bytes`` large), which goes back to the arena when the last
+        tensor viewing it is gone; fresh memory, registered for the one transfer, when
+        the arena is full (samples kept by the caller). No copy either way.
+
+        Args:
+            key: The object's key.
+            size: Its size if known (a commit record's): saves asking the master. An
+                object of another size is read as it is (the caller checks the size).
 
         Raises:
-            StoreError: Larger than the transfer buffer, the buffer cannot be registered,
-                or the read failed or came back short.
+            StoreError: Larger than the transfer buffer, memory cannot be registered, or
+                the read failed or came back short.
         """
-        size = self.size(key)
         if size is None:
-            return None
+            size = self.size(key)
+            if size is None:
+                return None
         self._fits(key, size)
-        out = hostmem.empty_bytes(size)
-        with self._staging_lock:
-            staging = self._staging_buffer()
-            n = int(self._store.get_into(key, staging.ctypes.data, size)) if size else 0
-            if n != size:
-                if self.size(key) is None:
-                    return None  # removed between the two calls
-                what = f"failed with code {n}" if n < 0 else f"read {n} of {size} bytes"
-                raise StoreError(f"{key}: get_into {what}")
-            np.copyto(out, staging[:size])
-        return out
+        if size == 0:
+            return np.empty(0, dtype=np.uint8)
+        out = self._receive_pool().lend(size)
+        if out is not None:
+            n = int(self._store.get_into(key, out.ctypes.data, size))
+        else:
+            out = hostmem.empty_bytes(size)
+            self._register(out.ctypes.data, size, "receive buffer for one sample")
+            try:
+                n = int(self._store.get_into(key, out.ctypes.data, size))
+            finally:
+                self._store.unregister_buffer(out.ctypes.data)
+        if 0 <= n <= size:
+            return out if n == size else out[:n]  # shorter than announced: the caller judges
+        if n == NOT_FOUND:
+            return None  # removed meanwhile
+        if n == BUFFER_TOO_SMALL:  # larger than announced (nothing was written): read it all
+            actual = self.size(key)
+            return None if actual is None else self.get_object(key, max(actual, size + 1))
+        raise StoreError(f"{key}: get_into of {size} bytes failed with code {n}")
 
-    def _staging_buffer(self) -> np.ndarray:
-        if self._staging is None:
-            staging = np.empty(self.settings.buffer_bytes, dtype=np.uint8)
-            rc = self._store.register_buffer(staging.ctypes.data, staging.nbytes)
-            if rc != 0:
-                raise StoreError(
-                    f"cannot register a {staging.nbytes}-byte receive buffer with the "
-                    f"transfer engine (code {rc}); lower the buffer size (reader URL: ?buffer=)"
-                )
-            self._staging = staging
-        return self._staging
+    @property
+    def receive_pool(self) -> ReceivePool | None:
+        """The receive arena of ``get_object`` (None before the first sample is read)."""
+        return self._pool
+
+    def _receive_pool(self) -> ReceivePool:
+        with self._pool_lock:
+            if self._pool is None:
+                pool = ReceivePool(self.settings.buffer_bytes)
+                self._register(pool.address, pool.capacity, "receive arena")
+                self._pool = pool
+            return self._pool
+
+    def _register(self, address: int, nbytes: int, what: str) -> None:
+        rc = self._store.register_buffer(address, nbytes)
+        if rc != 0:
+            raise StoreError(
+                f"cannot register a {nbytes}-byte {what} with the transfer engine "
+                f"(code {rc}); lower the buffer size (reader URL: ?buffer=)"
+            )
 
     def exists(self, keys: list[str]) -> list[bool]:
         """For each key, whether a complete object is there."""

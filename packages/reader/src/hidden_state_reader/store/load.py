@@ -2,8 +2,13 @@
 
 The bytes are the file the file backend would have written, so they go through the
 format's own ``sample.load.load_buffer``: the header is validated the same way (a short
-object is ``IncompleteSampleError``), the CRC32 is always checked, and layer selection,
-dtype and device work as for files. The tensors are views of the bytes (no copy).
+object is ``IncompleteSampleError``), and layer selection, dtype and device work as for
+files. The tensors are views of the bytes (no copy).
+
+The CRC32 is always checked, here, before any tensor is made (``check_bytes``, in the
+read-ahead thread; ``load_checked`` makes the tensors in the caller's thread, where a
+``device=`` copy is ordered on the caller's CUDA stream), with the fastest CRC-32
+implementation this host has (``store.crc``).
 """
 
 from __future__ import annotations
@@ -13,24 +18,24 @@ import dataclasses
 import numpy as np
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
-from hidden_state_reader.format.header import Meta
+from hidden_state_reader.format.header import Meta, SampleHeader, header_length, parse_header
 from hidden_state_reader.format.store_keys import CommitRecord
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.load import load_buffer
 from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.store.crc import crc32
 
 
-def load_bytes(
-    where: str, data: bytes | np.ndarray, record: CommitRecord | None, options: LoadOptions
-) -> Sample:
-    """Validate and load one sample's bytes.
+def check_bytes(where: str, data: np.ndarray, record: CommitRecord | None) -> None:
+    """Check one sample's bytes as the store promises them: size and CRC32.
+
+    The header is parsed (its structure rule: a short object is incomplete) to find the
+    data section; ``load_checked`` then makes the tensors.
 
     Args:
-        where: The sample's address, for errors and ``Sample.path``.
-        data: The object read from the store (``StoreClient.get_object``); its memory
-            becomes the sample's.
+        where: The sample's address, for errors.
+        data: The object read from the store (``StoreClient.get_object``).
         record: Its commit record (size and CRC to match), when known.
-        options: Layer selection, dtype, pinning.
 
     Raises:
         IncompleteSampleError: Fewer bytes than the commit record or the header promise.
@@ -39,11 +44,30 @@ def load_bytes(
     if record is not None and len(data) != record.size:
         cls = IncompleteSampleError if len(data) < record.size else CorruptSampleError
         raise cls(where, f"{len(data)} bytes stored, the commit record says {record.size}")
-    file = data if isinstance(data, np.ndarray) else np.frombuffer(bytearray(data), np.uint8)
-    sample = load_buffer(where, file, dataclasses.replace(options, verify_checksum=True))
-    crc = sample.metadata.get(Meta.CRC32)
+    header = _header(where, data)
+    crc = header.metadata.get(Meta.CRC32)
     if crc is None:
         raise CorruptSampleError(where, "no crc32 in the header (store samples always carry one)")
     if record is not None and record.crc32 and record.crc32 != crc:
         raise CorruptSampleError(where, f"header crc32 {crc}, commit record says {record.crc32}")
-    return sample
+    actual = f"{crc32(data[header.data_start :]) & 0xFFFFFFFF:08x}"
+    if actual != crc:
+        raise CorruptSampleError(where, f"CRC32 mismatch: file says {crc}, data is {actual}")
+
+
+def load_checked(where: str, data: np.ndarray, options: LoadOptions) -> Sample:
+    """Load the bytes ``check_bytes`` accepted: the sample's tensors view ``data``.
+
+    The rest of the content rule (layer selection, fp8 dtype, mask bytes) and the
+    options (layers, dtype, device) apply as for a file.
+
+    Raises:
+        CorruptSampleError: The options ask for what the sample does not have.
+    """
+    return load_buffer(where, data, dataclasses.replace(options, verify_checksum=False))
+
+
+def _header(where: str, data: np.ndarray) -> SampleHeader:
+    """The validated header of a whole sample held in ``data``."""
+    length = header_length(where, data[:8].tobytes(), len(data))
+    return parse_header(where, data[8 : 8 + length].tobytes(), len(data))
