@@ -34,6 +34,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,7 +81,10 @@ def serve(args: argparse.Namespace) -> None:
                 try:
                     consume(args, out)
                 except BaseException as exc:
-                    os.write(out, f"error {exc!r}\n".encode())
+                    # where it came from, on one line (the test prints the line it fails on)
+                    where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                                        for f in reversed(traceback.extract_tb(exc.__traceback__)))
+                    os.write(out, f"error {exc!r} at {where}\n".encode())
                     code = 1
                 os._exit(code)
             print(f"pid {index} {pid}", flush=True)
