@@ -140,10 +140,10 @@ def _paths(samples: int = 40) -> dict[str, Any]:
     import numpy as np
 
     from benchmarks.common import median
-    from hidden_state_reader.format import hostmem
+    from hidden_state_reader.format import crc, hostmem
     from hidden_state_reader.options import LoadOptions
     from hidden_state_reader.sample.load import load_buffer
-    from hidden_state_reader.store import crc, load
+    from hidden_state_reader.store import load
     from hidden_state_reader.store.client import StoreClient
     from hidden_state_reader.store.url import parse_store_url
 
@@ -263,7 +263,7 @@ def _inside(quick: bool, scratch: Path, model: Path | None) -> dict[str, Any]:
                 "steady_GB_per_s_each": [r["steady_B_per_s"] / 1e9 for r in runs]}  # fmt: skip
 
     from benchmarks.common import median
-    from hidden_state_reader.store.crc import CRC32_NAME
+    from hidden_state_reader.format.crc import chosen
 
     store_read, raw_read = read(reads["store"]), read(reads["raw"])
     return {
@@ -275,7 +275,7 @@ def _inside(quick: bool, scratch: Path, model: Path | None) -> dict[str, Any]:
         "store_over_raw": median([s["steady_B_per_s"] / r["steady_B_per_s"]
                                   for s, r in zip(reads["store"], reads["raw"], strict=True)]),
         "store_read_samples": reads["store"][-1]["samples"],
-        "crc32": CRC32_NAME,
+        "crc32": chosen()[0],
         **({} if engines is None else {"vllm": engines}),
     }  # fmt: skip
 

@@ -3,8 +3,10 @@
 The graph is built from the source (``ast``): every ``import`` and ``from ... import``
 anywhere in a module, inside functions and ``if TYPE_CHECKING:`` blocks too, is an edge
 to the module it names (``from pkg import name`` names ``pkg.name`` when that is a
-module, else ``pkg``). A circle is a strongly connected component of more than one
-module: each of them imports itself through the others.
+module, else ``pkg``). C extension modules (``*.c`` beside the Python files, such as
+``format/_fp8_native.c``) are modules too, importing none of ours. A circle is a
+strongly connected component of more than one module: each of them imports itself
+through the others.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ PACKAGES = {
 def modules(package: str, directory: Path) -> dict[str, tuple[Path, bool]]:
     """Dotted module name -> (file, is a package ``__init__``)."""
     out = {}
-    for path in sorted(directory.rglob("*.py")):
+    for path in sorted([*directory.rglob("*.py"), *directory.rglob("*.c")]):
         parts = [package, *path.relative_to(directory).with_suffix("").parts]
         is_package = parts[-1] == "__init__"
         out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
@@ -35,6 +37,9 @@ def import_graph(known: dict[str, tuple[Path, bool]]) -> dict[str, set[str]]:
     for name, (path, is_package) in known.items():
         package = name if is_package else name.rpartition(".")[0]
         targets: set[str] = set()
+        if path.suffix != ".py":  # an extension module's C source imports none of ours
+            graph[name] = targets
+            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name in known)
@@ -109,6 +114,9 @@ def test_the_graph_sees_lazy_and_type_checking_imports() -> None:
     assert "hidden_state_reader.store.backend" in graph["hidden_state_reader.reader"]
     # An import under ``if TYPE_CHECKING:`` (the package's lazily exported names).
     assert "hidden_state_reader.reader" in graph["hidden_state_reader"]
+    # A C extension is a module (so importing it is not importing its package).
+    assert graph["hidden_state_reader.format.fp8_cpu"] >= {"hidden_state_reader.format._fp8_native"}
+    assert "hidden_state_reader.format" not in graph["hidden_state_reader.format.fp8_cpu"]
     # And the circle finder, on a graph with one circle and a module outside it.
     cycle = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(cycle) == [frozenset({"a", "b", "c"})]

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import zlib
 from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from hidden_state_reader.format import fp8
+from hidden_state_reader.format.crc import crc32
 from hidden_state_reader.format.header import (
     FORMAT_VERSION,
     HIDDEN_STATES,
@@ -240,7 +240,7 @@ class SampleFileWriter:
     def _write(self, data: Any, *, checksum: bool = True) -> None:
         view = memoryview(data).cast("B")
         if checksum and self._crc is not None:
-            self._crc = zlib.crc32(view, self._crc)
+            self._crc = crc32(view, self._crc)
         assert self._fd is not None
         while view:
             written = os.write(self._fd, view)

@@ -25,11 +25,11 @@ Needs no torch.
 from __future__ import annotations
 
 import os
-import zlib
 from collections.abc import Callable
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
 from hidden_state_reader.format import fp8
+from hidden_state_reader.format.crc import crc32
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header_fd
 from hidden_state_reader.format.loss_mask import check_mask_values
 from hidden_state_reader.options import LoadOptions
@@ -75,7 +75,7 @@ def check_crc32(header: SampleHeader, read: DataReader) -> None:
         return
     crc, total = 0, header.data_bytes
     for begin in range(0, total, _CRC_CHUNK):
-        crc = zlib.crc32(read(begin, min(begin + _CRC_CHUNK, total)), crc)
+        crc = crc32(read(begin, min(begin + _CRC_CHUNK, total)), crc)
     actual = f"{crc & 0xFFFFFFFF:08x}"
     if actual != expected:
         raise CorruptSampleError(
