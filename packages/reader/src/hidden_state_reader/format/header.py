@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
-from hidden_state_reader.format import fp8
+from hidden_state_reader.format import fp8, layouts
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.loss_mask import LOSS_MASK, check_loss_mask
 from hidden_state_reader.format.tensors import (
@@ -201,6 +201,10 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     tiles the rest of the file exactly (``_check_data_size``), and, when recorded,
     layer ids matching the layer axis and the model's layer count (``_check_capture``).
 
+    A header whose tensor entries were validated before (``format/layouts.py``: same
+    entries, other metadata) has only its metadata and the file's size checked again;
+    anything else takes the full rule.
+
     Args:
         path: The file, for error messages.
         header_bytes: The JSON header (without the 8-byte length prefix).
@@ -214,14 +218,30 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
             promise (the file is truncated or still being written).
         CorruptSampleError: Anything else that makes the file unusable.
     """
+    data_start = 8 + len(header_bytes)
+    parts = layouts.split(header_bytes)
+    if parts is not None:
+        known = layouts.lookup(parts[1])
+        metadata = parts[0]
+        if (
+            known is not None
+            and data_start + known[1] == file_size
+            and type(metadata) is dict
+            and all(type(v) is str for v in metadata.values())
+        ):
+            # Everything the tensors alone decide was proved for this tail before.
+            header = SampleHeader(path, data_start, file_size, dict(known[0]), metadata)
+            _check_capture(header)
+            return header
     entries, metadata = _parse_json(path, header_bytes)
     tensors = {name: _parse_tensor(path, name, spec) for name, spec in entries.items()}
     _check_sample_tensors(path, tensors)
     check_loss_mask(path, tensors, tensors[TOKEN_IDS].shape[0])
-    data_start = 8 + len(header_bytes)
     _check_data_size(path, tensors, data_start, file_size)
     header = SampleHeader(path, data_start, file_size, tensors, metadata)
     _check_capture(header)
+    if parts is not None:
+        layouts.remember(parts[1], tensors, file_size - data_start)
     return header
 
 

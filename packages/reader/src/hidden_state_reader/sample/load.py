@@ -29,46 +29,60 @@ from hidden_state_reader.format.header import (
     read_header_fd,
 )
 from hidden_state_reader.format.loss_mask import loss_mask_view
+from hidden_state_reader.format.tensors import dtype_tables
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.content import check_content, layer_positions
 from hidden_state_reader.sample.placement import to_device
 from hidden_state_reader.sample.sample import Sample
 
 MMAP_MIN_BYTES = 1 << 20
-# numpy has no bfloat16 or float8: tensors are viewed through the integer of their width.
+# numpy has no bfloat16 or float8: tensors are viewed through the integer of their width
+# (torch dtype, numpy dtype of the same width, per safetensors dtype name).
 _SAME_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_DTYPES = {
+    name: (dtype, np.dtype(_SAME_WIDTH[dtype.itemsize]))
+    for name, dtype in dtype_tables()[0].items()
+}
+# The numpy dtypes whose ``from_numpy`` already has the torch dtype (no ``view`` needed).
+_NATIVE = {
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+    torch.uint8: np.dtype(np.uint8),
+}
 
 
 def _read_exact(fd: int, into: np.ndarray, offset: int, path: str) -> None:
     """Fill ``into`` (bytes) from ``offset`` of the file."""
     view = into.data
-    done = 0
+    n = os.preadv(fd, [view], offset)  # one call reads a whole small file
+    done = n
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
             raise IncompleteSampleError(path, "file shrank while it was being read")
+        n = os.preadv(fd, [view[done:]], offset + done)
         done += n
 
 
 def _view(file: np.ndarray, data_start: int, info: TensorInfo, path: str) -> torch.Tensor:
     """Tensor ``info`` as a view of the file's bytes (``file`` holds the whole file).
 
-    Made through numpy: one slice and one ``from_numpy`` cost a third of the torch
-    slicing and viewing calls, which matters for files of a few hundred KiB.
+    Made through numpy: one array over the buffer and one ``from_numpy`` cost a third of
+    the torch slicing and viewing calls, which matters for files of a few hundred KiB.
     """
-    dtype = info.torch_dtype
-    if info.nbytes == 0:
-        return torch.empty(info.shape, dtype=dtype)
+    dtype, width = _DTYPES[info.dtype]
     start = data_start + info.begin
-    raw = file[start : start + info.nbytes]
-    if start % dtype.itemsize:
-        raw = raw.copy()  # misaligned in a foreign file: copy so the view is aligned
+    if info.begin == info.end:
+        return torch.empty(info.shape, dtype=dtype)
     try:
-        array = raw.view(_SAME_WIDTH[dtype.itemsize]).reshape(info.shape)
-    except (KeyError, ValueError) as exc:
+        if start % width.itemsize:  # misaligned in a foreign file: copy so the view is aligned
+            raw = file[start : start + info.end - info.begin].copy()
+            array = raw.view(width).reshape(info.shape)
+        else:
+            array = np.ndarray(info.shape, width, file, start)
+    except (TypeError, ValueError) as exc:
         raise CorruptSampleError(path, f"cannot view tensor data: {exc}") from exc
     tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+    return tensor if width is _NATIVE.get(dtype) else tensor.view(dtype)
 
 
 def _large_file(fd: int, header: SampleHeader, options: LoadOptions, path: str) -> np.ndarray:
@@ -98,24 +112,28 @@ def _empty(nbytes: int, options: LoadOptions) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def _read_file(fd: int, path: str, options: LoadOptions) -> tuple[SampleHeader, np.ndarray]:
+def _read_file(
+    fd: int, path: str, options: LoadOptions, file_size: int | None = None
+) -> tuple[SampleHeader, np.ndarray]:
     """The validated header and the bytes of an open file (header bytes included).
 
     Small files take one read for everything: the per-file cost of a sample of a few
     hundred KiB is its system calls and Python calls, not its bytes.
     """
-    file_size = os.fstat(fd).st_size
+    if file_size is None:
+        file_size = os.fstat(fd).st_size
     if file_size >= MMAP_MIN_BYTES:
         header = read_header_fd(fd, path, file_size)
         return header, _large_file(fd, header, options, path)
     file = _empty(file_size, options)
-    _read_exact(fd, file, 0, path)
+    if file_size:
+        _read_exact(fd, file, 0, path)
     return _parse(path, file), file
 
 
 def _parse(path: str, file: np.ndarray) -> SampleHeader:
     """The validated header of a whole file held in ``file``."""
-    length = header_length(path, file[:8].tobytes(), len(file))
+    length = header_length(path, file.data, len(file))
     return parse_header(path, file[8 : 8 + length].tobytes(), len(file))
 
 
@@ -134,20 +152,28 @@ def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None)
     return _sample(_parse(path, file), file, path, options)
 
 
-def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
-    """Load a sample from an open file descriptor (see ``load_sample``)."""
+def load_fd(
+    fd: int, path: str, options: LoadOptions | None = None, file_size: int | None = None
+) -> Sample:
+    """Load a sample from an open file descriptor (see ``load_sample``).
+
+    Args:
+        fd: The open sample file.
+        path: Its path, for errors and ``Sample.path``.
+        options: As for ``load_sample``.
+        file_size: Its size, when the caller has just taken it (``os.fstat``).
+    """
     options = options or LoadOptions()
-    header, file = _read_file(fd, path, options)
+    header, file = _read_file(fd, path, options, file_size)
     return _sample(header, file, path, options)
 
 
 def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOptions) -> Sample:
     """The sample made of a validated header and the file's bytes."""
     start = header.data_start
-    data = file[start:].data
     # The one content rule (CRC, layer selection, fp8 target dtype, mask bytes): the
     # listing commands apply the same function to the file, so they count what loads.
-    check_content(header, options, lambda begin, end: data[begin:end])
+    check_content(header, options, lambda begin, end: file[start + begin : start + end].data)
     token_ids = _view(file, start, header.tokens, path)
     if token_ids.dtype != torch.int64:
         token_ids = token_ids.to(torch.int64)
