@@ -30,16 +30,25 @@ def open_regular(path: str) -> int:
         NotRegularFileError: A FIFO, directory, socket or device.
         OSError: Other failures (permissions, symlink loops, ...).
     """
+    return open_regular_stat(path)[0]
+
+
+def open_regular_stat(path: str) -> tuple[int, os.stat_result]:
+    """``open_regular``, with the ``fstat`` it took (size and times, without a second call).
+
+    Raises:
+        FileNotFoundError, NotRegularFileError, OSError: As ``open_regular``.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
-        mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
     except BaseException:
         os.close(fd)
         raise
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise NotRegularFileError(f"{path}: not a regular file")
-    return fd
+    return fd, st
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import os
 import time
 
 from hidden_state_reader.errors import CorruptSampleError, SampleError
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.format.fileio import NotRegularFileError, open_regular_stat
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.format.lockfile import LockState, SharedLock, read_status
 from hidden_state_reader.format.names import lock_path
@@ -70,6 +70,8 @@ class Decider:
         steal_after: float = 2.0,
     ) -> None:
         self.root = root
+        # os.path.join(root, name) for the plain names of a directory, as one concatenation.
+        self._prefix = os.path.join(root, "")
         self.membership = membership
         self.ownership = (
             None
@@ -110,7 +112,7 @@ class Decider:
         Raises:
             WaitCancelledError: ``cancel`` was cancelled during a wait.
         """
-        data_path = os.path.join(self.root, name)
+        data_path = os.path.join(self.root, name) if name[:1] == "/" else self._prefix + name
         if self.ownership is not None and not self.ownership.owns(name):
             standing_in = self._stand_in(name, data_path)
             if standing_in is not None:
@@ -176,7 +178,7 @@ class Decider:
     def _look(self, name: str, data_path: str, locked: bool, claim: Claim | None) -> Outcome:
         """Read the sample while its lock is held shared (or it has none)."""
         try:
-            fd = open_regular(data_path)
+            fd, st = open_regular_stat(data_path)
         except NotRegularFileError:
             error = CorruptSampleError(data_path, "not a regular file")
             return rejected(name, SampleState.CORRUPT, error, claim)
@@ -186,10 +188,9 @@ class Decider:
             return rejected(name, SampleState.CORRUPT, _unreadable(data_path, exc), claim)
         sample: Sample | None = None
         problem: SampleError | None = None
-        age: float | None = None
+        age = time.time() - st.st_mtime
         try:
-            age = time.time() - os.fstat(fd).st_mtime
-            sample = load_fd(fd, data_path, self.load)
+            sample = load_fd(fd, data_path, self.load, st.st_size)
         except SampleError as exc:
             problem = exc
         except OSError as exc:

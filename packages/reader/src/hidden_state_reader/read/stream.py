@@ -113,6 +113,9 @@ class CompletionStream:
         """Look at one sample; None if it is (still) being waited for."""
         outcome = self.decider.decide(name, 0.0, self._cancel)
         kind = outcome.kind
+        if kind is OutcomeKind.YIELD:
+            self.waiting.drop(name)
+            return outcome  # the caller notes the time (it is ready now, or was consumed)
         if kind is OutcomeKind.PENDING:
             self.waiting.held(name)
             return None
@@ -126,7 +129,7 @@ class CompletionStream:
             self.waiting.later(name, outcome.delay)
         else:
             self.waiting.drop(name)
-        if kind in (OutcomeKind.YIELD, OutcomeKind.REJECT):
+        if kind is OutcomeKind.REJECT:
             self.last_ready = time.monotonic()
         return outcome
 

@@ -54,11 +54,11 @@ class Sample:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data held by this sample."""
-        tensors = [self.token_ids, self.hidden_states]
+        n = self.token_ids.nbytes + self.hidden_states.nbytes
         for extra in (self.loss_mask, self.hidden_states_scales):
             if extra is not None:
-                tensors.append(extra)
-        return sum(t.numel() * t.element_size() for t in tensors)
+                n += extra.nbytes
+        return n
 
     def __repr__(self) -> str:
         mask = "" if self.loss_mask is None else f", loss_mask={int(self.loss_mask.sum())} trained"
