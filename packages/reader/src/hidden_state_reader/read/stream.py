@@ -84,9 +84,11 @@ class CompletionStream:
             # owner now, who must hear of it again.
             self._enqueue(self.source.present())
         fresh, touched = self.source.take()
-        self._enqueue(fresh)
-        self._enqueue(self.waiting.touch(touched))
-        self._enqueue(self.waiting.due())
+        if fresh:
+            self._enqueue(fresh)
+        if self.waiting:
+            self._enqueue(self.waiting.touch(touched))
+            self._enqueue(self.waiting.due())
 
     def __iter__(self) -> Iterator[Outcome]:
         try:

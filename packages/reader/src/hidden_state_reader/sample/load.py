@@ -21,6 +21,8 @@ from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import (
+    HIDDEN_STATES,
+    TOKEN_IDS,
     Meta,
     SampleHeader,
     TensorInfo,
@@ -126,15 +128,18 @@ def _read_file(
         header = read_header_fd(fd, path, file_size)
         return header, _large_file(fd, header, options, path)
     file = _empty(file_size, options)
-    if file_size:
+    view = file.data
+    if file_size and os.preadv(fd, [view], 0) != file_size:  # one call, as a rule
         _read_exact(fd, file, 0, path)
-    return _parse(path, file), file
+    return _parse(path, file, view), file
 
 
-def _parse(path: str, file: np.ndarray) -> SampleHeader:
-    """The validated header of a whole file held in ``file``."""
-    length = header_length(path, file.data, len(file))
-    return parse_header(path, file[8 : 8 + length].tobytes(), len(file))
+def _parse(path: str, file: np.ndarray, view: memoryview | None = None) -> SampleHeader:
+    """The validated header of a whole file held in ``file`` (``view``: its bytes)."""
+    view = file.data if view is None else view
+    size = len(view)
+    length = header_length(path, view, size)
+    return parse_header(path, view[8 : 8 + length].tobytes(), size)
 
 
 def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None) -> Sample:
@@ -168,17 +173,32 @@ def load_fd(
     return _sample(header, file, path, options)
 
 
+def load_published(
+    fd: int, path: str, options: LoadOptions, file_size: int | None = None
+) -> Sample | None:
+    """``load_fd``, for a file of this project's writers only (None for any other).
+
+    Files of our writers record ``format_version`` and are published by rename
+    (``format/publish.py``). Raises as ``load_fd`` does.
+    """
+    header, file = _read_file(fd, path, options, file_size)
+    if Meta.FORMAT not in header.metadata:
+        return None
+    return _sample(header, file, path, options)
+
+
 def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOptions) -> Sample:
     """The sample made of a validated header and the file's bytes."""
     start = header.data_start
+    tensors = header.tensors
     # The one content rule (CRC, layer selection, fp8 target dtype, mask bytes): the
     # listing commands apply the same function to the file, so they count what loads.
     check_content(header, options, lambda begin, end: file[start + begin : start + end].data)
-    token_ids = _view(file, start, header.tokens, path)
-    if token_ids.dtype != torch.int64:
+    token_ids = _view(file, start, tensors[TOKEN_IDS], path)
+    if token_ids.dtype is not torch.int64:
         token_ids = token_ids.to(torch.int64)
-    hidden = _view(file, start, header.hidden, path)
-    scales_info = header.tensors.get(fp8.SCALES)
+    hidden = _view(file, start, tensors[HIDDEN_STATES], path)
+    scales_info = tensors.get(fp8.SCALES)
     scales = None if scales_info is None else _view(file, start, scales_info, path)
     layer_ids = header.layer_ids
     positions = layer_positions(header, options)
