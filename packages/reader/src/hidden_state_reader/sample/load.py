@@ -30,10 +30,10 @@ from hidden_state_reader.format.header import (
     parse_header,
     read_header_fd,
 )
-from hidden_state_reader.format.loss_mask import loss_mask_view
+from hidden_state_reader.format.loss_mask import LOSS_MASK, loss_mask_view
 from hidden_state_reader.format.tensors import dtype_tables
 from hidden_state_reader.options import LoadOptions
-from hidden_state_reader.sample.content import check_content, layer_positions
+from hidden_state_reader.sample.content import check_content
 from hidden_state_reader.sample.placement import to_device
 from hidden_state_reader.sample.sample import Sample
 
@@ -193,7 +193,9 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
     tensors = header.tensors
     # The one content rule (CRC, layer selection, fp8 target dtype, mask bytes): the
     # listing commands apply the same function to the file, so they count what loads.
-    check_content(header, options, lambda begin, end: file[start + begin : start + end].data)
+    positions = check_content(
+        header, options, lambda begin, end: file[start + begin : start + end].data
+    )
     token_ids = _view(file, start, tensors[TOKEN_IDS], path)
     if token_ids.dtype is not torch.int64:
         token_ids = token_ids.to(torch.int64)
@@ -201,14 +203,13 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
     scales_info = tensors.get(fp8.SCALES)
     scales = None if scales_info is None else _view(file, start, scales_info, path)
     layer_ids = header.layer_ids
-    positions = layer_positions(header, options)
     if positions is not None:
         hidden = hidden[:, positions]
         if scales is not None and scales.shape[1] != 1:  # per-layer scales follow their rows
             scales = scales[:, positions]
         if layer_ids is not None:
             layer_ids = [layer_ids[p] for p in positions]
-    mask_info = header.loss_mask
+    mask_info = tensors.get(LOSS_MASK)
     loss_mask = None
     if mask_info is not None:  # a bool view of the stored bytes; layer/dtype options do not apply
         raw = file[start + mask_info.begin : start + mask_info.end]

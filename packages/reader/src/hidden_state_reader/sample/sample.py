@@ -37,8 +37,8 @@ class Sample:
     hidden_states_scales: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        yield self.token_ids
-        yield self.hidden_states
+        # A tuple's iterator, not a generator: unpacking runs once per sample.
+        return iter((self.token_ids, self.hidden_states))
 
     def __len__(self) -> int:
         return 2
