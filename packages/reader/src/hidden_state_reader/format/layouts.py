@@ -54,9 +54,9 @@ def split(header_bytes: bytes) -> tuple[Any, str] | None:
     return metadata, text[end:]
 
 
-def lookup(tail: str) -> tuple[Mapping[str, TensorInfo], int] | None:
-    """The validated tensors of a tail seen before, and where their data ends."""
-    return _layouts.get(tail)
+lookup: Callable[[str], tuple[Mapping[str, TensorInfo], int] | None] = _layouts.get
+"""``lookup(tail)``: the validated tensors of a tail seen before, and where their data
+ends (None for a new tail). The dictionary's own ``get``: no Python call per file."""
 
 
 def remember(tail: str, tensors: Mapping[str, TensorInfo], data_end: int) -> None:

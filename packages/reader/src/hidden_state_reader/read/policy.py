@@ -56,7 +56,8 @@ class ErrorPolicy:
         if kind is OutcomeKind.YIELD:
             sample = outcome.sample
             assert sample is not None
-            if outcome.claim is not None and outcome.claim.reclaimed:
+            claim = outcome.claim
+            if claim is not None and claim.reclaimed:
                 stats.reclaimed += 1
                 log.info("took over %s from a reader that is gone", name)
             stats.yielded += 1

@@ -102,7 +102,10 @@ class CompletionStream:
                         yield outcome
                         if outcome.kind is OutcomeKind.YIELD:
                             self.last_ready = time.monotonic()  # the caller's time is not idle
-                    self._gather()
+                    if self.follow or self.waiting or self.source.watching:
+                        # (A snapshot that waits for nothing and watches nothing has had
+                        # its one batch of names: nothing can be new.)
+                        self._gather()
                 yield from self._timeouts()
                 if not self.follow and not self.waiting:
                     return

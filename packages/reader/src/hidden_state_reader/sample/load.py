@@ -38,18 +38,17 @@ from hidden_state_reader.sample.placement import to_device
 from hidden_state_reader.sample.sample import Sample
 
 MMAP_MIN_BYTES = 1 << 20
-# numpy has no bfloat16 or float8: tensors are viewed through the integer of their width
-# (torch dtype, numpy dtype of the same width, per safetensors dtype name).
+# numpy has no bfloat16 or float8: tensors are viewed through the integer of their width.
 _SAME_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+# Per safetensors dtype name: the torch dtype, the numpy dtype of its width, and whether
+# ``from_numpy`` of that numpy dtype already gives the torch dtype (no ``view`` needed).
 _DTYPES = {
-    name: (dtype, np.dtype(_SAME_WIDTH[dtype.itemsize]))
+    name: (
+        dtype,
+        np.dtype(_SAME_WIDTH[dtype.itemsize]),
+        dtype in (torch.int64, torch.int32, torch.uint8),
+    )
     for name, dtype in dtype_tables()[0].items()
-}
-# The numpy dtypes whose ``from_numpy`` already has the torch dtype (no ``view`` needed).
-_NATIVE = {
-    torch.int64: np.dtype(np.int64),
-    torch.int32: np.dtype(np.int32),
-    torch.uint8: np.dtype(np.uint8),
 }
 
 
@@ -71,7 +70,7 @@ def _view(file: np.ndarray, data_start: int, info: TensorInfo, path: str) -> tor
     Made through numpy: one array over the buffer and one ``from_numpy`` cost a third of
     the torch slicing and viewing calls, which matters for files of a few hundred KiB.
     """
-    dtype, width = _DTYPES[info.dtype]
+    dtype, width, native = _DTYPES[info.dtype]
     start = data_start + info.begin
     if info.begin == info.end:
         return torch.empty(info.shape, dtype=dtype)
@@ -83,8 +82,7 @@ def _view(file: np.ndarray, data_start: int, info: TensorInfo, path: str) -> tor
             array = np.ndarray(info.shape, width, file, start)
     except (TypeError, ValueError) as exc:
         raise CorruptSampleError(path, f"cannot view tensor data: {exc}") from exc
-    tensor = torch.from_numpy(array)
-    return tensor if width is _NATIVE.get(dtype) else tensor.view(dtype)
+    return torch.from_numpy(array) if native else torch.from_numpy(array).view(dtype)
 
 
 def _large_file(fd: int, header: SampleHeader, options: LoadOptions, path: str) -> np.ndarray:
@@ -131,15 +129,15 @@ def _read_file(
     view = file.data
     if file_size and os.preadv(fd, [view], 0) != file_size:  # one call, as a rule
         _read_exact(fd, file, 0, path)
-    return _parse(path, file, view), file
+    length = header_length(path, view, file_size)
+    return parse_header(path, view[8 : 8 + length].tobytes(), file_size), file
 
 
-def _parse(path: str, file: np.ndarray, view: memoryview | None = None) -> SampleHeader:
-    """The validated header of a whole file held in ``file`` (``view``: its bytes)."""
-    view = file.data if view is None else view
-    size = len(view)
-    length = header_length(path, view, size)
-    return parse_header(path, view[8 : 8 + length].tobytes(), size)
+def _parse(path: str, file: np.ndarray) -> SampleHeader:
+    """The validated header of a whole file held in ``file``."""
+    view = file.data
+    length = header_length(path, view, len(view))
+    return parse_header(path, view[8 : 8 + length].tobytes(), len(view))
 
 
 def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None) -> Sample:
@@ -200,6 +198,11 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
     if token_ids.dtype is not torch.int64:
         token_ids = token_ids.to(torch.int64)
     hidden = _view(file, start, tensors[HIDDEN_STATES], path)
+    if len(tensors) == 2 and positions is None and options.device is None and (
+        options.dtype is None or hidden.dtype is options.dtype
+    ):
+        # The plain sample (no scales, no mask, as stored): what follows changes nothing.
+        return Sample(token_ids, hidden, path, header.metadata, header.layer_ids)
     scales_info = tensors.get(fp8.SCALES)
     scales = None if scales_info is None else _view(file, start, scales_info, path)
     layer_ids = header.layer_ids

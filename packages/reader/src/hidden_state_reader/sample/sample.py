@@ -55,9 +55,10 @@ class Sample:
     def nbytes(self) -> int:
         """Bytes of tensor data held by this sample."""
         n = self.token_ids.nbytes + self.hidden_states.nbytes
-        for extra in (self.loss_mask, self.hidden_states_scales):
-            if extra is not None:
-                n += extra.nbytes
+        if self.loss_mask is not None:
+            n += self.loss_mask.nbytes
+        if self.hidden_states_scales is not None:
+            n += self.hidden_states_scales.nbytes
         return n
 
     def __repr__(self) -> str:
