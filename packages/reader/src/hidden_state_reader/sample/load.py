@@ -125,7 +125,7 @@ def _read_file(
     if file_size >= MMAP_MIN_BYTES:
         header = read_header_fd(fd, path, file_size)
         return header, _large_file(fd, header, options, path)
-    file = _empty(file_size, options)
+    file = _empty(file_size, options) if options.pin_memory else np.empty(file_size, np.uint8)
     view = file.data
     if file_size and os.preadv(fd, [view], 0) != file_size:  # one call, as a rule
         _read_exact(fd, file, 0, path)
