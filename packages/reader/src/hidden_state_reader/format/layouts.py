@@ -31,6 +31,7 @@ MAX_LAYOUTS = 1024
 """Tails remembered at most (one per shape of sample in practice; about 1 KB each)."""
 
 _PREFIX = '{"__metadata__":'
+_JSON_SPACE = " \t\n\r"
 # The C scanner behind json.loads, positioned at one value: parses just the metadata.
 _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
@@ -39,7 +40,7 @@ _layouts: dict[str, tuple[Mapping[str, TensorInfo], int]] = {}
 
 
 def split(header_bytes: bytes) -> tuple[Any, str] | None:
-    """The value of a leading ``__metadata__`` member and the text after it.
+    """The value of a leading ``__metadata__`` member and the text after it (the tail).
 
     None when the header does not start exactly with ``{"__metadata__":`` followed by a
     JSON value, or is not strict UTF-8: the full parse then decides.
@@ -51,7 +52,9 @@ def split(header_bytes: bytes) -> tuple[Any, str] | None:
         metadata, end = _scan(text, len(_PREFIX))
     except (ValueError, StopIteration, RecursionError):
         return None
-    return metadata, text[end:]
+    # Without the padding after the closing brace (JSON whitespace, which every parse
+    # skips): headers padded to different lengths share their layout.
+    return metadata, text[end:].rstrip(_JSON_SPACE)
 
 
 lookup: Callable[[str], tuple[Mapping[str, TensorInfo], int] | None] = _layouts.get
@@ -72,3 +75,8 @@ def remember(tail: str, tensors: Mapping[str, TensorInfo], data_end: int) -> Non
     if len(_layouts) >= MAX_LAYOUTS:
         _layouts.clear()  # simpler than LRU, and safe against concurrent use
     _layouts[tail] = (dict(tensors), data_end)
+
+
+def clear() -> None:
+    """Forget every layout (each header then takes the full rule once more)."""
+    _layouts.clear()
