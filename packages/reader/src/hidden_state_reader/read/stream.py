@@ -100,7 +100,7 @@ class CompletionStream:
                     outcome = self._decide(name)
                     if outcome is not None:
                         yield outcome
-                        if outcome.kind is OutcomeKind.YIELD:
+                        if self._idle_timeout is not None and outcome.kind is OutcomeKind.YIELD:
                             self.last_ready = time.monotonic()  # the caller's time is not idle
                     if self.follow or self.waiting or self.source.watching:
                         # (A snapshot that waits for nothing and watches nothing has had
