@@ -9,7 +9,6 @@ Nothing here watches, waits or opens a file.
 from __future__ import annotations
 
 import os
-import re
 
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
@@ -22,10 +21,6 @@ from hidden_state_reader.format.names import (
 )
 
 _DATA, _LOCK, _TEMP_INFIX = DATA_SUFFIX, DATA_SUFFIX + LOCK_SUFFIX, TEMP_INFIX
-_SAMPLE_FILE = re.compile(
-    rf"(?!\.)(?!.*{re.escape(TEMP_INFIX)})(.*{re.escape(DATA_SUFFIX)})(?:{re.escape(LOCK_SUFFIX)})?\Z",
-    re.DOTALL,
-)
 
 
 def list_samples(root: str) -> list[str]:
@@ -42,9 +37,7 @@ def list_samples(root: str) -> list[str]:
 
 def scan_samples(root: str) -> set[str]:
     """The sample names of ``root``, unordered (one ``listdir``; see ``list_entries``)."""
-    # One regular expression per name, run in C: what ``classify`` calls data and lock
-    # files (not hidden, no temporary infix), as the sample name they belong to.
-    return {m[1] for m in map(_SAMPLE_FILE.match, os.listdir(root)) if m is not None}
+    return _entries(root)[0]
 
 
 def _entries(root: str) -> tuple[set[str], list[str]]:
