@@ -97,7 +97,12 @@ class CompletionStream:
                 while self._todo and not self._cancel.cancelled:
                     name = self._todo.popleft()
                     self._queued.discard(name)
-                    outcome = self._decide(name)
+                    decided = self.decider.decide(name, 0.0, self._cancel)
+                    outcome: Outcome | None = decided
+                    if decided.kind is OutcomeKind.YIELD:  # the common case, inline
+                        self.waiting.drop(name)
+                    else:
+                        outcome = self._decided(name, decided)
                     if outcome is not None:
                         yield outcome
                         if self._idle_timeout is not None and outcome.kind is OutcomeKind.YIELD:
@@ -114,13 +119,9 @@ class CompletionStream:
         except WaitCancelledError:
             return
 
-    def _decide(self, name: str) -> Outcome | None:
-        """Look at one sample; None if it is (still) being waited for."""
-        outcome = self.decider.decide(name, 0.0, self._cancel)
+    def _decided(self, name: str, outcome: Outcome) -> Outcome | None:
+        """Book a decision other than ``YIELD``; None if the sample is (still) waited for."""
         kind = outcome.kind
-        if kind is OutcomeKind.YIELD:
-            self.waiting.drop(name)
-            return outcome  # the caller notes the time (it is ready now, or was consumed)
         if kind is OutcomeKind.PENDING:
             self.waiting.held(name)
             return None

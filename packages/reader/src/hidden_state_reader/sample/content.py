@@ -61,7 +61,11 @@ def check_content(
     path = header.path
     if options.verify_checksum:
         check_crc32(header, read)
-    positions = layer_positions(header, options)
+    positions = (
+        None
+        if options.layers is None and options.layer_ids is None
+        else layer_positions(header, options)
+    )
     tensors = header.tensors
     if fp8.SCALES in tensors and not options.raw_fp8 and options.dtype is None:
         fp8.check_model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
