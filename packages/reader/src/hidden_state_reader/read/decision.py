@@ -6,8 +6,14 @@ one sample-state rule (``hidden_state_reader.sample.states.judge``) what it is. 
 is an ``Outcome`` (``read.backend``, where its kinds are listed); a claim the outcome does
 not carry on is settled here (``claim_lifecycle``).
 
-Nothing here keeps state between calls, counts, warns or moves files: that is the
-reader's business.
+A snapshot reader looks at a small data file first and yields it without its lock when
+it is a complete file of this project's writers, published by rename
+(``Decider._look_published``, ``docs/format.md``); everything else, and every follower
+or claiming reader, keeps to the lock protocol.
+
+Nothing here counts, warns or moves files: that is the reader's business. The one thing
+kept between calls is a hint, whether the last file looked at was ours (a directory of
+another writer's files is read lock first, without a wasted read per file).
 """
 
 from __future__ import annotations
