@@ -40,9 +40,7 @@ DataReader = Callable[[int, int], "bytes | memoryview"]
 _CRC_CHUNK = 16 << 20  # bytes per CRC step when reading a file: bounded memory
 
 
-def check_content(
-    header: SampleHeader, options: LoadOptions, read: DataReader
-) -> list[int] | None:
+def check_content(header: SampleHeader, options: LoadOptions, read: DataReader) -> list[int] | None:
     """Raise what the loader would raise about a file whose header parsed.
 
     Args:

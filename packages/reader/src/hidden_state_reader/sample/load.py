@@ -198,8 +198,11 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
     if token_ids.dtype is not torch.int64:
         token_ids = token_ids.to(torch.int64)
     hidden = _view(file, start, tensors[HIDDEN_STATES], path)
-    if len(tensors) == 2 and positions is None and options.device is None and (
-        options.dtype is None or hidden.dtype is options.dtype
+    if (
+        len(tensors) == 2
+        and positions is None
+        and options.device is None
+        and (options.dtype is None or hidden.dtype is options.dtype)
     ):
         # The plain sample (no scales, no mask, as stored): what follows changes nothing.
         return Sample(token_ids, hidden, path, header.metadata, header.layer_ids)
