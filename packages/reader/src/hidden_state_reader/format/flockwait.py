@@ -139,16 +139,19 @@ class CancelToken:
 
     def __init__(self) -> None:
         self._cancelled = threading.Event()
+        # The event's state as a plain attribute: readers ask after every sample.
+        self._set = False
         self._lock = threading.Lock()
         self._waiters: set[_Waiter] = set()
 
     @property
     def cancelled(self) -> bool:
         """Whether ``cancel()`` was called."""
-        return self._cancelled.is_set()
+        return self._set
 
     def cancel(self) -> None:
         """Make every current and future wait with this token raise WaitCancelledError."""
+        self._set = True
         self._cancelled.set()
         with self._lock:
             waiters = list(self._waiters)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
-from hidden_state_reader.format import fp8
+from hidden_state_reader.format import fp8, layouts
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.loss_mask import LOSS_MASK, check_loss_mask
 from hidden_state_reader.format.tensors import (
@@ -45,6 +45,9 @@ MAX_HEADER_BYTES = 16 * 1024 * 1024
 # they can never reach torch as a shape.
 MAX_DIM = 2**40
 HEADER_ALIGN = 8
+_LENGTH = struct.Struct("<Q")
+# Valid ``layer_ids`` metadata strings already parsed, and their ids (bounded).
+_LAYER_IDS: dict[str, tuple[int, ...]] = {}
 
 
 class Meta:
@@ -127,6 +130,9 @@ class SampleHeader:
         raw = self.metadata.get(Meta.LAYER_IDS)
         if raw is None:
             return None
+        known = _LAYER_IDS.get(raw)  # one writer records the same ids in every file
+        if known is not None:
+            return list(known)
         try:
             ids = json.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -137,6 +143,9 @@ class SampleHeader:
             raise CorruptSampleError(
                 self.path, f"metadata layer_ids is not a list of ints: {raw!r}"
             )
+        if len(_LAYER_IDS) >= 64:
+            _LAYER_IDS.clear()
+        _LAYER_IDS[raw] = tuple(ids)
         return ids
 
     @property
@@ -184,6 +193,9 @@ class SampleHeader:
         return self.metadata.get(Meta.VLLM_VERSION)
 
 
+_is_str = str.__instancecheck__  # isinstance(x, str), callable from map (no Python frame)
+
+
 def _shape_bytes(dtype: str, shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
@@ -201,6 +213,10 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     tiles the rest of the file exactly (``_check_data_size``), and, when recorded,
     layer ids matching the layer axis and the model's layer count (``_check_capture``).
 
+    A header whose tensor entries were validated before (``format/layouts.py``: same
+    entries, other metadata) has only its metadata and the file's size checked again;
+    anything else takes the full rule.
+
     Args:
         path: The file, for error messages.
         header_bytes: The JSON header (without the 8-byte length prefix).
@@ -214,14 +230,51 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
             promise (the file is truncated or still being written).
         CorruptSampleError: Anything else that makes the file unusable.
     """
+    data_start = 8 + len(header_bytes)
+    parts = layouts.split(header_bytes)
+    if parts is not None:
+        known = layouts.lookup(parts[1])
+        metadata = parts[0]
+        if (
+            known is not None
+            and data_start + known[1] == file_size
+            and type(metadata) is dict
+            and all(map(_is_str, metadata.values()))
+        ):
+            # Everything the tensors alone decide was proved for this tail before.
+            header = _made(path, data_start, file_size, dict(known[0]), metadata)
+            if Meta.LAYER_IDS in metadata or Meta.NUM_HIDDEN_LAYERS in metadata:
+                _check_capture(header)
+            return header
     entries, metadata = _parse_json(path, header_bytes)
     tensors = {name: _parse_tensor(path, name, spec) for name, spec in entries.items()}
     _check_sample_tensors(path, tensors)
     check_loss_mask(path, tensors, tensors[TOKEN_IDS].shape[0])
-    data_start = 8 + len(header_bytes)
     _check_data_size(path, tensors, data_start, file_size)
     header = SampleHeader(path, data_start, file_size, tensors, metadata)
     _check_capture(header)
+    if parts is not None:
+        layouts.remember(parts[1], tensors, file_size - data_start)
+    return header
+
+
+def _made(
+    path: str,
+    data_start: int,
+    file_size: int,
+    tensors: Mapping[str, TensorInfo],
+    metadata: Mapping[str, str],
+) -> SampleHeader:
+    """``SampleHeader(...)``, made without one ``object.__setattr__`` per field.
+
+    The same object as the dataclass's own ``__init__`` makes (frozen only blocks
+    assignment, not the instance dictionary), in a third of the time: a known header is
+    parsed once per file read.
+    """
+    header = object.__new__(SampleHeader)
+    header.__dict__.update(
+        path=path, data_start=data_start, file_size=file_size, tensors=tensors, metadata=metadata
+    )
     return header
 
 
@@ -353,6 +406,10 @@ def header_length(path: str, prefix: bytes | memoryview, file_size: int) -> int:
         IncompleteSampleError: The file ends before the prefix or inside the header.
         CorruptSampleError: An implausible header length.
     """
+    if len(prefix) >= 8:
+        (length,) = _LENGTH.unpack_from(prefix)
+        if length <= MAX_HEADER_BYTES and 8 + length <= file_size:
+            return int(length)  # a plausible header inside the file: the common case
     if file_size == 0:
         raise IncompleteSampleError(path, "empty file (0 bytes)")
     if len(prefix) < 8:

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import os
 
-from hidden_state_reader.format.names import DATA_SUFFIX, Kind, classify, natural_key, sample_key
+from hidden_state_reader.format.names import (
+    DATA_SUFFIX,
+    LOCK_SUFFIX,
+    TEMP_INFIX,
+    Kind,
+    classify,
+    natural_key,
+    sample_key,
+)
+
+_DATA, _LOCK, _TEMP_INFIX = DATA_SUFFIX, DATA_SUFFIX + LOCK_SUFFIX, TEMP_INFIX
 
 
 def list_samples(root: str) -> list[str]:
@@ -26,7 +36,7 @@ def list_samples(root: str) -> list[str]:
 
 
 def scan_samples(root: str) -> set[str]:
-    """The sample names of ``root``, unordered (one ``scandir``; see ``list_entries``)."""
+    """The sample names of ``root``, unordered (one ``listdir``; see ``list_entries``)."""
     return _entries(root)[0]
 
 
@@ -34,15 +44,23 @@ def _entries(root: str) -> tuple[set[str], list[str]]:
     """One pass over a directory: sample names (by data or lock file), temp-file names."""
     samples: set[str] = set()
     temps: list[str] = []
-    with os.scandir(root) as entries:
-        for entry in entries:
-            kind = classify(entry.name)
-            if kind is Kind.TEMP:
-                temps.append(entry.name)
-            elif kind is not Kind.OTHER:
-                key = sample_key(entry.name)
-                assert key is not None
-                samples.add(key)
+    for name in os.listdir(root):  # names only: no per-entry object or stat
+        # The two names of nearly every entry, decided as ``classify`` decides them (not
+        # hidden, no temporary infix) without a call per entry; the rest goes to it.
+        if name[:1] != "." and _TEMP_INFIX not in name:
+            if name.endswith(_DATA):
+                samples.add(name)
+                continue
+            if name.endswith(_LOCK):
+                samples.add(name[: -len(LOCK_SUFFIX)])
+                continue
+        kind = classify(name)
+        if kind is Kind.DATA:
+            samples.add(name)
+        elif kind is Kind.LOCK:
+            samples.add(name[: -len(LOCK_SUFFIX)])
+        elif kind is Kind.TEMP:
+            temps.append(name)
     return samples, temps
 
 

@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import uuid
+from typing import Any
 
 from hidden_state_reader.errors import PathOutsideRootError
 
@@ -90,10 +91,19 @@ def safe_component(text: str, max_bytes: int = 120) -> str:
     return f"{cleaned[: max_bytes - 11]}-{digest}"
 
 
+_DIGIT_RUNS = re.compile(r"(\d+)")
+
+
 def natural_key(name: str) -> tuple[object, ...]:
-    """Sort key that orders ``hs_2`` before ``hs_10``."""
-    parts = re.split(r"(\d+)", name)
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
+    """Sort key that orders ``hs_2`` before ``hs_10``.
+
+    The name split at its runs of digits: text, number, text, ... (``re.split`` with a
+    group always alternates, starting with text), so two keys compare text with text
+    and number with number, position by position.
+    """
+    parts: list[Any] = _DIGIT_RUNS.split(name)
+    parts[1::2] = map(int, parts[1::2])
+    return tuple(parts)
 
 
 def open_dir_beneath(root: str, relative: str, *, create: bool = False) -> int:

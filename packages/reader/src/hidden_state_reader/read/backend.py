@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from hidden_state_reader.errors import (
     CorruptSampleError,
@@ -72,9 +71,8 @@ class OutcomeKind(enum.Enum):
     OWNED_ELSEWHERE = "owned_elsewhere"
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """The decision about one sample.
+class Outcome(NamedTuple):
+    """The decision about one sample (immutable; a named tuple: one is made per sample).
 
     Attributes:
         kind: What to do next.

@@ -6,8 +6,14 @@ one sample-state rule (``hidden_state_reader.sample.states.judge``) what it is. 
 is an ``Outcome`` (``read.backend``, where its kinds are listed); a claim the outcome does
 not carry on is settled here (``claim_lifecycle``).
 
-Nothing here keeps state between calls, counts, warns or moves files: that is the
-reader's business.
+A snapshot reader looks at a small data file first and yields it without its lock when
+it is a complete file of this project's writers, published by rename
+(``Decider._look_published``, ``docs/format.md``); everything else, and every follower
+or claiming reader, keeps to the lock protocol.
+
+Nothing here counts, warns or moves files: that is the reader's business. The one thing
+kept between calls is a hint, whether the last file looked at was ours (a directory of
+another writer's files is read lock first, without a wasted read per file).
 """
 
 from __future__ import annotations
@@ -16,8 +22,13 @@ import os
 import time
 
 from hidden_state_reader.errors import CorruptSampleError, SampleError
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.format.fileio import (
+    NotRegularFileError,
+    open_regular_stat,
+    open_sized,
+)
 from hidden_state_reader.format.flockwait import CancelToken
+from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.lockfile import LockState, SharedLock, read_status
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import LoadOptions
@@ -27,7 +38,7 @@ from hidden_state_reader.read.claims import Claim, ClaimResult, ClaimStore
 from hidden_state_reader.read.inotify import Inotify
 from hidden_state_reader.read.membership import Membership
 from hidden_state_reader.read.ownership import Ownership
-from hidden_state_reader.sample.load import load_fd
+from hidden_state_reader.sample.load import MMAP_MIN_BYTES, load_fd, load_published
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
 
@@ -55,6 +66,8 @@ class Decider:
             member owns (``read.ownership``) is left to that member until this one's
             turn comes (``DEFERRED``), and then looked at cheaply first (``_stand_in``).
         steal_after: Seconds before the first stand-in acts (``read.ownership``).
+        published_unlocked: Yield a small complete file of this project's writers
+            without taking its lock (``_look_published``); only without ``claims``.
     """
 
     def __init__(
@@ -68,8 +81,11 @@ class Decider:
         lock_type: type[SharedLock] = SharedLock,
         membership: Membership | None = None,
         steal_after: float = 2.0,
+        published_unlocked: bool = False,
     ) -> None:
         self.root = root
+        # os.path.join(root, name) for the plain names of a directory, as one concatenation.
+        self._prefix = os.path.join(root, "")
         self.membership = membership
         self.ownership = (
             None
@@ -82,6 +98,10 @@ class Decider:
         self.grace = grace
         self.claim_retry = claim_retry
         self.lock_type = lock_type
+        self.published_unlocked = published_unlocked and claims is None
+        # Off after a file of another writer (its lock comes first: one read, not two),
+        # on again after a file of ours.
+        self._expect_published = True
 
     def group_changed(self) -> bool:
         """Watch the neighbour member (reaping it if it died); True if the group changed.
@@ -110,11 +130,15 @@ class Decider:
         Raises:
             WaitCancelledError: ``cancel`` was cancelled during a wait.
         """
-        data_path = os.path.join(self.root, name)
+        data_path = os.path.join(self.root, name) if name[:1] == "/" else self._prefix + name
         if self.ownership is not None and not self.ownership.owns(name):
             standing_in = self._stand_in(name, data_path)
             if standing_in is not None:
                 return standing_in
+        if self.published_unlocked and self._expect_published:
+            published = self._look_published(name, data_path)
+            if published is not None:
+                return published
         try:
             lock = self.lock_type.acquire(data_path, timeout=wait, cancel=cancel)
         except SampleError as exc:
@@ -173,10 +197,42 @@ class Decider:
         ownership.forget(name)
         return None
 
+    def _look_published(self, name: str, data_path: str) -> Outcome | None:
+        """A small complete file of this project's writers, ready without its lock.
+
+        Our writers make a sample's name appear by renaming a complete file onto it
+        (``format/publish.py``) and never write that file again, so once it is there and
+        complete by the header rule it is final, whatever its lock says: the lock can
+        only be held by its writer between the rename and the release, or by the writer
+        of a new version, which replaces the file by another rename (``docs/format.md``,
+        "Files published by rename"). Small files only: for them the lock costs as much
+        as the read. Anything else found here (no data, a file without
+        ``format_version``, one that fails to load, zero tokens) gives None: the lock
+        protocol then decides, lock first and the data read again.
+        """
+        try:
+            fd, size = open_sized(data_path)  # a non-regular file fails below: None
+        except OSError:
+            return None
+        try:
+            if size >= MMAP_MIN_BYTES:
+                return None
+            sample = load_published(fd, data_path, self.load, size)
+        except (SampleError, OSError):
+            return None
+        finally:
+            os.close(fd)
+        if sample is None:
+            self._expect_published = False
+            return None
+        if sample.num_tokens == 0:
+            return None  # empty: rejected by the state rule, under the lock
+        return Outcome(OutcomeKind.YIELD, name, sample, None, SampleState.READY)
+
     def _look(self, name: str, data_path: str, locked: bool, claim: Claim | None) -> Outcome:
         """Read the sample while its lock is held shared (or it has none)."""
         try:
-            fd = open_regular(data_path)
+            fd, st = open_regular_stat(data_path)
         except NotRegularFileError:
             error = CorruptSampleError(data_path, "not a regular file")
             return rejected(name, SampleState.CORRUPT, error, claim)
@@ -186,16 +242,17 @@ class Decider:
             return rejected(name, SampleState.CORRUPT, _unreadable(data_path, exc), claim)
         sample: Sample | None = None
         problem: SampleError | None = None
-        age: float | None = None
+        age = time.time() - st.st_mtime
         try:
-            age = time.time() - os.fstat(fd).st_mtime
-            sample = load_fd(fd, data_path, self.load)
+            sample = load_fd(fd, data_path, self.load, st.st_size)
         except SampleError as exc:
             problem = exc
         except OSError as exc:
             problem = _unreadable(data_path, exc)
         finally:
             os.close(fd)
+        if sample is not None and Meta.FORMAT in sample.metadata:
+            self._expect_published = True
         obs = Observation(
             LockState.FREE if locked else LockState.ABSENT,
             data_exists=True,

@@ -109,6 +109,9 @@ class DirectoryBackend:
             lock_type=SharedLock,  # looked up now: instrumentation may replace it
             membership=membership,
             steal_after=options.claim_steal_after,
+            # A snapshot (or an epoch's names) yields a complete file of our writers
+            # without its lock; a follower keeps to the lock protocol.
+            published_unlocked=isinstance(source, SnapshotSource),
         )
         if decider.ownership is not None and isinstance(source, FollowSource):
             source.only_events_for(decider.ownership.owns_as_last_seen)
@@ -156,6 +159,8 @@ class DirectoryBackend:
 
     def consumed(self, name: str, claim: HeldClaim | None) -> None:
         """Keep, delete or move a delivered sample (``on_consumed``); settle its claim."""
+        if claim is None and self.options.on_consumed == "keep":
+            return  # nothing to do (asked after every sample)
         try:
             gone = dispose(self.root, name, self.options.on_consumed, self.done_dir)
         except OSError as exc:

@@ -28,9 +28,9 @@ def dispose(root: str, name: str, action: str, done_dir: str | None) -> bool:
     Returns:
         True if the sample's files left the storage root (so its name may be forgotten).
     """
-    data = os.path.join(root, name)
     if action == "keep":
         return False
+    data = os.path.join(root, name)
     if action == "move":
         assert done_dir is not None
         target = os.path.join(done_dir, name)

@@ -52,17 +52,19 @@ class ErrorPolicy:
 
     def apply(self, outcome: Outcome) -> Sample | None:
         """Count an outcome, warn or raise; the sample to yield, if any."""
-        kind, name, stats = outcome.kind, outcome.name, self.stats
+        kind, stats = outcome.kind, self.stats
         if kind is OutcomeKind.YIELD:
             sample = outcome.sample
             assert sample is not None
-            if outcome.claim is not None and outcome.claim.reclaimed:
+            claim = outcome.claim
+            if claim is not None and claim.reclaimed:
                 stats.reclaimed += 1
-                log.info("took over %s from a reader that is gone", name)
+                log.info("took over %s from a reader that is gone", outcome.name)
             stats.yielded += 1
             stats.bytes += sample.nbytes
             stats.tokens += sample.num_tokens
             return sample
+        name = outcome.name
         if kind is OutcomeKind.REJECT:
             assert outcome.error is not None and outcome.state is not None
             self._reject(outcome, outcome.error, outcome.state)

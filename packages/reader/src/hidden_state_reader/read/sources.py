@@ -107,6 +107,8 @@ class _EventSource:
 
     def take(self) -> tuple[list[str], set[str]]:
         """New names (in order of appearance) and known names touched since the last call."""
+        if self._events.empty() and not self._fresh and not self._touched:
+            return [], set()  # the common case while reading: asked after every sample
         self._drain_events()
         fresh, touched = list(self._fresh), self._touched
         self._fresh.clear()

@@ -84,9 +84,11 @@ class CompletionStream:
             # owner now, who must hear of it again.
             self._enqueue(self.source.present())
         fresh, touched = self.source.take()
-        self._enqueue(fresh)
-        self._enqueue(self.waiting.touch(touched))
-        self._enqueue(self.waiting.due())
+        if fresh:
+            self._enqueue(fresh)
+        if self.waiting:
+            self._enqueue(self.waiting.touch(touched))
+            self._enqueue(self.waiting.due())
 
     def __iter__(self) -> Iterator[Outcome]:
         try:
@@ -95,12 +97,20 @@ class CompletionStream:
                 while self._todo and not self._cancel.cancelled:
                     name = self._todo.popleft()
                     self._queued.discard(name)
-                    outcome = self._decide(name)
+                    decided = self.decider.decide(name, 0.0, self._cancel)
+                    outcome: Outcome | None = decided
+                    if decided.kind is OutcomeKind.YIELD:  # the common case, inline
+                        self.waiting.drop(name)
+                    else:
+                        outcome = self._decided(name, decided)
                     if outcome is not None:
                         yield outcome
-                        if outcome.kind is OutcomeKind.YIELD:
+                        if self._idle_timeout is not None and outcome.kind is OutcomeKind.YIELD:
                             self.last_ready = time.monotonic()  # the caller's time is not idle
-                    self._gather()
+                    if self.follow or self.waiting or self.source.watching:
+                        # (A snapshot that waits for nothing and watches nothing has had
+                        # its one batch of names: nothing can be new.)
+                        self._gather()
                 yield from self._timeouts()
                 if not self.follow and not self.waiting:
                     return
@@ -109,9 +119,8 @@ class CompletionStream:
         except WaitCancelledError:
             return
 
-    def _decide(self, name: str) -> Outcome | None:
-        """Look at one sample; None if it is (still) being waited for."""
-        outcome = self.decider.decide(name, 0.0, self._cancel)
+    def _decided(self, name: str, outcome: Outcome) -> Outcome | None:
+        """Book a decision other than ``YIELD``; None if the sample is (still) waited for."""
         kind = outcome.kind
         if kind is OutcomeKind.PENDING:
             self.waiting.held(name)
@@ -126,7 +135,7 @@ class CompletionStream:
             self.waiting.later(name, outcome.delay)
         else:
             self.waiting.drop(name)
-        if kind in (OutcomeKind.YIELD, OutcomeKind.REJECT):
+        if kind is OutcomeKind.REJECT:
             self.last_ready = time.monotonic()
         return outcome
 

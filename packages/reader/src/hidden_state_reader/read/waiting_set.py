@@ -122,6 +122,8 @@ class Waiting:
 
     def touch(self, names: Iterable[str], now: float | None = None) -> list[str]:
         """Mark the awaited ones among ``names`` due now; returns them."""
+        if not self._entries:
+            return []
         now = time.monotonic() if now is None else now
         due = []
         for name in names:
@@ -138,6 +140,8 @@ class Waiting:
 
     def due(self, now: float | None = None) -> list[str]:
         """Samples whose next look is due, soonest first (each handed out once)."""
+        if not self._rechecks:
+            return []
         now = time.monotonic() if now is None else now
         ready = []
         while (item := self._live_recheck()) is not None and item[0] <= now:

@@ -31,7 +31,7 @@ from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.crc import crc32
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header_fd
-from hidden_state_reader.format.loss_mask import check_mask_values
+from hidden_state_reader.format.loss_mask import LOSS_MASK, check_mask_values
 from hidden_state_reader.options import LoadOptions
 
 DataReader = Callable[[int, int], "bytes | memoryview"]
@@ -40,13 +40,16 @@ DataReader = Callable[[int, int], "bytes | memoryview"]
 _CRC_CHUNK = 16 << 20  # bytes per CRC step when reading a file: bounded memory
 
 
-def check_content(header: SampleHeader, options: LoadOptions, read: DataReader) -> None:
+def check_content(header: SampleHeader, options: LoadOptions, read: DataReader) -> list[int] | None:
     """Raise what the loader would raise about a file whose header parsed.
 
     Args:
         header: The validated header.
         options: How the file is to be loaded (the checks depend on them).
         read: Where the data section's bytes come from (the loader's buffer, or the file).
+
+    Returns:
+        The layer positions the options select (``layer_positions``), for the loader.
 
     Raises:
         CorruptSampleError: The loader refuses the file; the message names it and says
@@ -56,12 +59,18 @@ def check_content(header: SampleHeader, options: LoadOptions, read: DataReader) 
     path = header.path
     if options.verify_checksum:
         check_crc32(header, read)
-    layer_positions(header, options)
-    if fp8.SCALES in header.tensors and not options.raw_fp8 and options.dtype is None:
+    positions = (
+        None
+        if options.layers is None and options.layer_ids is None
+        else layer_positions(header, options)
+    )
+    tensors = header.tensors
+    if fp8.SCALES in tensors and not options.raw_fp8 and options.dtype is None:
         fp8.check_model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
-    mask = header.loss_mask
+    mask = tensors.get(LOSS_MASK)
     if mask is not None:
         check_mask_values(read(mask.begin, mask.end), path)
+    return positions
 
 
 def check_crc32(header: SampleHeader, read: DataReader) -> None:

@@ -21,6 +21,8 @@ from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import (
+    HIDDEN_STATES,
+    TOKEN_IDS,
     Meta,
     SampleHeader,
     TensorInfo,
@@ -28,47 +30,59 @@ from hidden_state_reader.format.header import (
     parse_header,
     read_header_fd,
 )
-from hidden_state_reader.format.loss_mask import loss_mask_view
+from hidden_state_reader.format.loss_mask import LOSS_MASK, loss_mask_view
+from hidden_state_reader.format.tensors import dtype_tables
 from hidden_state_reader.options import LoadOptions
-from hidden_state_reader.sample.content import check_content, layer_positions
+from hidden_state_reader.sample.content import check_content
 from hidden_state_reader.sample.placement import to_device
 from hidden_state_reader.sample.sample import Sample
 
 MMAP_MIN_BYTES = 1 << 20
 # numpy has no bfloat16 or float8: tensors are viewed through the integer of their width.
 _SAME_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+# Per safetensors dtype name: the torch dtype, the numpy dtype of its width, and whether
+# ``from_numpy`` of that numpy dtype already gives the torch dtype (no ``view`` needed).
+_DTYPES = {
+    name: (
+        dtype,
+        np.dtype(_SAME_WIDTH[dtype.itemsize]),
+        dtype in (torch.int64, torch.int32, torch.uint8),
+    )
+    for name, dtype in dtype_tables()[0].items()
+}
 
 
 def _read_exact(fd: int, into: np.ndarray, offset: int, path: str) -> None:
     """Fill ``into`` (bytes) from ``offset`` of the file."""
     view = into.data
-    done = 0
+    n = os.preadv(fd, [view], offset)  # one call reads a whole small file
+    done = n
     while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
             raise IncompleteSampleError(path, "file shrank while it was being read")
+        n = os.preadv(fd, [view[done:]], offset + done)
         done += n
 
 
 def _view(file: np.ndarray, data_start: int, info: TensorInfo, path: str) -> torch.Tensor:
     """Tensor ``info`` as a view of the file's bytes (``file`` holds the whole file).
 
-    Made through numpy: one slice and one ``from_numpy`` cost a third of the torch
-    slicing and viewing calls, which matters for files of a few hundred KiB.
+    Made through numpy: one array over the buffer and one ``from_numpy`` cost a third of
+    the torch slicing and viewing calls, which matters for files of a few hundred KiB.
     """
-    dtype = info.torch_dtype
-    if info.nbytes == 0:
-        return torch.empty(info.shape, dtype=dtype)
+    dtype, width, native = _DTYPES[info.dtype]
     start = data_start + info.begin
-    raw = file[start : start + info.nbytes]
-    if start % dtype.itemsize:
-        raw = raw.copy()  # misaligned in a foreign file: copy so the view is aligned
+    if info.begin == info.end:
+        return torch.empty(info.shape, dtype=dtype)
     try:
-        array = raw.view(_SAME_WIDTH[dtype.itemsize]).reshape(info.shape)
-    except (KeyError, ValueError) as exc:
+        if start % width.itemsize:  # misaligned in a foreign file: copy so the view is aligned
+            raw = file[start : start + info.end - info.begin].copy()
+            array = raw.view(width).reshape(info.shape)
+        else:
+            array = np.ndarray(info.shape, width, file, start)
+    except (TypeError, ValueError) as exc:
         raise CorruptSampleError(path, f"cannot view tensor data: {exc}") from exc
-    tensor = torch.from_numpy(array)
-    return tensor if tensor.dtype == dtype else tensor.view(dtype)
+    return torch.from_numpy(array) if native else torch.from_numpy(array).view(dtype)
 
 
 def _large_file(fd: int, header: SampleHeader, options: LoadOptions, path: str) -> np.ndarray:
@@ -98,25 +112,32 @@ def _empty(nbytes: int, options: LoadOptions) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
 
-def _read_file(fd: int, path: str, options: LoadOptions) -> tuple[SampleHeader, np.ndarray]:
+def _read_file(
+    fd: int, path: str, options: LoadOptions, file_size: int | None = None
+) -> tuple[SampleHeader, np.ndarray]:
     """The validated header and the bytes of an open file (header bytes included).
 
     Small files take one read for everything: the per-file cost of a sample of a few
     hundred KiB is its system calls and Python calls, not its bytes.
     """
-    file_size = os.fstat(fd).st_size
+    if file_size is None:
+        file_size = os.fstat(fd).st_size
     if file_size >= MMAP_MIN_BYTES:
         header = read_header_fd(fd, path, file_size)
         return header, _large_file(fd, header, options, path)
-    file = _empty(file_size, options)
-    _read_exact(fd, file, 0, path)
-    return _parse(path, file), file
+    file = _empty(file_size, options) if options.pin_memory else np.empty(file_size, np.uint8)
+    view = file.data
+    if file_size and os.preadv(fd, [view], 0) != file_size:  # one call, as a rule
+        _read_exact(fd, file, 0, path)
+    length = header_length(path, view, file_size)
+    return parse_header(path, view[8 : 8 + length].tobytes(), file_size), file
 
 
 def _parse(path: str, file: np.ndarray) -> SampleHeader:
     """The validated header of a whole file held in ``file``."""
-    length = header_length(path, file[:8].tobytes(), len(file))
-    return parse_header(path, file[8 : 8 + length].tobytes(), len(file))
+    view = file.data
+    length = header_length(path, view, len(view))
+    return parse_header(path, view[8 : 8 + length].tobytes(), len(view))
 
 
 def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None) -> Sample:
@@ -134,35 +155,67 @@ def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None)
     return _sample(_parse(path, file), file, path, options)
 
 
-def load_fd(fd: int, path: str, options: LoadOptions | None = None) -> Sample:
-    """Load a sample from an open file descriptor (see ``load_sample``)."""
+def load_fd(
+    fd: int, path: str, options: LoadOptions | None = None, file_size: int | None = None
+) -> Sample:
+    """Load a sample from an open file descriptor (see ``load_sample``).
+
+    Args:
+        fd: The open sample file.
+        path: Its path, for errors and ``Sample.path``.
+        options: As for ``load_sample``.
+        file_size: Its size, when the caller has just taken it (``os.fstat``).
+    """
     options = options or LoadOptions()
-    header, file = _read_file(fd, path, options)
+    header, file = _read_file(fd, path, options, file_size)
+    return _sample(header, file, path, options)
+
+
+def load_published(
+    fd: int, path: str, options: LoadOptions, file_size: int | None = None
+) -> Sample | None:
+    """``load_fd``, for a file of this project's writers only (None for any other).
+
+    Files of our writers record ``format_version`` and are published by rename
+    (``format/publish.py``). Raises as ``load_fd`` does.
+    """
+    header, file = _read_file(fd, path, options, file_size)
+    if Meta.FORMAT not in header.metadata:
+        return None
     return _sample(header, file, path, options)
 
 
 def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOptions) -> Sample:
     """The sample made of a validated header and the file's bytes."""
     start = header.data_start
-    data = file[start:].data
+    tensors = header.tensors
     # The one content rule (CRC, layer selection, fp8 target dtype, mask bytes): the
     # listing commands apply the same function to the file, so they count what loads.
-    check_content(header, options, lambda begin, end: data[begin:end])
-    token_ids = _view(file, start, header.tokens, path)
-    if token_ids.dtype != torch.int64:
+    positions = check_content(
+        header, options, lambda begin, end: file[start + begin : start + end].data
+    )
+    token_ids = _view(file, start, tensors[TOKEN_IDS], path)
+    if token_ids.dtype is not torch.int64:
         token_ids = token_ids.to(torch.int64)
-    hidden = _view(file, start, header.hidden, path)
-    scales_info = header.tensors.get(fp8.SCALES)
+    hidden = _view(file, start, tensors[HIDDEN_STATES], path)
+    if (
+        len(tensors) == 2
+        and positions is None
+        and options.device is None
+        and (options.dtype is None or hidden.dtype is options.dtype)
+    ):
+        # The plain sample (no scales, no mask, as stored): what follows changes nothing.
+        return Sample(token_ids, hidden, path, header.metadata, header.layer_ids)
+    scales_info = tensors.get(fp8.SCALES)
     scales = None if scales_info is None else _view(file, start, scales_info, path)
     layer_ids = header.layer_ids
-    positions = layer_positions(header, options)
     if positions is not None:
         hidden = hidden[:, positions]
         if scales is not None and scales.shape[1] != 1:  # per-layer scales follow their rows
             scales = scales[:, positions]
         if layer_ids is not None:
             layer_ids = [layer_ids[p] for p in positions]
-    mask_info = header.loss_mask
+    mask_info = tensors.get(LOSS_MASK)
     loss_mask = None
     if mask_info is not None:  # a bool view of the stored bytes; layer/dtype options do not apply
         raw = file[start + mask_info.begin : start + mask_info.end]

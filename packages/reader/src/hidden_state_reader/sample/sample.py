@@ -37,8 +37,8 @@ class Sample:
     hidden_states_scales: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        yield self.token_ids
-        yield self.hidden_states
+        # A tuple's iterator, not a generator: unpacking runs once per sample.
+        return iter((self.token_ids, self.hidden_states))
 
     def __len__(self) -> int:
         return 2
@@ -54,11 +54,12 @@ class Sample:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data held by this sample."""
-        tensors = [self.token_ids, self.hidden_states]
-        for extra in (self.loss_mask, self.hidden_states_scales):
-            if extra is not None:
-                tensors.append(extra)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        n = self.token_ids.nbytes + self.hidden_states.nbytes
+        if self.loss_mask is not None:
+            n += self.loss_mask.nbytes
+        if self.hidden_states_scales is not None:
+            n += self.hidden_states_scales.nbytes
+        return n
 
     def __repr__(self) -> str:
         mask = "" if self.loss_mask is None else f", loss_mask={int(self.loss_mask.sum())} trained"
