@@ -197,6 +197,23 @@ def test_store_engine_ratio_pairs_each_files_round_with_its_store_round() -> Non
     assert "0.800\u00d7" in engine_finding(res) and "4.0 ms" in engine_finding(res)
 
 
+def test_the_raw_loop_hands_its_consumer_what_the_reader_hands_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Section 3 compares reading: both loops' consumers touch the same bytes in the same
+    # pieces (token ids, then hidden states, per file), whatever the files' lengths.
+    from benchmarks import reader
+
+    touched: list[int] = []
+    touch = reader.touch
+    monkeypatch.setattr(reader, "touch", lambda t: touched.append(t.nbytes) or touch(t))
+    nbytes = reader.make_dataset(tmp_path, [16, 300, 16], 4, 256)
+    assert reader.pass_raw(tmp_path) == 3
+    raw, touched[:] = list(touched), []
+    assert reader.pass_reader(tmp_path) == 3
+    assert raw == touched and sum(raw) == nbytes and len(raw) == 6
+
+
 def test_consume_quick_section_measures_every_kind_it_can(tmp_path: Path) -> None:
     # Not a vLLM test: the consume section alone, in quick mode (seconds).
     out = tmp_path / "out"
