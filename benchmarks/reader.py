@@ -149,8 +149,9 @@ def mapped_files(root: Path) -> int:
     return n
 
 
-def _raw_read(path: Path) -> Any:
-    """The whole file in a fresh ``uint8`` tensor: ``open``/``fstat``/``preadv``/``close``."""
+def _raw_read(path: Path) -> tuple[Any, memoryview]:
+    """The whole file in a fresh ``uint8`` tensor (and a byte view of it): ``open``/``fstat``/
+    ``preadv``/``close``."""
     import torch
 
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -163,7 +164,7 @@ def _raw_read(path: Path) -> Any:
             done += os.preadv(fd, [view[done:]], done)
     finally:
         os.close(fd)
-    return buf
+    return buf, view
 
 
 def _row_bytes(root: Path) -> int:
@@ -179,8 +180,8 @@ def pass_raw(root: Path) -> int:
     row = _row_bytes(root)  # once per pass: the dataset's shape, as a raw loop would know it
     n = 0
     for name in _names(root):
-        buf = _raw_read(root / name)
-        start = 8 + int.from_bytes(buf[:8].numpy().tobytes(), "little")  # the length prefix
+        buf, view = _raw_read(root / name)
+        start = 8 + int.from_bytes(view[:8], "little")  # the header's length prefix
         split = start + 8 * ((buf.numel() - start) // row)
         touch(buf[start:split])
         touch(buf[split:])
@@ -192,7 +193,7 @@ def pass_raw_whole(root: Path) -> int:
     """The raw loop, its consumer touching the whole buffer (header too) in one call."""
     n = 0
     for name in _names(root):
-        touch(_raw_read(root / name))
+        touch(_raw_read(root / name)[0])
         n += 1
     return n
 
