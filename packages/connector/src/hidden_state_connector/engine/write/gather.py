@@ -156,8 +156,13 @@ class Extractor:
         wanted = block_ids[chunk.first : chunk.first + chunk.count]
         host = self._host_view(slab, chunk.count)
         if self._cpu_view is not None:
+            # One strided copy per block: the cache view is permuted (vLLM's layouts keep
+            # layers outside tokens), and np.take over such a view copies element by
+            # element (measured 0.4-0.6 GB/s with numpy 2.3, against 11 GB/s this way).
             out = host.view(self._raw_dtype).numpy()
-            np.take(self._cpu_view, np.asarray(wanted, dtype=np.int64), axis=0, out=out)
+            cache = self._cpu_view
+            for i, block in enumerate(wanted):
+                np.copyto(out[i], cache[block])
             return
         ids = torch.tensor(wanted, dtype=torch.long)
         stream = self._cuda_stream()
