@@ -53,6 +53,19 @@ def good_bytes() -> bytes:
         return Path(path).read_bytes()
 
 
+def foreign_good_bytes() -> bytes:
+    """A complete sample as vLLM's example connector writes it: ``safetensors``'
+    ``save_file``, no ``format_version``. Readers always go through its lock (a file of
+    ours, published by rename, they may read without it: docs/format.md)."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "g.safetensors")
+        hidden = torch.randn(TOKENS, LAYERS, HIDDEN).to(torch.bfloat16)
+        save_file({"hidden_states": hidden, "token_ids": torch.arange(TOKENS)}, path)
+        return Path(path).read_bytes()
+
+
 def _mutated(change: Callable[[dict[str, Any]], object], data_len: int | None = None) -> bytes:
     header, size = valid_header()
     change(header)

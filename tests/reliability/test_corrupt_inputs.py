@@ -47,7 +47,7 @@ from hidden_state_reader import (
 from hidden_state_reader.cli.main import main as cli_main
 from hidden_state_reader.format.header import parse_header
 
-from bad_files import CASES, HIDDEN, LAYERS, TOKENS, good_bytes, spec
+from bad_files import CASES, HIDDEN, LAYERS, TOKENS, foreign_good_bytes, good_bytes, spec
 from tools.relkit import TOOLS, Figures
 
 READ_DIR = [sys.executable, str(TOOLS / "read_dir.py")]
@@ -172,13 +172,15 @@ def _unreadable(root: Path) -> None:
     os.chmod(root / BAD, 0)
 
 
+# The lock cases use another writer's file: one of ours, published by rename, a snapshot
+# reader may read without its lock (test_our_published_file_is_read_whatever_its_lock).
 def _lock_is_fifo(root: Path) -> None:
-    (root / BAD).write_bytes(good_bytes())
+    (root / BAD).write_bytes(foreign_good_bytes())
     os.mkfifo(root / (BAD + ".lock"))
 
 
 def _unreadable_lock(root: Path) -> None:
-    (root / BAD).write_bytes(good_bytes())
+    (root / BAD).write_bytes(foreign_good_bytes())
     (root / (BAD + ".lock")).write_bytes(b"")
     os.chmod(root / (BAD + ".lock"), 0)
 
@@ -307,6 +309,31 @@ def test_entry_that_is_not_a_regular_file_is_skipped_not_fatal(
         assert verified["rc"] == 1, verified["output"]
         problems = json.loads(verified["output"])["problems"]
         assert [p["name"] for p in problems] == [BAD]
+
+
+@pytest.mark.parametrize("case", ["lock-is-fifo", "unreadable-lock"])
+def test_our_published_file_is_read_whatever_its_lock(
+    open_dir: Path, case: str, read_dir: ReadDir
+) -> None:
+    """A small complete file of ours is final once it has its name (docs/format.md, "Files
+    published by rename"): a snapshot reader yields it without opening its lock, so a lock
+    that is a FIFO or unreadable loses no sample. Followers and ``verify`` keep to the
+    lock, which the cases above check."""
+    as_nobody = FS_CASES[case][1]
+    if as_nobody and os.geteuid() != 0:
+        pytest.skip("needs root to drop to uid 65534 (as root, file modes do not stop reads)")
+    (open_dir / BAD).write_bytes(good_bytes())
+    if case == "lock-is-fifo":
+        os.mkfifo(open_dir / (BAD + ".lock"))
+    else:
+        (open_dir / (BAD + ".lock")).write_bytes(b"")
+        os.chmod(open_dir / (BAD + ".lock"), 0)
+    nobody = ["--as-nobody"] if as_nobody else []
+    report = read_dir.finish(read_dir.start(open_dir, *nobody), time.monotonic() + HANG_LIMIT)
+    assert report is not None, f"the reader hung (killed after {HANG_LIMIT:g} s)"
+    assert report["error"] is None, report["error"]
+    assert report["yielded"] == [BAD]
+    assert report["stats"]["skipped"] == 0 and report["warnings"] == []
 
 
 # -- files vanishing between listing and reading ---------------------------------------
