@@ -7,6 +7,9 @@ stream ``SampleFileWriter`` files and publish them. A driver thread plays the en
 submits ``SaveJob``s (each with a held ``WriterLock``) and calls ``pump()`` every
 millisecond until every job is published.
 
+Before every timed trial an untimed write of the same size is unlinked (``_prime``): the
+page allocator is warm for every writer, as on a server that writes all the time.
+
 Baselines, interleaved with the pipeline trial by trial:
 
 * ``raw``: one file, ``os.write`` of 16 MiB random blocks, then ``fdatasync``.
@@ -30,8 +33,8 @@ import contextlib
 import os
 import threading
 import time
-import zlib
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,29 +57,36 @@ RAW_BLOCK = 16 * 2**20
 
 
 class _Timers:
-    """Thread-safe accumulating timers (seconds per category)."""
+    """Thread-safe accumulating timers: wall seconds and the thread's CPU seconds per stage."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
 
-    def add(self, key: str, secs: float) -> None:
+    def add(self, key: str, wall: float, cpu: float) -> None:
         with self._lock:
-            self.seconds[key] += secs
+            self.seconds[key] += wall
+            self.cpu_seconds[key] += cpu
+
+    @contextlib.contextmanager
+    def timing(self, key: str) -> Iterator[None]:
+        t, c = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - t, time.thread_time() - c)
 
     def wrap(self, key: str, fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
+            with self.timing(key):
                 return fn(*args, **kwargs)
-            finally:
-                self.add(key, time.perf_counter() - t)
 
         return wrapped
 
 
 class _CrcTimer:
-    """Stands in for ``zlib`` in the writer's module: times each ``crc32`` per thread."""
+    """Stands in for ``crc32`` in ``format.publish``: times each call, per thread."""
 
     STAGE = "CRC32 of the written bytes (writer threads)"
 
@@ -84,17 +94,21 @@ class _CrcTimer:
         self._timers = timers
         self._local = threading.local()
 
-    def thread_seconds(self) -> float:
-        return float(getattr(self._local, "seconds", 0.0))
+    def spent(self) -> tuple[float, float]:
+        """Wall and CPU seconds this thread has spent in ``crc32`` so far."""
+        return getattr(self._local, "spent", (0.0, 0.0))
 
     def crc32(self, data: Any, value: int = 0) -> int:
-        t = time.perf_counter()
+        from hidden_state_reader.format.crc import crc32
+
+        t, c = time.perf_counter(), time.thread_time()
         try:
-            return zlib.crc32(data, value)
+            return crc32(data, value)
         finally:
-            spent = time.perf_counter() - t
-            self._local.seconds = self.thread_seconds() + spent
-            self._timers.add(self.STAGE, spent)
+            wall, cpu = time.perf_counter() - t, time.thread_time() - c
+            before = self.spent()
+            self._local.spent = (before[0] + wall, before[1] + cpu)
+            self._timers.add(self.STAGE, wall, cpu)
 
 
 class Variant:
@@ -138,7 +152,7 @@ class Variant:
 
         pipeline, extractor = self.pipeline, self.extractor
         jobs = []
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for i, (tokens, blocks) in enumerate(requests):
             path = str(directory / f"req-{i}.safetensors")
             token_ids = torch.arange(tokens, dtype=torch.int64) % 250
@@ -167,7 +181,7 @@ class Variant:
             pending = [j for j in pending if not j.finished.is_set()]
             if pending:
                 time.sleep(0.001)  # the engine steps about this often, at most
-        t_published = time.perf_counter()
+        t_published, cpu = time.perf_counter(), time.process_time() - cpu0
         failed = [j.failure for j in jobs if not j.published]
         if failed:
             raise RuntimeError(f"{self.name}: {len(failed)} samples failed: {failed[:2]}")
@@ -186,6 +200,9 @@ class Variant:
             "files": len(jobs),
             "published_s": t_published - t0,
             "durable_s": t_durable - t0,
+            # Every thread of this process (the driver's gather and the writer threads):
+            # what the pipeline costs the machine's cores until the last file is published.
+            "cpu_s": cpu,
         }
 
     def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
@@ -199,36 +216,38 @@ class Variant:
 
         class TimedWriter(real_writer):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
-                t = time.perf_counter()
-                super().__init__(*args, **kwargs)
-                timers.add("create file, header, token ids", time.perf_counter() - t)
+                with timers.timing("create file, header, token ids"):
+                    super().__init__(*args, **kwargs)
 
             def write_hidden(self, chunk: Any) -> None:
-                t, crc_before = time.perf_counter(), crc.thread_seconds()
+                t, c, crc_before = time.perf_counter(), time.thread_time(), crc.spent()
                 super().write_hidden(chunk)
-                spent = time.perf_counter() - t - (crc.thread_seconds() - crc_before)
-                timers.add("write hidden states (os.write)", spent)
+                crc_after = crc.spent()
+                timers.add(
+                    "write hidden states (os.write)",
+                    time.perf_counter() - t - (crc_after[0] - crc_before[0]),
+                    time.thread_time() - c - (crc_after[1] - crc_before[1]),
+                )
 
             def publish(self) -> str:
-                t = time.perf_counter()
-                try:
+                with timers.timing("publish (rename, unlock, fsync if on)"):
                     return str(super().publish())
-                finally:
-                    timers.add("publish (rename, unlock, fsync if on)", time.perf_counter() - t)
 
         ex = self.extractor
         saved = (ex.copy, ex.chunk_nonfinite)
         ex.copy = timers.wrap("gather out of the cache (engine thread)", ex.copy)  # type: ignore[method-assign]
         ex.chunk_nonfinite = timers.wrap("NaN/inf check (writer threads)", ex.chunk_nonfinite)  # type: ignore[method-assign]
         writer_module.SampleFileWriter = TimedWriter  # type: ignore[misc]
-        publish_module.zlib = crc  # type: ignore[assignment]
+        real_crc32 = publish_module.crc32
+        publish_module.crc32 = crc.crc32
         try:
             res = self.trial(directory, requests)
         finally:
             writer_module.SampleFileWriter = real_writer  # type: ignore[misc]
-            publish_module.zlib = zlib  # type: ignore[assignment]
+            publish_module.crc32 = real_crc32
             ex.copy, ex.chunk_nonfinite = saved  # type: ignore[method-assign]
         res["thread_seconds"] = dict(timers.seconds)
+        res["cpu_seconds"] = dict(timers.cpu_seconds)
         return res
 
     def close(self) -> None:
@@ -237,23 +256,28 @@ class Variant:
 
 def raw_trial(directory: Path, total: int, buf: memoryview) -> dict[str, Any]:
     path = directory / "raw.bin"
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = total
         while left:
             n = os.write(fd, buf[: min(len(buf), left)])
             left -= n
-        t_written = time.perf_counter()
+        t_written, cpu = time.perf_counter(), time.process_time() - cpu0
         os.fdatasync(fd)
     finally:
         os.close(fd)
     t_durable = time.perf_counter()
-    return {"bytes": total, "published_s": t_written - t0, "durable_s": t_durable - t0}
+    return {
+        "bytes": total,
+        "published_s": t_written - t0,
+        "durable_s": t_durable - t0,
+        "cpu_s": cpu,
+    }
 
 
 def raw_files_trial(directory: Path, sizes: list[int], buf: memoryview) -> dict[str, Any]:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     paths = []
     for i, size in enumerate(sizes):
         path = directory / f"raw-{i}.bin"
@@ -265,7 +289,7 @@ def raw_files_trial(directory: Path, sizes: list[int], buf: memoryview) -> dict[
         finally:
             os.close(fd)
         paths.append(path)
-    t_written = time.perf_counter()
+    t_written, cpu = time.perf_counter(), time.process_time() - cpu0
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -273,7 +297,33 @@ def raw_files_trial(directory: Path, sizes: list[int], buf: memoryview) -> dict[
         finally:
             os.close(fd)
     t_durable = time.perf_counter()
-    return {"bytes": sum(sizes), "published_s": t_written - t0, "durable_s": t_durable - t0}
+    return {
+        "bytes": sum(sizes),
+        "published_s": t_written - t0,
+        "durable_s": t_durable - t0,
+        "cpu_s": cpu,
+    }
+
+
+def _prime(directory: Path, total: int, buf: memoryview) -> None:
+    """Write ``total`` bytes to a file and unlink it, untimed, just before a trial.
+
+    On a VM that hands free memory back to its host (free page reporting: this benchmark
+    machine), page-cache pages freed a few seconds earlier come back at about ten times
+    the CPU cost (measured: 2.4-3.4 CPU-s per GiB written after 15-30 s idle, 0.21 right
+    after another write); whichever writer ran first after a pause paid it. Pages freed
+    by the unlink (dirty, never written back) are what the trial allocates next, so every
+    writer starts on the same, warm, page allocator, as a server writing all the time does.
+    """
+    path = directory / "prime.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = total
+        while left:
+            left -= os.write(fd, buf[: min(len(buf), left)])
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def _settle(directory: Path) -> None:
@@ -327,6 +377,7 @@ def _trials(
     log(f"write: {n_requests} files of {sizes[0] / 2**20:.1f} MiB, {total / 1e9:.2f} GB/trial")
     for t in range(trials):
         for name in rotate(names, t):
+            _prime(work, total, buf)
             if name == "raw":
                 res = raw_trial(work, total, buf)
             elif name == "raw, same files":
@@ -340,6 +391,7 @@ def _trials(
                 f"{res['bytes'] / res['durable_s'] / 1e9:6.2f} GB/s durable, "
                 f"{res['bytes'] / res['published_s'] / 1e9:6.2f} GB/s page cache"
             )
+    _prime(work, total, buf)
     profile = variants["connector"].profile(work, requests)
     _settle(work)
     del probe
@@ -384,7 +436,11 @@ def run(ctx: Context) -> dict[str, Any]:
             variant.close()
         with contextlib.suppress(OSError):
             remove_tree_contents(work)
-    return _summarise(per, profile, variant_settings, sizes, trials, layout, tokens)
+    from hidden_state_reader.format.crc import chosen
+
+    res = _summarise(per, profile, variant_settings, sizes, trials, layout, tokens)
+    res["crc_implementation"] = chosen()[0]
+    return res
 
 
 def _ratios(per: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
@@ -438,6 +494,7 @@ def _summarise(
         summary[name] = {
             "durable_gb_s": spread([r["bytes"] / r["durable_s"] / 1e9 for r in rows]),
             "page_cache_gb_s": spread([r["bytes"] / r["published_s"] / 1e9 for r in rows]),
+            "cpu_s_per_gb": spread([r["cpu_s"] / (r["bytes"] / 1e9) for r in rows]),
         }
 
     ratios = _ratios(per)
@@ -493,6 +550,20 @@ def findings(res: dict[str, Any]) -> list[str]:
             f"({top / (res['profile']['bytes'] / 1e9):.1f} thread-s per GB)."
         )
     out = [text]
+    cpu = {name: row["cpu_s_per_gb"]["median"] for name, row in summary.items()}
+    raw_name = min(("raw", "raw, same files"), key=lambda n: cpu[n])
+    raw_spread = summary[raw_name]["cpu_s_per_gb"]
+    cores = os.cpu_count() or 1
+    out.append(
+        f"CPU per GB until in the page cache: connector {cpu['connector']:.2f} s (gather "
+        f"out of the cache, NaN/inf check, CRC-32, write: the bytes are copied twice and "
+        f"read twice more), raw write {cpu[raw_name]:.2f} s (one copy; "
+        f"{raw_spread['min']:.2f}\u2013{raw_spread['max']:.2f} s over its trials, for the "
+        f"same work: how much the kernel's page allocation varies here). With {cores} "
+        f"cores that bounds the connector at about {cores / cpu['connector']:.1f} GB/s into "
+        "the page cache however its threads overlap; the device's writeback shares those "
+        "cores."
+    )
     off = ratios.get("connector, check_nonfinite off / best raw")
     if off:
         nan_secs = secs.get("NaN/inf check (writer threads)", 0.0)
@@ -512,7 +583,8 @@ def findings(res: dict[str, Any]) -> list[str]:
         crc_secs = secs.get(_CrcTimer.STAGE, 0.0)
         share = f", {crc_secs / total:.0%} of the pipeline's thread time" if total > 0 else ""
         out.append(
-            "The CRC32 (`checksum`, on by default; `zlib.crc32` over each chunk in the writer "
+            "The CRC32 (`checksum`, on by default; `format.crc.crc32`, here "
+            f"{res.get('crc_implementation', 'zlib')}'s, over each chunk in the writer "
             "thread that writes it, the GIL released): "
             f"{crc_secs / (res['profile']['bytes'] / 1e9):.2f} thread-s per GB in the "
             f"profile{share}. Durable, against the faster raw write: with it on "
@@ -544,6 +616,7 @@ def _rate_table(res: dict[str, Any]) -> str:
                 best.get("durable"),
                 ratio.get("page_cache", 1.0 if name == "raw" else None),
                 best.get("page_cache"),
+                s["cpu_s_per_gb"]["median"],
             ]
         )
     return table(
@@ -555,6 +628,7 @@ def _rate_table(res: dict[str, Any]) -> str:
             "vs faster raw, durable",
             "vs raw, cache",
             "vs faster raw, cache",
+            "CPU-s per GB",
         ],
         rows,
     )
@@ -563,23 +637,28 @@ def _rate_table(res: dict[str, Any]) -> str:
 def _profile_note(prof: dict[str, Any]) -> list[str]:
     """The "where the time goes" table of the instrumented trial (none without a profile)."""
     secs = prof.get("thread_seconds", {})
+    cpu = prof.get("cpu_seconds", {})
     wall = prof["published_s"]
     if not secs:
         return []
+    gb = prof["bytes"] / 1e9
+    rows = [
+        [k, v, cpu.get(k), cpu[k] / gb if k in cpu else None]
+        for k, v in sorted(secs.items(), key=lambda kv: -kv[1])
+    ]
+    if cpu and "cpu_s" in prof:
+        rest = prof["cpu_s"] - sum(cpu.values())
+        rows.append(["everything else (driver loop, queues, Python)", None, rest, rest / gb])
     return [
         "",
         f"Where the time goes (one instrumented trial of the default connector: "
-        f"{prof['bytes'] / 1e9:.2f} GB published in {wall:.2f} s, "
-        f"{prof['bytes'] / wall / 1e9:.2f} GB/s; seconds summed over threads, so "
-        "columns can exceed the wall time when threads overlap):",
+        f"{gb:.2f} GB published in {wall:.2f} s, {gb / wall:.2f} GB/s). Thread-seconds: "
+        "wall time in each stage summed over threads (more than the wall time when "
+        "threads overlap; with more threads than cores it includes waiting for a core). "
+        "CPU-seconds: the threads' own CPU time in the stage (the process's total minus "
+        "the stages in the last row):",
         "",
-        table(
-            ["stage", "thread-seconds", "per GB"],
-            [
-                [k, v, v / (prof["bytes"] / 1e9)]
-                for k, v in sorted(secs.items(), key=lambda kv: -kv[1])
-            ],
-        ),
+        table(["stage", "thread-seconds", "CPU-seconds", "CPU-s per GB"], rows),
     ]
 
 
@@ -593,14 +672,21 @@ def render(res: dict[str, Any]) -> str:
         f"{setup['cache_layout']} cache by `Extractor` and written by `WritePipeline` "
         "(connector defaults: 8 writer threads, 16 MiB chunks; host buffers "
         f"{setup['variants']['connector']['host_buffer_bytes'] / 2**30:g} GiB, touched "
-        f"before timing). {setup['trials']} trials per row, interleaved; medians (min\u2013max).",
+        f"before timing). {setup['trials']} trials per row, interleaved; medians (min\u2013max). "
+        "Before each trial the same number of bytes is written to a file that is then "
+        "unlinked, untimed: on this VM page-cache pages freed seconds earlier go back to "
+        "the host and cost about ten times the CPU to allocate again (2.4\u20133.4 against "
+        "0.21 CPU-s per GiB), which otherwise fell on whichever writer came first.",
         "",
     ]
     out.append(_rate_table(res))
     out += [
         "",
         '"vs faster raw": against the faster of the two raw baselines in the same trial '
-        "(the goal's measure). Ratios are medians of per-trial ratios.",
+        '(the goal\'s measure). Ratios are medians of per-trial ratios. "CPU-s per GB": '
+        "CPU time of the whole benchmark process (every thread: the connector's gather on "
+        "the driver thread and its writer threads) until the last byte was in the page "
+        "cache, per GB written; the kernel's writeback threads are not in it, for any row.",
     ]
     out += _profile_note(res["profile"])
     return "\n".join(out)

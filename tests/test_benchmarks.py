@@ -64,6 +64,14 @@ def run_bench(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess[
     )
 
 
+WRITE_STAGES = (
+    "write hidden states (os.write)",
+    "gather out of the cache (engine thread)",
+    "NaN/inf check (writer threads)",
+    "CRC32 of the written bytes (writer threads)",
+)
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     base = tmp_path_factory.mktemp("bench")
@@ -116,6 +124,9 @@ def test_json_has_raw_numbers_and_goals(quick_run) -> None:
     assert server["ratios"]["ours/null"]["published"] > 0
     assert doc["benchmarks"]["latency"]["results"]["reader"]["samples"] > 0
     assert doc["benchmarks"]["scale"]["runs"]["as shipped"]["yielded"] > 0
+    # The write profile's hooks reach the writer's code (each stage was timed).
+    stages = doc["benchmarks"]["write"]["profile"]["thread_seconds"]
+    assert all(stages.get(s, 0) > 0 for s in WRITE_STAGES), stages
 
 
 @pytest.mark.vllm
