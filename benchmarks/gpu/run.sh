@@ -140,5 +140,13 @@ case "$plan" in
       --kinds ours,null,none --timeout 150 --json "$OUT/t.json" 2>>"$OUT/v24f.log" | tail -5
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
+  v24g)  # the fp8 sustained rows again, in reverse order: device="cuda", none, CPU kernel
+    S="python3 benchmarks/gpu/sustain.py --jsonl $OUT/results.jsonl"
+    timeout 150 $S --kind ours --batches 4 --connector '{"storage_dtype": "fp8_e4m3"}' \
+      --reader-device cuda 2>>"$OUT/v24g.log" | tail -1
+    timeout 110 $S --kind none --batches 4 2>>"$OUT/v24g.log" | tail -1
+    timeout 150 $S --kind ours --batches 6 --connector '{"storage_dtype": "fp8_e4m3"}' \
+      2>>"$OUT/v24g.log" | tail -1
+    ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

@@ -18,7 +18,8 @@ the files waiting in the directory (the backlog).
 One JSON line per run (``kind: "sustain"``) goes to stdout after ``RESULT `` and is appended
 to ``--jsonl``: tok/s per batch (median), produced / consumed samples and bytes, exactly
 once checked across readers, the largest backlog, yield latency (file mtime -> yield)
-p50 / p99, and how long the readers needed after the last batch.
+p50 / p99, how long the readers needed after the last batch, and ``tok_s_none``: the
+tok/s of the no-extraction run nearest in the file (filled in when that run is written).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import engine_kwargs, log, make_8b_model, pct, random_prompts
+from summary import pair_with_none
 
 STOP_FILE = "STOP"  # written next to the output directory when the readers may stop
 
@@ -197,8 +199,7 @@ def sustain(args: argparse.Namespace) -> dict[str, Any]:
     consumed = [r[0] for r in got]
     latency = [1000 * (r[1] - r[2]) for r in got if r[2] == r[2]]
     per_reader = [
-        len(json.loads((work / f"reader{i}.json").read_text())["rows"])
-        for i in range(len(readers))
+        len(json.loads((work / f"reader{i}.json").read_text())["rows"]) for i in range(len(readers))
     ]
     conn = json.loads(args.connector)
     from hidden_state_reader.format.fp8_cpu import kernel  # the readers' install too
@@ -287,8 +288,12 @@ def main() -> int:
     line = json.dumps(row)
     print("RESULT " + line, flush=True)
     if args.jsonl:
-        with open(args.jsonl, "a") as f:
-            f.write(line + "\n")
+        # Append, then give every run in the file its no-extraction figure (tok_s_none)
+        # from the nearest no-extraction run: one that ran later fills earlier rows.
+        path = Path(args.jsonl)
+        lines = path.read_text().splitlines() if path.exists() else []
+        rows = [json.loads(text) for text in lines if text.strip()] + [row]
+        path.write_text("".join(json.dumps(r) + "\n" for r in pair_with_none(rows)))
     return 0
 
 
