@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,8 @@ def _interleaved(work: Path, big: Any, reps: int) -> dict[str, list[float]]:
 
 
 def _kernels(big: Any, reps: int) -> dict[str, Any]:
-    """GB/s (bf16 bytes) of each CPU dequantization on its own, into one reused output.
+    """GB/s (of output: bf16 or fp16 bytes) of each CPU dequantization on its own, into one
+    reused output per dtype (bf16 models, and fp16 ones: most quantized models in vLLM).
 
     Interleaved, median of ``reps`` rounds; also the kernel ``dequantize`` picks here.
     """
@@ -126,15 +128,23 @@ def _kernels(big: Any, reps: int) -> dict[str, Any]:
     from hidden_state_reader.format.fp8 import quantize
 
     q, scales = quantize(big)
-    out = torch.empty(big.shape, dtype=torch.bfloat16)
-    impls = {"torch passes": fp8_cpu.torch_passes_into}
+    outs = {
+        name: torch.empty(big.shape, dtype=dtype)
+        for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))
+    }
+    impls: dict[str, Callable[..., Any]] = {"torch passes": fp8_cpu.torch_passes_into}
     if fp8_cpu.kernel() != "torch passes":
         impls["native, scalar"] = lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=False)
         if "VBMI" in fp8_cpu.kernel():
             impls["native, AVX-512 VBMI"] = fp8_cpu.native_into
-    times: dict[str, list[float]] = {name: [] for name in impls}
+    runs = [
+        (f"{impl} \u2192 {dtype}", impls[impl], out)
+        for impl in impls
+        for dtype, out in outs.items()
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for _ in range(reps):
-        for name, fn in impls.items():
+        for name, fn, out in runs:
             start = time.perf_counter()
             fn(q, scales, out)
             times[name].append(time.perf_counter() - start)
@@ -303,4 +313,4 @@ def _kernel_finding(kernels: dict[str, Any] | None) -> str:
     if not kernels:
         return ""
     parts = ", ".join(f"{name} {v:.1f}" for name, v in kernels["gbps"].items())
-    return f"; dequantization alone (GB/s of bf16): {parts} (reads use {kernels['default']})"
+    return f"; dequantization alone (GB/s of output): {parts} (reads use {kernels['default']})"

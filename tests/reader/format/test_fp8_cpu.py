@@ -1,7 +1,7 @@
 """CPU fp8 dequantization: every implementation bit for bit equal to torch's definition.
 
 The implementations (``format.fp8_cpu``): the native kernel's vector lookup (AVX-512 VBMI,
-where the CPU has it), its scalar lookup, and the torch passes (float16 results, or where
+where the CPU has it), its scalar lookup, and the torch passes (float64 results, or where
 the extension is not built); ``dequantize`` picks one. Each is checked against
 ``reference`` (``fp8.float() * scales`` then one rounding) over all 256 codes under scales
 from tiny to huge, infinite and NaN, for both scale layouts ([T, 1, 1] and [T, L, 1]).
@@ -33,7 +33,7 @@ IMPLS: dict[str, Impl] = {
     "native, scalar": lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=False),
     "torch passes": fp8_cpu.torch_passes_into,
 }
-NATIVE_DTYPES = (torch.bfloat16, torch.float32)
+NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def every_code_under_every_scale(hidden: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +51,7 @@ def assert_bit_exact(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])  # signed zeros too
 
 
-# The native kernel makes bfloat16 and float32 only (float16 takes the torch passes).
+# The native kernel makes bfloat16, float16 and float32 (other dtypes take the torch passes).
 CASES = [
     (impl, dtype)
     for impl in IMPLS
@@ -103,5 +103,6 @@ def test_this_environment_builds_the_native_kernel() -> None:
     Without a compiler the package installs without it and ``kernel()`` says "torch
     passes" (the other tests above still check that path).
     """
-    assert fp8_cpu.kernel("torch.bfloat16").startswith("native")
-    assert fp8_cpu.kernel("torch.float16") == "torch passes"
+    for dtype in NATIVE_DTYPES:
+        assert fp8_cpu.kernel(str(dtype)).startswith("native"), dtype
+    assert fp8_cpu.kernel("torch.float64") == "torch passes"

@@ -6,10 +6,11 @@ Two implementations, bit for bit the same as the definition (``reference``: torc
 * the native kernel (``_fp8_native``, a C extension built with the package where a C
   compiler exists): each row of ``hidden`` codes shares a scale, so it computes the 256
   possible results once per scale and then only looks codes up, 64 at a time with AVX-512
-  VBMI, one at a time elsewhere; the GIL is released meanwhile. bfloat16 and float32
-  results. Measured on the benchmark machine (one core, 8B-shaped rows of 4096): 13 GB/s
-  of bf16 with VBMI, 6 GB/s scalar, against 0.9-1.2 GB/s for the torch passes below;
-* torch passes (float16 results, or where the extension is not built): torch converts
+  VBMI, one at a time elsewhere; the GIL is released meanwhile. bfloat16, float16 (the
+  model dtype of fp16 models, and of most quantized ones in vLLM) and float32 results.
+  Measured on the benchmark machine (one core, 8B-shaped rows of 4096): 13 GB/s of bf16
+  with VBMI (float16 the same), 6 GB/s scalar, against 0.9-1.2 GB/s for the torch passes;
+* torch passes (other result dtypes, or where the extension is not built): torch converts
   float8 on CPUs one element at a time (0.4-0.8 GB/s of bf16 there), so this path is four
   vectorised passes over chunks that stay in cache, by bit manipulation (below).
 
@@ -57,7 +58,7 @@ def reference(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> tor
 def dequantize_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write ``fp8.float() * scales`` rounded to ``out.dtype`` into ``out``, bit-exactly.
 
-    Uses the native kernel where it is built and ``out`` is bfloat16 or float32, else
+    Uses the native kernel where it is built and ``out`` is bfloat16, float16 or float32, else
     torch passes (``kernel()`` says which).
 
     Args:
@@ -88,7 +89,7 @@ def kernel(dtype: str = "torch.bfloat16") -> str:
     return "native, AVX-512 VBMI" if native.VECTOR else "native, scalar"
 
 
-_NATIVE_KINDS = {"torch.bfloat16": 0, "torch.float32": 1}
+_NATIVE_KINDS = {"torch.bfloat16": 0, "torch.float32": 1, "torch.float16": 2}
 
 
 @functools.cache
@@ -104,12 +105,12 @@ def _native() -> Any:
 def native_into(
     fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, vector: bool = True
 ) -> torch.Tensor:
-    """``dequantize_into`` with the native kernel (bfloat16 or float32 ``out``).
+    """``dequantize_into`` with the native kernel (bfloat16, float16 or float32 ``out``).
 
     Args:
         fp8: As for ``dequantize_into``; a strided view is copied to contiguous codes.
         scales: As for ``dequantize_into``.
-        out: A contiguous bfloat16 or float32 tensor of ``fp8``'s shape.
+        out: A contiguous bfloat16, float16 or float32 tensor of ``fp8``'s shape.
         vector: False forces the scalar lookup (tests use it to check both paths).
 
     Raises:
