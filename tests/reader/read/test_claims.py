@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -208,3 +209,54 @@ def test_a_slow_member_shares_its_backlog_with_a_fast_one(hs_dir: Path) -> None:
     _exactly_once([slow, fast], 200)
     assert slow[0], "the slow member still took a share"
     assert len(fast[0]) > len(slow[0]), (len(fast[0]), len(slow[0]))
+
+
+@pytest.mark.parametrize("folder", ["group", "all claims"])
+def test_a_group_reset_while_following_goes_on_reading(hs_dir: Path, folder: str) -> None:
+    """Deleting a group's claims folder resets it (docs/operations.md), also mid-stream.
+
+    The claim of the next sample was then created in a folder that no longer existed:
+    ``FileNotFoundError`` escaped from iteration. The reader makes the folder again.
+    """
+    from hidden_state_reader import HiddenStateReader
+
+    write_samples(hs_dir, 2)
+    reader = HiddenStateReader(hs_dir, follow=True, claim=True, claim_group="g",
+                               idle_timeout=30, max_samples=2)  # fmt: skip
+    got = []
+    for sample in reader:
+        got.append(Path(sample.path).name)
+        if len(got) == 1:
+            # The fault: the folder is removed by hand while the reader holds a claim.
+            shutil.rmtree(hs_dir / ".claims" / ("g" if folder == "group" else ""))
+    assert sorted(got) == ["hs_0.safetensors", "hs_1.safetensors"]
+    claim = hs_dir / ".claims" / "g" / f"{got[1]}.claim"
+    assert json.loads(claim.read_text())["state"] == "done"
+    assert reader.stats.yielded == 2
+
+
+def test_a_claim_whose_temporary_file_vanished_is_created_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``link`` finds the temporary file gone (removed by another process): try again."""
+    from hidden_state_reader.read.claims import ClaimResult, ClaimStore
+
+    store = ClaimStore(str(tmp_path))
+    real_link = os.link
+    links = []
+
+    def link_after_removal(src: str, dst: str) -> None:
+        links.append(src)
+        if len(links) == 1:
+            os.unlink(src)  # the fault, at the exact moment
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", link_after_removal)
+    claim = store.try_claim("s.safetensors")
+    monkeypatch.setattr(os, "link", real_link)
+    assert len(links) == 2 and links[0] != links[1]
+    assert not isinstance(claim, ClaimResult) and claim.fd is not None
+    assert ClaimStore(str(tmp_path)).try_claim("s.safetensors") is ClaimResult.HELD
+    assert os.listdir(store.directory) == ["s.safetensors.claim"]  # no temporary left
+    claim.done()
+    assert store.is_done("s.safetensors")

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from hidden_state_reader.format.names import temp_path
+from hidden_state_reader.read import claims as claims_module
 from hidden_state_reader.read.membership import Membership
 
 # A member in another process: joins, says so, then waits (until killed or told to leave).
@@ -82,3 +88,47 @@ def test_groups_do_not_see_each_other(tmp_path: Path) -> None:
     a.join()
     b.join()
     assert a.members() == ("r1",) and b.members() == ("r2",)
+
+
+def test_a_joiners_temporary_file_is_no_member_and_never_reaped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member watching the group while another joins leaves the joiner's file alone.
+
+    ``join`` creates its file under a temporary name and locks it before linking it into
+    place; between the two, the temporary file exists unlocked. A member that took it for
+    a member would find it dead, reap it, and the joiner's ``link`` would then fail with
+    ``FileNotFoundError`` (seen once: a claim worker of ``test_many_readers`` crashed).
+    """
+    watcher = Membership(str(tmp_path), "g", "a", refresh=0.0)
+    watcher.join()
+    joiner = Membership(str(tmp_path), "g", "b", refresh=0.0)
+    real_flock = claims_module.fcntl.flock
+    seen: list[tuple[str, ...]] = []
+
+    def flock_after_a_look(fd: int, op: int) -> None:
+        # The fault, at the exact moment: the watcher runs between the joiner's creation
+        # of its temporary file and its lock.
+        seen.append(watcher.members())
+        watcher.watch_neighbour()
+        real_flock(fd, op)
+
+    monkeypatch.setattr(claims_module, "fcntl", SimpleNamespace(
+        flock=flock_after_a_look, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))  # fmt: skip
+    joiner.join()
+    assert seen == [("a",)]  # the temporary file was there, but is no member
+    assert watcher.reaped == 0
+    assert watcher.members() == ("a", "b") and watcher.alive("b")
+
+
+def test_a_temporary_file_left_by_a_killed_joiner_is_no_member(tmp_path: Path) -> None:
+    me = Membership(str(tmp_path), "g", "me", refresh=0.0)
+    me.join()
+    stale = Path(temp_path(os.path.join(me.directory, "other")))
+    stale.write_bytes(b"")  # a joiner killed before it linked its file into place
+    assert me.members() == ("me",)
+    assert me.neighbour() is None
+    # Only names temp_path makes are left out: a host may have ".tmp." in its name.
+    odd_host = Membership(str(tmp_path), "g", "node.tmp.lab:123:0123abcd", refresh=0.0)
+    odd_host.join()
+    assert me.members() == ("me", "node.tmp.lab:123:0123abcd")

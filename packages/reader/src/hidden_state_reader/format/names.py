@@ -77,6 +77,18 @@ def temp_path(final_path: str) -> str:
     return f"{final_path}{TEMP_INFIX}{os.getpid()}.{uuid.uuid4().hex[:12]}"
 
 
+_TEMP_TAIL = re.compile(re.escape(TEMP_INFIX) + r"\d+\.[0-9a-f]{12}$")
+
+
+def is_temp_name(filename: str) -> bool:
+    """Whether ``filename`` is a name ``temp_path`` made (whatever the final name).
+
+    Stricter than ``classify``, for folders whose final names are not samples (a group's
+    member files, named after hosts that may hold ``.tmp.`` themselves).
+    """
+    return _TEMP_TAIL.search(filename) is not None
+
+
 def safe_component(text: str, max_bytes: int = 120) -> str:
     """Turn arbitrary text (a request id) into a safe, bounded file-name component.
 

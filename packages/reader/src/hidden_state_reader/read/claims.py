@@ -39,7 +39,26 @@ def create_locked(path: str, fill: Callable[[int], object]) -> int | None:
     The file is created under a temporary name, locked, filled (``fill(fd)``) and then
     hard-linked into place, so it never appears unlocked or empty; ``link`` fails
     atomically if the name exists, also on NFS. Claims and group member files use it.
+    Either thing that can vanish under it is tried again, up to three times: the folder
+    (a group's claims reset by hand, ``docs/operations.md``: it is made again) and the
+    temporary file (removed by another process before the ``link``: a fresh one).
+
+    Raises:
+        FileNotFoundError: It vanished at every try.
     """
+    tries = 3
+    while True:
+        try:
+            return _link_locked(path, fill)
+        except FileNotFoundError:
+            tries -= 1
+            if not tries:
+                raise
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+
+
+def _link_locked(path: str, fill: Callable[[int], object]) -> int | None:
+    """One try of ``create_locked`` (``FileNotFoundError``: folder or temporary file gone)."""
     tmp = temp_path(path)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:

@@ -11,10 +11,11 @@ manager, after its lease) releases the lock when the reader's process dies, so:
 * a reader that stops following removes its own file (``leave``).
 
 Members see the group by listing the folder (``members``: at most once per ``refresh``
-seconds, one ``getdents`` per reader). Liveness is probed only where it matters: the
-member a reader watches (the next one in name order, ``neighbour``: one probe per
-``refresh``, so every member is watched by one other and a death is noticed within about
-``refresh`` seconds), and the owners a stand-in is about to act for (``read.ownership``).
+seconds, one ``getdents`` per reader; a joiner's temporary file is no member). Liveness
+is probed only where it matters: the member a reader watches (the next one in name
+order, ``neighbour``: one probe per ``refresh``, so every member is watched by one other
+and a death is noticed within about ``refresh`` seconds), and the owners a stand-in is
+about to act for (``read.ownership``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import socket
 import time
 
+from hidden_state_reader.format.names import is_temp_name
 from hidden_state_reader.read.claims import create_locked
 
 MEMBERS_DIR = ".members"
@@ -87,7 +89,14 @@ class Membership:
         if now - self._listed_at >= self.refresh:
             self._listed_at = now
             try:
-                names = [n for n in os.listdir(self.directory) if not n.startswith(".")]
+                # A joiner's temporary file is no member: it exists unlocked until the
+                # joiner locks it, and reaping it as dead would make the joiner's link
+                # fail (``create_locked``).
+                names = [
+                    n
+                    for n in os.listdir(self.directory)
+                    if not n.startswith(".") and not is_temp_name(n)
+                ]
             except FileNotFoundError:
                 names = []
             if self._fd is not None and self.me not in names:
