@@ -12,6 +12,7 @@ The vLLM server ratio (fp8 vs bf16 storage) is not measured here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -133,10 +134,10 @@ def _kernels(big: Any, reps: int) -> dict[str, Any]:
         for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16))
     }
     impls: dict[str, Callable[..., Any]] = {"torch passes": fp8_cpu.torch_passes_into}
-    if fp8_cpu.kernel() != "torch passes":
-        impls["native, scalar"] = lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=False)
-        if "VBMI" in fp8_cpu.kernel():
-            impls["native, AVX-512 VBMI"] = fp8_cpu.native_into
+    for level in fp8_cpu.native_levels():  # each level this CPU runs (LEVELS)
+        impls[f"native, {fp8_cpu.LEVELS[level]}"] = functools.partial(
+            fp8_cpu.native_into, level=level
+        )
     runs = [
         (f"{impl} \u2192 {dtype}", impls[impl], out)
         for impl in impls

@@ -27,10 +27,15 @@ def _public(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch
     return out.copy_(dequantize(fp8, scales, out.dtype))
 
 
+def _native_at(level: int) -> Impl:
+    return lambda f, s, o: fp8_cpu.native_into(f, s, o, level=level)
+
+
+# The native kernel at every level this CPU runs (portable C, AVX2 + F16C tables,
+# AVX-512 tables, the VBMI lookup): each must give the same bits.
 IMPLS: dict[str, Impl] = {
     "dequantize (the default choice)": _public,
-    "native, vector": lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=True),
-    "native, scalar": lambda f, s, o: fp8_cpu.native_into(f, s, o, vector=False),
+    **{f"native, {fp8_cpu.LEVELS[n]}": _native_at(n) for n in fp8_cpu.native_levels()},
     "torch passes": fp8_cpu.torch_passes_into,
 }
 NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,8 +75,8 @@ def test_bit_exact_for_every_code_and_scale(impl: str, dtype: torch.dtype, hidde
         assert_bit_exact(got, want)
 
 
-@pytest.mark.parametrize("vector", [True, False])
-def test_native_reads_strided_codes_and_selected_layers(vector: bool) -> None:
+@pytest.mark.parametrize("level", fp8_cpu.native_levels())
+def test_native_reads_strided_codes_and_selected_layers(level: int) -> None:
     """A strided view of the codes (e.g. every other layer) and its per-layer scales."""
     x = torch.randn(40, 4, 192).bfloat16() * torch.logspace(-3, 3, 4).view(1, 4, 1)
     q, s = quantize(x)
@@ -79,7 +84,7 @@ def test_native_reads_strided_codes_and_selected_layers(vector: bool) -> None:
     assert not picked_q.is_contiguous()
     out = torch.empty(picked_q.shape, dtype=torch.bfloat16)
     want = fp8_cpu.reference(picked_q, picked_s, torch.empty_like(out))
-    assert_bit_exact(fp8_cpu.native_into(picked_q, picked_s, out, vector=vector), want)
+    assert_bit_exact(fp8_cpu.native_into(picked_q, picked_s, out, level=level), want)
 
 
 def test_native_kernel_refuses_mismatched_buffers() -> None:
@@ -88,13 +93,13 @@ def test_native_kernel_refuses_mismatched_buffers() -> None:
     values = torch.zeros(256).numpy()
     out = torch.zeros(4, 64, dtype=torch.int16).numpy()
     with pytest.raises(ValueError, match="scales must hold"):
-        native.dequantize(codes, torch.zeros(3).numpy(), values, out, 64, 1, 0, True)
+        native.dequantize(codes, torch.zeros(3).numpy(), values, out, 64, 1, 0, -1)
     with pytest.raises(ValueError, match="codes must be rows x hidden"):
-        native.dequantize(codes, torch.zeros(4).numpy(), values, out[:3], 64, 1, 0, True)
+        native.dequantize(codes, torch.zeros(4).numpy(), values, out[:3], 64, 1, 0, -1)
     with pytest.raises(ValueError, match="values must hold"):
-        native.dequantize(codes, torch.zeros(4).numpy(), values[:8], out, 64, 1, 0, True)
+        native.dequantize(codes, torch.zeros(4).numpy(), values[:8], out, 64, 1, 0, -1)
     with pytest.raises(ValueError, match="kind must be"):
-        native.dequantize(codes, torch.zeros(4).numpy(), values, out, 64, 1, 7, True)
+        native.dequantize(codes, torch.zeros(4).numpy(), values, out, 64, 1, 7, -1)
 
 
 def test_this_environment_builds_the_native_kernel() -> None:

@@ -26,13 +26,17 @@
 enum { OUT_BF16 = 0, OUT_F32 = 1, OUT_F16 = 2 };
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
-#define HAVE_VBMI_PATH 1
+#define HAVE_X86_PATHS 1
+#include <cpuid.h>
 #include <immintrin.h>
 #else
-#define HAVE_VBMI_PATH 0
+#define HAVE_X86_PATHS 0
 #endif
 
-static int cpu_has_vbmi = 0; /* set once at import */
+/* Set once at import. */
+static int cpu_has_vbmi = 0;      /* the vector lookup */
+static int cpu_has_avx512bw = 0;  /* table building, 16 at a time */
+static int cpu_has_avx2_f16c = 0; /* table building, 8 at a time */
 
 static inline uint16_t bf16_bits(float value) {
     uint32_t u;
@@ -64,49 +68,110 @@ static inline uint16_t f16_bits(float value) {
     return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
 }
 
-/* The 256 results of one scale, as low and high byte planes (the vector path's layout). */
-static void table16(const float *values, float scale, int kind, uint8_t *lo, uint8_t *hi) {
+/* The 256 16-bit results of one scale, one at a time (any CPU). */
+static void table16(const float *values, float scale, int kind, uint16_t *bits) {
     for (int k = 0; k < 256; k++) {
         const float product = values[k] * scale;
-        const uint16_t bits = kind == OUT_F16 ? f16_bits(product) : bf16_bits(product);
-        lo[k] = (uint8_t)(bits & 0xffu);
-        hi[k] = (uint8_t)(bits >> 8);
+        bits[k] = kind == OUT_F16 ? f16_bits(product) : bf16_bits(product);
     }
 }
 
-#if HAVE_VBMI_PATH
-/* table16 for float16 on the vector path: the same products, rounded 16 at a time by
- * vcvtps2ph (round to nearest even, like f16_bits; every AVX-512 CPU has it). Building
- * the table in software measured half the speed of the bfloat16 path. */
-__attribute__((target("avx512f"))) static void table_f16_avx512(const float *values, float scale,
-                                                                 uint8_t *lo, uint8_t *hi) {
+#if HAVE_X86_PATHS
+/* The same, 8 or 16 products at a time: float16 rounded by vcvtps2ph (round to nearest
+ * even, like f16_bits), bfloat16 by bf16_bits' integer rounding. One entry at a time, the
+ * table cost as much as the lookups for rows of 512 codes (the tiny model's hidden size),
+ * and float16's software rounding halved the scalar path's speed at any size. */
+__attribute__((target("avx2,f16c"))) static void table16_avx2(const float *values, float scale,
+                                                               int kind, uint16_t *bits) {
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    const __m256i nan_bits = _mm256_set1_epi32(0x7fc0);
+    for (int k = 0; k < 256; k += 8) {
+        const __m256 product = _mm256_mul_ps(_mm256_loadu_ps(values + k), s);
+        __m128i words;
+        if (kind == OUT_F16) {
+            words = _mm256_cvtps_ph(product, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        } else {
+            const __m256i u = _mm256_castps_si256(product);
+            const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+            __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, half), odd), 16);
+            const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(product, product, _CMP_UNORD_Q));
+            rounded = _mm256_blendv_epi8(rounded, nan_bits, nan);
+            /* Each 32-bit lane holds at most 0xffff: packing cannot saturate. Within each
+               128-bit half, then the halves' low quadwords together. */
+            const __m256i packed = _mm256_packus_epi32(rounded, rounded);
+            words = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+        }
+        _mm_storeu_si128((__m128i *)(bits + k), words);
+    }
+}
+
+__attribute__((target("avx512f,avx512bw"))) static void table16_avx512(
+    const float *values, float scale, int kind, uint16_t *bits) {
     const __m512 s = _mm512_set1_ps(scale);
-    uint16_t bits[256];
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    const __m512i nan_bits = _mm512_set1_epi32(0x7fc0);
     for (int k = 0; k < 256; k += 16) {
         const __m512 product = _mm512_mul_ps(_mm512_loadu_ps(values + k), s);
-        _mm256_storeu_si256((__m256i *)(bits + k),
-                            _mm512_cvtps_ph(product, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-    for (int k = 0; k < 256; k++) {
-        lo[k] = (uint8_t)(bits[k] & 0xffu);
-        hi[k] = (uint8_t)(bits[k] >> 8);
+        __m256i words;
+        if (kind == OUT_F16) {
+            words = _mm512_cvtps_ph(product, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        } else {
+            const __m512i u = _mm512_castps_si512(product);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+            __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), odd), 16);
+            const __mmask16 nan = _mm512_cmp_ps_mask(product, product, _CMP_UNORD_Q);
+            rounded = _mm512_mask_mov_epi32(rounded, nan, nan_bits);
+            words = _mm512_cvtepi32_epi16(rounded);
+        }
+        _mm256_storeu_si256((__m256i *)(bits + k), words);
     }
 }
 #endif
 
-static void lookup16_scalar(const uint8_t *restrict codes, const uint8_t *lo, const uint8_t *hi,
+/* What a call may use, at most (the CPU may have less; tests force each level):
+ * 0 portable C, 1 AVX2 + F16C tables, 2 AVX-512 tables, 3 AVX-512 tables + VBMI lookup. */
+enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VBMI = 3 };
+
+static int best_level(void) {
+    if (cpu_has_vbmi)
+        return LEVEL_VBMI;
+    if (cpu_has_avx512bw)
+        return LEVEL_AVX512;
+    return cpu_has_avx2_f16c ? LEVEL_AVX2 : LEVEL_PORTABLE;
+}
+
+/* The table by the fastest builder allowed (all give the same bits). */
+static void build_table16(const float *values, float scale, int kind, int level, uint16_t *bits) {
+#if HAVE_X86_PATHS
+    if (level >= LEVEL_AVX512) {
+        table16_avx512(values, scale, kind, bits);
+        return;
+    }
+    if (level >= LEVEL_AVX2) {
+        table16_avx2(values, scale, kind, bits);
+        return;
+    }
+#endif
+    table16(values, scale, kind, bits);
+}
+
+static void lookup16_scalar(const uint8_t *restrict codes, const uint16_t *table,
                             uint16_t *restrict out, Py_ssize_t n) {
-    uint16_t table[256];
-    for (int k = 0; k < 256; k++)
-        table[k] = (uint16_t)(lo[k] | (hi[k] << 8));
     for (Py_ssize_t i = 0; i < n; i++)
         out[i] = table[codes[i]];
 }
 
-#if HAVE_VBMI_PATH
+#if HAVE_X86_PATHS
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void lookup16_vbmi(
-    const uint8_t *restrict codes, const uint8_t *lo, const uint8_t *hi, uint16_t *restrict out,
-    Py_ssize_t n) {
+    const uint8_t *restrict codes, const uint16_t *table, uint16_t *restrict out, Py_ssize_t n) {
+    /* The table as low and high byte planes, 32 words at a time. */
+    uint8_t lo[256], hi[256];
+    for (int k = 0; k < 256; k += 32) {
+        const __m512i w = _mm512_loadu_si512(table + k);
+        _mm256_storeu_si256((__m256i *)(lo + k), _mm512_cvtepi16_epi8(w));
+        _mm256_storeu_si256((__m256i *)(hi + k), _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
+    }
     /* vpermi2b uses an index's low 7 bits: codes below 128 come from planes [0, 128), the
        others (the sign bit set) from [128, 256); the sign bit picks between the two. */
     const __m512i lo0 = _mm512_loadu_si512(lo), lo1 = _mm512_loadu_si512(lo + 64);
@@ -137,31 +202,25 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void lookup16_vbmi
         _mm512_storeu_si512(out + i + 32, _mm512_permutex2var_epi8(l, words1, h));
     }
     if (i < n)
-        lookup16_scalar(codes + i, lo, hi, out + i, n - i);
+        lookup16_scalar(codes + i, table, out + i, n - i);
 }
 #endif
 
 /* 16-bit results (bfloat16 or float16: only the table differs). */
 static void rows16(const uint8_t *codes, const float *scales, const float *values, uint16_t *out,
                    Py_ssize_t rows, Py_ssize_t hidden, Py_ssize_t rows_per_scale, int kind,
-                   int vector) {
-    uint8_t lo[256], hi[256];
+                   int level) {
+    uint16_t table[256];
     for (Py_ssize_t r = 0; r < rows; r++) {
-        if (r % rows_per_scale == 0) {
-#if HAVE_VBMI_PATH
-            if (vector && kind == OUT_F16) {
-                table_f16_avx512(values, scales[r / rows_per_scale], lo, hi);
-            } else
-#endif
-                table16(values, scales[r / rows_per_scale], kind, lo, hi);
-        }
-#if HAVE_VBMI_PATH
-        if (vector) {
-            lookup16_vbmi(codes + r * hidden, lo, hi, out + r * hidden, hidden);
+        if (r % rows_per_scale == 0)
+            build_table16(values, scales[r / rows_per_scale], kind, level, table);
+#if HAVE_X86_PATHS
+        if (level >= LEVEL_VBMI) {
+            lookup16_vbmi(codes + r * hidden, table, out + r * hidden, hidden);
             continue;
         }
 #endif
-        lookup16_scalar(codes + r * hidden, lo, hi, out + r * hidden, hidden);
+        lookup16_scalar(codes + r * hidden, table, out + r * hidden, hidden);
     }
 }
 
@@ -205,10 +264,12 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer codes, scales, values, out;
     Py_ssize_t hidden, rows_per_scale;
-    int kind, vector;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nnip", &codes, &scales, &values, &out, &hidden,
-                          &rows_per_scale, &kind, &vector))
+    int kind, level;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnii", &codes, &scales, &values, &out, &hidden,
+                          &rows_per_scale, &kind, &level))
         return NULL;
+    const int best = best_level();
+    level = level < 0 || level > best ? best : level;
     PyObject *result = NULL;
     const char *problem = check(&codes, &scales, &values, &out, hidden, rows_per_scale, kind);
     if (problem) {
@@ -220,7 +281,7 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
             rows_f32(codes.buf, scales.buf, values.buf, out.buf, rows, hidden, rows_per_scale);
         else
             rows16(codes.buf, scales.buf, values.buf, out.buf, rows, hidden, rows_per_scale,
-                   kind, vector && cpu_has_vbmi);
+                   kind, level);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         result = Py_None;
@@ -234,11 +295,12 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"dequantize", dequantize, METH_VARARGS,
-     "dequantize(codes, scales, values, out, hidden, rows_per_scale, kind, vector)\n\n"
+     "dequantize(codes, scales, values, out, hidden, rows_per_scale, kind, level)\n\n"
      "Fill out (kind 0: bfloat16 bits, 1: float32, 2: float16 bits) with values[code] *\n"
-     "scale per element, rounded to the kind's type,\n"
-     "row r of `hidden` codes using scales[r // rows_per_scale]; vector=False forces the\n"
-     "scalar lookup (the vector one is used only where the CPU has AVX-512 VBMI)."},
+     "scale per element, rounded to the kind's type, row r of `hidden` codes using\n"
+     "scales[r // rows_per_scale]. level: the most this call may use (0 portable C, 1 AVX2\n"
+     "+ F16C tables, 2 AVX-512 tables, 3 and the AVX-512 VBMI lookup; -1 or above BEST:\n"
+     "BEST, what this CPU has)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -251,11 +313,18 @@ PyMODINIT_FUNC PyInit__fp8_native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-#if HAVE_VBMI_PATH
+#if HAVE_X86_PATHS
     __builtin_cpu_init();
-    cpu_has_vbmi = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+    cpu_has_avx512bw = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    cpu_has_vbmi = cpu_has_avx512bw && __builtin_cpu_supports("avx512vbmi");
+    /* F16C is CPUID leaf 1, ECX bit 29 (not every compiler's __builtin_cpu_supports knows
+       it); "avx2" also says the OS saves the AVX registers. */
+    unsigned int eax, ebx, ecx, edx;
+    cpu_has_avx2_f16c = __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) &&
+                        (ecx & (1u << 29));
 #endif
-    if (PyModule_AddStringConstant(m, "VECTOR", cpu_has_vbmi ? "avx512vbmi" : "") < 0) {
+    if (PyModule_AddStringConstant(m, "VECTOR", cpu_has_vbmi ? "avx512vbmi" : "") < 0 ||
+        PyModule_AddIntConstant(m, "BEST", best_level()) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -73,7 +73,7 @@ def dequantize_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     if native is not None and fp8.dim() > 0 and fp8.numel() and scales.shape[-1] == 1:
         kind = _NATIVE_KINDS.get(str(out.dtype))
         if kind is not None:
-            return native_into(fp8, scales, out, vector=True)
+            return native_into(fp8, scales, out)
     return torch_passes_into(fp8, scales, out)
 
 
@@ -102,8 +102,20 @@ def _native() -> Any:
     return _fp8_native
 
 
+LEVELS = {0: "portable C", 1: "AVX2 + F16C tables", 2: "AVX-512 tables", 3: "AVX-512 VBMI"}
+"""What the native kernel may use, by level: each adds to the one before (the table of a
+row's 256 results built 8 or 16 at a time; then the lookup 64 codes at a time). Every
+level gives the same bits."""
+
+
+def native_levels() -> list[int]:
+    """The levels this CPU runs (``LEVELS``), lowest first; empty without the kernel."""
+    native = _native()
+    return [] if native is None else list(range(native.BEST + 1))
+
+
 def native_into(
-    fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, vector: bool = True
+    fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, level: int | None = None
 ) -> torch.Tensor:
     """``dequantize_into`` with the native kernel (bfloat16, float16 or float32 ``out``).
 
@@ -111,7 +123,8 @@ def native_into(
         fp8: As for ``dequantize_into``; a strided view is copied to contiguous codes.
         scales: As for ``dequantize_into``.
         out: A contiguous bfloat16, float16 or float32 tensor of ``fp8``'s shape.
-        vector: False forces the scalar lookup (tests use it to check both paths).
+        level: The most the kernel may use (``LEVELS``; tests force each); None: the best
+            this CPU has.
 
     Raises:
         RuntimeError: The extension is not built.
@@ -134,7 +147,7 @@ def native_into(
     target = out.view(torch.int16 if out.dtype.itemsize == 2 else torch.int32)
     native.dequantize(codes.numpy(), flat_scales.numpy(), _code_values().numpy(),
                       target.numpy(), hidden, per_scale, _NATIVE_KINDS[str(out.dtype)],
-                      vector)  # fmt: skip
+                      -1 if level is None else level)  # fmt: skip
     return out
 
 
