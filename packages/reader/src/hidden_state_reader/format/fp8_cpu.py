@@ -8,8 +8,10 @@ Two implementations, bit for bit the same as the definition (``reference``: torc
   possible results once per scale and then only looks codes up, 64 at a time with AVX-512
   VBMI, one at a time elsewhere; the GIL is released meanwhile. bfloat16, float16 (the
   model dtype of fp16 models, and of most quantized ones in vLLM) and float32 results.
-  Measured on the benchmark machine (one core, 8B-shaped rows of 4096): 13 GB/s of bf16
-  with VBMI (float16 the same), 6 GB/s scalar, against 0.9-1.2 GB/s for the torch passes;
+  The tables are built 16 or 8 results at a time where the CPU has AVX-512 or AVX2 +
+  F16C (``LEVELS``). Measured on the benchmark machine (one core, 8B-shaped rows of
+  4096): 13-16 GB/s with VBMI, 7-8 GB/s with the scalar lookup (5-7 in portable C), for
+  bfloat16 and float16 alike, against 0.9-1.4 GB/s for the torch passes;
 * torch passes (other result dtypes, or where the extension is not built): torch converts
   float8 on CPUs one element at a time (0.4-0.8 GB/s of bf16 there), so this path is four
   vectorised passes over chunks that stay in cache, by bit manipulation (below).
