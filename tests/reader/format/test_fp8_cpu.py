@@ -111,3 +111,40 @@ def test_this_environment_builds_the_native_kernel() -> None:
     for dtype in NATIVE_DTYPES:
         assert fp8_cpu.kernel(str(dtype)).startswith("native"), dtype
     assert fp8_cpu.kernel("torch.float64") == "torch passes"
+
+
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES)
+@pytest.mark.parametrize("level", fp8_cpu.native_levels())
+def test_bit_exact_under_random_scale_bit_patterns(level: int, dtype: torch.dtype) -> None:
+    """2,000 float32 scales drawn as raw bit patterns (every magnitude, sign, subnormal,
+    infinity and NaN payload), all 256 codes under each, at every level."""
+    gen = torch.Generator().manual_seed(level)
+    bits = torch.randint(-(2**31), 2**31, (2000,), generator=gen, dtype=torch.int64)
+    scales = bits.to(torch.int32).view(torch.float32).view(-1, 1, 1)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(2000, 1, 1)
+    fp8 = codes.view(torch.float8_e4m3fn)
+    want = fp8_cpu.reference(fp8, scales, torch.empty(fp8.shape, dtype=dtype))
+    assert_bit_exact(fp8_cpu.native_into(fp8, scales, torch.empty_like(want), level=level), want)
+
+
+def test_native_kernel_refuses_a_scale_group_size_that_would_overflow() -> None:
+    native = fp8_cpu._native()
+    codes = torch.zeros(2, 64, dtype=torch.uint8).numpy()
+    out = torch.zeros(2, 64, dtype=torch.int16).numpy()
+    values = torch.zeros(256).numpy()
+    with pytest.raises(ValueError, match="scales must hold"):
+        native.dequantize(codes, torch.zeros(2).numpy(), values, out, 64, 2**63 - 1, 0, -1)
+    native.dequantize(codes, torch.zeros(1).numpy(), values, out, 64, 2**63 - 1, 0, -1)
+
+
+def test_other_float8_types_and_scalar_scales_take_the_definition() -> None:
+    """e5m2 codes mean other values (the table is e4m3's); a 0-dim scale broadcasts."""
+    x = torch.randn(8, 2, 96)
+    e5m2 = x.to(torch.float8_e5m2)
+    scales = torch.rand(8, 2, 1) + 0.5
+    out = fp8_cpu.dequantize_into(e5m2, scales, torch.empty(x.shape, dtype=torch.bfloat16))
+    assert torch.equal(out, (e5m2.float() * scales).to(torch.bfloat16))
+    e4m3 = x.to(torch.float8_e4m3fn)
+    scalar = torch.tensor(0.25)
+    out = fp8_cpu.dequantize_into(e4m3, scalar, torch.empty(x.shape, dtype=torch.bfloat16))
+    assert torch.equal(out, (e4m3.float() * scalar).to(torch.bfloat16))

@@ -260,3 +260,40 @@ def test_a_claim_whose_temporary_file_vanished_is_created_again(
     assert os.listdir(store.directory) == ["s.safetensors.claim"]  # no temporary left
     claim.done()
     assert store.is_done("s.safetensors")
+
+
+def test_a_storage_root_removed_is_never_made_again(tmp_path: Path) -> None:
+    """Only folders below the storage root are made again: claims under a root that was
+    removed (or a mount point left empty) would be claims no other reader sees."""
+    from hidden_state_reader.read.claims import ClaimStore
+
+    root = tmp_path / "hs"
+    root.mkdir()
+    store = ClaimStore(str(root))
+    shutil.rmtree(root)
+    with pytest.raises(FileNotFoundError):
+        store.try_claim("s.safetensors")
+    assert not root.exists()
+
+
+def test_a_claim_whose_temporary_name_cannot_be_removed_is_not_left_locked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linked, then the temporary name's removal fails: the error reaches the caller and
+    the new claim is not held by a descriptor nobody has (another reader takes it over)."""
+    from hidden_state_reader.read.claims import ClaimResult, ClaimStore
+
+    store = ClaimStore(str(tmp_path))
+    real_unlink = os.unlink
+
+    def refuse_temporary(path: str, *args: object, **kwargs: object) -> None:
+        if ".tmp." in os.path.basename(path):
+            raise PermissionError(13, "injected", path)
+        real_unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", refuse_temporary)
+    with pytest.raises(PermissionError):
+        store.try_claim("s.safetensors")
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    taken = ClaimStore(str(tmp_path)).try_claim("s.safetensors")
+    assert not isinstance(taken, ClaimResult), taken  # unlocked: taken over

@@ -6,8 +6,8 @@
  * to the output dtype, where values[k] is torch's own float32 conversion of code k) and
  * then only looks codes up. The result is bit for bit torch's reference
  * `(fp8.float() * scales).to(dtype)`: the same float32 products, rounded the same way
- * (bfloat16: round to nearest even, NaN -> 0x7fc0, as c10::BFloat16 does; float16: round
- * to nearest even, as c10::Half and the F16C instructions do).
+ * (round to nearest even, as c10::BFloat16, c10::Half and the F16C instructions do). A
+ * NaN stays a NaN; its payload bits may differ from torch's (bfloat16: 0x7fc0 here).
  *
  * Why tables: an arithmetic kernel (code -> float bits, multiply, round) needs about 20
  * vector operations per 16 elements and measured 5 GB/s of bf16 on an AVX-512 core; a
@@ -56,7 +56,9 @@ static inline uint16_t f16_bits(float value) {
     uint32_t w, bias, bits;
     memcpy(&w, &value, sizeof w);
     const uint32_t shl1 = w + w, sign = w & 0x80000000u;
-    float base = (fabsf(value) * to_inf) * to_zero, bias_value;
+    /* Two assignments: each rounds to float even where the FPU computes wider (x87). */
+    const float big = fabsf(value) * to_inf;
+    float base = big * to_zero, bias_value;
     bias = shl1 & 0xff000000u;
     if (bias < 0x71000000u)
         bias = 0x71000000u;
@@ -133,12 +135,24 @@ __attribute__((target("avx512f,avx512bw"))) static void table16_avx512(
  * 0 portable C, 1 AVX2 + F16C tables, 2 AVX-512 tables, 3 AVX-512 tables + VBMI lookup. */
 enum { LEVEL_PORTABLE = 0, LEVEL_AVX2 = 1, LEVEL_AVX512 = 2, LEVEL_VBMI = 3 };
 
+static int level_available(int level) {
+    switch (level) {
+    case LEVEL_VBMI:
+        return cpu_has_vbmi;
+    case LEVEL_AVX512:
+        return cpu_has_avx512bw;
+    case LEVEL_AVX2:
+        return cpu_has_avx2_f16c;
+    default:
+        return level == LEVEL_PORTABLE;
+    }
+}
+
 static int best_level(void) {
-    if (cpu_has_vbmi)
-        return LEVEL_VBMI;
-    if (cpu_has_avx512bw)
-        return LEVEL_AVX512;
-    return cpu_has_avx2_f16c ? LEVEL_AVX2 : LEVEL_PORTABLE;
+    int level = LEVEL_VBMI;
+    while (level > LEVEL_PORTABLE && !level_available(level))
+        level--;
+    return level;
 }
 
 /* The table by the fastest builder allowed (all give the same bits). */
@@ -250,7 +264,10 @@ static const char *check(const Py_buffer *codes, const Py_buffer *scales, const 
     Py_ssize_t rows = codes->len / hidden;
     if (codes->len != rows * hidden || out->len != codes->len * width)
         return "codes must be rows x hidden bytes and out as many elements of the kind's width";
-    if (scales->len != (Py_ssize_t)sizeof(float) * ((rows + rows_per_scale - 1) / rows_per_scale))
+    /* Rows rounded up to whole scale groups, without overflowing for any rows_per_scale. */
+    const Py_ssize_t groups = rows / rows_per_scale + (rows % rows_per_scale != 0);
+    if (scales->len / (Py_ssize_t)sizeof(float) != groups ||
+        scales->len % (Py_ssize_t)sizeof(float))
         return "scales must hold one float32 per rows_per_scale rows";
     if (values->len != (Py_ssize_t)sizeof(float) * 256)
         return "values must hold the 256 codes' float32 values";
@@ -268,8 +285,12 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*y*w*nnii", &codes, &scales, &values, &out, &hidden,
                           &rows_per_scale, &kind, &level))
         return NULL;
-    const int best = best_level();
-    level = level < 0 || level > best ? best : level;
+    /* The level asked for, or the highest below it that this CPU has (a VM may hide
+       F16C from a CPU that has AVX-512). */
+    if (level < 0 || level > LEVEL_VBMI)
+        level = LEVEL_VBMI;
+    while (level > LEVEL_PORTABLE && !level_available(level))
+        level--;
     PyObject *result = NULL;
     const char *problem = check(&codes, &scales, &values, &out, hidden, rows_per_scale, kind);
     if (problem) {
@@ -323,8 +344,12 @@ PyMODINIT_FUNC PyInit__fp8_native(void) {
     cpu_has_avx2_f16c = __builtin_cpu_supports("avx2") && __get_cpuid(1, &eax, &ebx, &ecx, &edx) &&
                         (ecx & (1u << 29));
 #endif
+    int available = 0; /* bit n: level n runs on this CPU */
+    for (int level = LEVEL_PORTABLE; level <= LEVEL_VBMI; level++)
+        available |= level_available(level) << level;
     if (PyModule_AddStringConstant(m, "VECTOR", cpu_has_vbmi ? "avx512vbmi" : "") < 0 ||
-        PyModule_AddIntConstant(m, "BEST", best_level()) < 0) {
+        PyModule_AddIntConstant(m, "BEST", best_level()) < 0 ||
+        PyModule_AddIntConstant(m, "AVAILABLE", available) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -71,8 +71,18 @@ def dequantize_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) 
     Returns:
         ``out``.
     """
+    import torch
+
+    if fp8.dtype != torch.float8_e4m3fn:  # e5m2 and others: another code table
+        return reference(fp8, scales, out)
     native = _native()
-    if native is not None and fp8.dim() > 0 and fp8.numel() and scales.shape[-1] == 1:
+    if (
+        native is not None
+        and fp8.dim() > 0
+        and fp8.numel()
+        and scales.dim() > 0
+        and (scales.shape[-1] == 1)
+    ):
         kind = _NATIVE_KINDS.get(str(out.dtype))
         if kind is not None:
             return native_into(fp8, scales, out)
@@ -83,12 +93,13 @@ def kernel(dtype: str = "torch.bfloat16") -> str:
     """Which implementation dequantizes to ``dtype`` here (for reports and benchmarks).
 
     Returns:
-        ``"native, AVX-512 VBMI"``, ``"native, scalar"`` or ``"torch passes"``.
+        ``"native, "`` and the best of ``LEVELS`` this CPU runs (``"native, AVX-512
+        VBMI"``, ``"native, AVX2 + F16C tables"``, ...), or ``"torch passes"``.
     """
     native = _native()
     if native is None or dtype not in _NATIVE_KINDS:
         return "torch passes"
-    return "native, AVX-512 VBMI" if native.VECTOR else "native, scalar"
+    return f"native, {LEVELS[native.BEST]}"
 
 
 _NATIVE_KINDS = {"torch.bfloat16": 0, "torch.float32": 1, "torch.float16": 2}
@@ -113,7 +124,7 @@ level gives the same bits."""
 def native_levels() -> list[int]:
     """The levels this CPU runs (``LEVELS``), lowest first; empty without the kernel."""
     native = _native()
-    return [] if native is None else list(range(native.BEST + 1))
+    return [] if native is None else [n for n in LEVELS if native.AVAILABLE >> n & 1]
 
 
 def native_into(
@@ -166,7 +177,7 @@ def torch_passes_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor
     """``dequantize_into`` by torch passes over cache-sized chunks (any float ``out``)."""
     import torch
 
-    if fp8.dim() == 0 or fp8.numel() == 0 or scales.shape[-1] != 1:
+    if fp8.dim() == 0 or fp8.numel() == 0 or scales.dim() == 0 or scales.shape[-1] != 1:
         return reference(fp8, scales, out)
     hidden = fp8.shape[-1]
     per_row = scales.expand(*fp8.shape[:-1], 1).reshape(-1, 1)

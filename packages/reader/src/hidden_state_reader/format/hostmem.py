@@ -111,7 +111,9 @@ class _MappingCache:
     def _drop_unused(self) -> None:
         """Forget the mappings no tensor uses (each is unmapped as it is dropped)."""
         for size, kept in self._classes.items():
-            busy = [m for m in kept if sys.getrefcount(m) > 3]  # list, loop variable, call
+            # Counted as ``take`` counts (the list and the call's argument), with no loop
+            # variable holding one more (or, on newer Pythons, a borrowed one less).
+            busy = [kept[i] for i in range(len(kept)) if sys.getrefcount(kept[i]) > 2]
             self._bytes -= size * (len(kept) - len(busy))
             kept[:] = busy
 

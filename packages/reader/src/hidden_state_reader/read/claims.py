@@ -33,18 +33,24 @@ _DONE = "done"
 _CLAIMED = "claimed"
 
 
-def create_locked(path: str, fill: Callable[[int], object]) -> int | None:
+def create_locked(path: str, fill: Callable[[int], object], *, root: str) -> int | None:
     """Create ``path`` already locked ``LOCK_EX``: the descriptor, or None if it exists.
 
     The file is created under a temporary name, locked, filled (``fill(fd)``) and then
     hard-linked into place, so it never appears unlocked or empty; ``link`` fails
     atomically if the name exists, also on NFS. Claims and group member files use it.
-    Either thing that can vanish under it is tried again, up to three times: the folder
-    (a group's claims reset by hand, ``docs/operations.md``: it is made again) and the
-    temporary file (removed by another process before the ``link``: a fresh one).
+    Either thing that can vanish under it is tried again, up to three times: its folder
+    (a group's claims reset by hand, ``docs/operations.md``: made again below ``root``)
+    and the temporary file (removed by another process before the ``link``: a fresh one).
+
+    Args:
+        path: The file to create.
+        fill: Writes the file's content to the locked descriptor.
+        root: The storage root. Never made again: claims in a folder that was deleted
+            (or a mount point left empty) would be claims nobody else sees.
 
     Raises:
-        FileNotFoundError: It vanished at every try.
+        FileNotFoundError: It vanished at every try, or ``root`` is gone.
     """
     tries = 3
     while True:
@@ -52,7 +58,7 @@ def create_locked(path: str, fill: Callable[[int], object]) -> int | None:
             return _link_locked(path, fill)
         except FileNotFoundError:
             tries -= 1
-            if not tries:
+            if not tries or not os.path.isdir(root):
                 raise
             os.makedirs(os.path.dirname(path), exist_ok=True)
 
@@ -72,8 +78,15 @@ def _link_locked(path: str, fill: Callable[[int], object]) -> int | None:
         os.close(fd)
         raise
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        except BaseException:
+            # Linked, but the temporary name could not be removed: without this close
+            # the new file would stay locked by this process and never be taken over.
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
     return fd
 
 
@@ -134,6 +147,7 @@ class ClaimStore:
     def __init__(self, root: str, group: str = "default") -> None:
         if not group or "/" in group or group.startswith("."):
             raise ValueError(f"invalid claim group {group!r}")
+        self.root = root
         self.directory = os.path.join(root, CLAIMS_DIR, group)
         os.makedirs(self.directory, exist_ok=True)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -160,7 +174,9 @@ class ClaimStore:
         return ClaimResult.HELD
 
     def _create(self, name: str, path: str) -> Claim | None:
-        fd = create_locked(path, lambda fd: write_status(fd, _CLAIMED, owner=self.owner))
+        fd = create_locked(
+            path, lambda fd: write_status(fd, _CLAIMED, owner=self.owner), root=self.root
+        )
         return None if fd is None else Claim(name, path, fd, reclaimed=False)
 
     def _take_over(self, name: str, path: str) -> Claim | ClaimResult | None:

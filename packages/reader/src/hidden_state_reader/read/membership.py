@@ -46,6 +46,7 @@ class Membership:
     """
 
     def __init__(self, claims_root: str, group: str, member: str, refresh: float = 0.25) -> None:
+        self.claims_root = claims_root
         self.directory = os.path.join(claims_root, MEMBERS_DIR, group)
         self.me = member
         self.refresh = refresh
@@ -68,7 +69,11 @@ class Membership:
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, self.me)
         record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-        fd = create_locked(path, lambda fd: os.write(fd, json.dumps(record).encode()))
+        fd = create_locked(
+            path,
+            lambda fd: os.write(fd, json.dumps(record).encode()),
+            root=os.path.dirname(os.path.normpath(self.claims_root)),
+        )
         if fd is None:
             raise FileExistsError(f"group member file exists already: {path}")
         self._fd = fd
