@@ -281,13 +281,7 @@ def raw_files_trial(directory: Path, sizes: list[int], buf: memoryview) -> dict[
     paths = []
     for i, size in enumerate(sizes):
         path = directory / f"raw-{i}.bin"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            left = size
-            while left:
-                left -= os.write(fd, buf[: min(len(buf), left)])
-        finally:
-            os.close(fd)
+        _write_file(path, size, buf)
         paths.append(path)
     t_written, cpu = time.perf_counter(), time.process_time() - cpu0
     for path in paths:
@@ -316,14 +310,22 @@ def _prime(directory: Path, total: int, buf: memoryview) -> None:
     writer starts on the same, warm, page allocator, as a server writing all the time does.
     """
     path = directory / "prime.bin"
+    try:
+        _write_file(path, total, buf)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _write_file(path: Path, size: int, buf: memoryview) -> None:
+    """Create ``path`` with ``size`` bytes, ``buf`` repeated (``os.write`` only, no sync)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        left = total
+        left = size
         while left:
             left -= os.write(fd, buf[: min(len(buf), left)])
     finally:
         os.close(fd)
-        os.unlink(path)
 
 
 def _settle(directory: Path) -> None:
