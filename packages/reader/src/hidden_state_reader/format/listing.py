@@ -12,15 +12,12 @@ import os
 
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
-    LOCK_SUFFIX,
-    TEMP_INFIX,
     Kind,
     classify,
+    group_names,
     natural_key,
     sample_key,
 )
-
-_DATA, _LOCK, _TEMP_INFIX = DATA_SUFFIX, DATA_SUFFIX + LOCK_SUFFIX, TEMP_INFIX
 
 
 def list_samples(root: str) -> list[str]:
@@ -42,26 +39,7 @@ def scan_samples(root: str) -> set[str]:
 
 def _entries(root: str) -> tuple[set[str], list[str]]:
     """One pass over a directory: sample names (by data or lock file), temp-file names."""
-    samples: set[str] = set()
-    temps: list[str] = []
-    for name in os.listdir(root):  # names only: no per-entry object or stat
-        # The two names of nearly every entry, decided as ``classify`` decides them (not
-        # hidden, no temporary infix) without a call per entry; the rest goes to it.
-        if name[:1] != "." and _TEMP_INFIX not in name:
-            if name.endswith(_DATA):
-                samples.add(name)
-                continue
-            if name.endswith(_LOCK):
-                samples.add(name[: -len(LOCK_SUFFIX)])
-                continue
-        kind = classify(name)
-        if kind is Kind.DATA:
-            samples.add(name)
-        elif kind is Kind.LOCK:
-            samples.add(name[: -len(LOCK_SUFFIX)])
-        elif kind is Kind.TEMP:
-            temps.append(name)
-    return samples, temps
+    return group_names(os.listdir(root))  # names only: no per-entry object or stat
 
 
 def list_entries(root: str | os.PathLike[str]) -> tuple[list[str], list[str]]:

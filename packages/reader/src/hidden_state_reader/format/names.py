@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from hidden_state_reader.errors import PathOutsideRootError
@@ -65,6 +66,33 @@ def sample_key(filename: str) -> str | None:
     if kind is Kind.LOCK:
         return filename[: -len(LOCK_SUFFIX)]
     return None
+
+
+def group_names(names: Iterable[str]) -> tuple[set[str], list[str]]:
+    """A directory's sample names (by data or lock file) and temporary-file names.
+
+    The samples as ``sample_key`` names them, the temporaries as ``classify`` finds them.
+    Decides the two names of nearly every entry (not hidden, no temporary infix, a data
+    or lock suffix) inline, without a call per name: a directory of a big run lists
+    hundreds of thousands; the rest goes through ``classify``.
+    """
+    samples: set[str] = set()
+    temps: list[str] = []
+    data, lock = DATA_SUFFIX, DATA_SUFFIX + LOCK_SUFFIX
+    for name in names:
+        if name[:1] != "." and TEMP_INFIX not in name:
+            if name.endswith(data):
+                samples.add(name)
+                continue
+            if name.endswith(lock):
+                samples.add(name[: -len(LOCK_SUFFIX)])
+                continue
+        kind = classify(name)
+        if kind is Kind.TEMP:
+            temps.append(name)
+        elif kind is not Kind.OTHER:
+            samples.add(name if kind is Kind.DATA else name[: -len(LOCK_SUFFIX)])
+    return samples, temps
 
 
 def lock_path(data_path: str) -> str:
