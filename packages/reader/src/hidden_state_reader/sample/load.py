@@ -126,11 +126,9 @@ def _read_file(
         header = read_header_fd(fd, path, file_size)
         return header, _large_file(fd, header, options, path)
     file = _empty(file_size, options) if options.pin_memory else np.empty(file_size, np.uint8)
-    view = file.data
-    if file_size and os.preadv(fd, [view], 0) != file_size:  # one call, as a rule
-        _read_exact(fd, file, 0, path)
-    length = header_length(path, view, file_size)
-    return parse_header(path, view[8 : 8 + length].tobytes(), file_size), file
+    if file_size:
+        _read_exact(fd, file, 0, path)  # one preadv, as a rule
+    return _parse(path, file), file
 
 
 def _parse(path: str, file: np.ndarray) -> SampleHeader:
