@@ -40,6 +40,7 @@ def from_module(module: str, name: str) -> Crc32 | None:
         function = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
+
     def crc(data: Any, value: int = 0, /) -> int:
         return int(function(data, value))
 
