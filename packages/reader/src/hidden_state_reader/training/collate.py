@@ -14,6 +14,14 @@ without one (no ``loss_mask`` in its file, or a plain pair) counts all its token
 row equals its attention mask, and padding is always False. A batch that mixes masked
 and unmasked samples therefore trains on the masked tokens of the ones and every token
 of the others; trainers that want only masked data check ``has_loss_mask``.
+
+Raw fp8 samples (``raw_fp8=True``) keep their scales: the batch carries
+``hidden_states_scales`` laid out like ``hidden_states`` (zero for padding), and
+``format.fp8.dequantize(batch["hidden_states"], batch["hidden_states_scales"])`` gives
+the values. fp8 hidden states without scales are refused, never batched as numbers.
+
+Each batch is built once: its tensors are carved out of one buffer given by an
+allocator (``batch_memory``) and every sample's rows are copied straight into place.
 """
 
 from __future__ import annotations
@@ -26,14 +34,28 @@ from typing import Any
 import torch
 
 from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.training.batch_memory import (
+    Allocate,
+    TensorSpec,
+    allocate_plain,
+    carve,
+    copy_rows,
+    layout,
+    zero,
+)
 
 log = logging.getLogger(__name__)
+
+_FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
+SCALES = "hidden_states_scales"
 
 
 class _Item:
     """One validated batch element."""
 
-    __slots__ = ("hidden_states", "label", "loss_mask", "path", "token_ids")
+    __slots__ = ("hidden_states", "label", "loss_mask", "path", "scales", "token_ids")
 
     def __init__(
         self,
@@ -42,12 +64,14 @@ class _Item:
         path: str,
         label: str,
         loss_mask: torch.Tensor | None,
+        scales: torch.Tensor | None,
     ):
         self.token_ids = token_ids
         self.hidden_states = hidden_states
         self.path = path
         self.label = label
         self.loss_mask = loss_mask
+        self.scales = scales
 
     def trained(self, n: int) -> torch.Tensor:
         """The first ``n`` entries of the loss mask (all True without a mask)."""
@@ -74,42 +98,70 @@ def _checked_mask(mask: Any, num_tokens: int, label: str) -> torch.Tensor | None
     return mask.to(torch.bool)
 
 
+def _item(index: int, element: Any) -> _Item:
+    """Unpack and check one batch element."""
+    mask = scales = None
+    if isinstance(element, Sample):
+        tokens, hidden, path = element.token_ids, element.hidden_states, element.path
+        mask, scales = element.loss_mask, element.hidden_states_scales
+    elif isinstance(element, (tuple, list)) and len(element) == 2:
+        (tokens, hidden), path = element, ""
+    else:
+        raise TypeError(
+            f"batch item {index}: expected a Sample or a (token_ids, hidden_states) pair, "
+            f"got {type(element).__name__}"
+        )
+    label = path or f"batch item {index}"
+    if not isinstance(tokens, torch.Tensor) or not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"{label}: token_ids and hidden_states must be tensors")
+    if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
+        raise ValueError(
+            f"{label}: token_ids must be a 1-D integer tensor, got {tokens.dtype} "
+            f"{tuple(tokens.shape)}"
+        )
+    if hidden.dim() != 3:
+        raise ValueError(
+            f"{label}: hidden_states must be [tokens, layers, hidden], got "
+            f"shape {tuple(hidden.shape)}"
+        )
+    if hidden.shape[0] != tokens.shape[0]:
+        raise ValueError(
+            f"{label}: {tokens.shape[0]} token ids but {hidden.shape[0]} hidden states"
+        )
+    _check_scales(hidden, scales, label)
+    mask = _checked_mask(mask, tokens.shape[0], label)
+    return _Item(tokens, hidden, path, label, mask, scales)
+
+
+def _check_scales(hidden: torch.Tensor, scales: Any, label: str) -> None:
+    """fp8 hidden states need their scales: without them the codes are not the values."""
+    if scales is None:
+        if hidden.dtype in _FP8_DTYPES:
+            raise ValueError(
+                f"{label}: hidden states are raw {hidden.dtype} codes without their scales; "
+                "pass the Sample (it carries hidden_states_scales), or read without "
+                "raw_fp8=True to get dequantized values"
+            )
+        return
+    if (
+        not isinstance(scales, torch.Tensor)
+        or scales.dim() != 3
+        or scales.shape[0] != hidden.shape[0]
+        or scales.shape[1] not in (1, hidden.shape[1])
+        or scales.shape[2] != 1
+    ):
+        shape = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
+        raise ValueError(
+            f"{label}: hidden_states_scales {shape} do not fit hidden states "
+            f"{tuple(hidden.shape)} (expected [tokens, layers or 1, 1])"
+        )
+
+
 def _items(batch: Sequence[Any]) -> list[_Item]:
-    """Unpack and check a batch: same layer count, hidden size and dtype throughout."""
+    """Unpack and check a batch: same layer count, hidden size, dtype and scales throughout."""
     if len(batch) == 0:
         raise ValueError("cannot collate an empty batch")
-    items = []
-    for index, element in enumerate(batch):
-        mask = None
-        if isinstance(element, Sample):
-            tokens, hidden, path = element.token_ids, element.hidden_states, element.path
-            mask = element.loss_mask
-        elif isinstance(element, (tuple, list)) and len(element) == 2:
-            (tokens, hidden), path = element, ""
-        else:
-            raise TypeError(
-                f"batch item {index}: expected a Sample or a (token_ids, hidden_states) pair, "
-                f"got {type(element).__name__}"
-            )
-        label = path or f"batch item {index}"
-        if not isinstance(tokens, torch.Tensor) or not isinstance(hidden, torch.Tensor):
-            raise TypeError(f"{label}: token_ids and hidden_states must be tensors")
-        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
-            raise ValueError(
-                f"{label}: token_ids must be a 1-D integer tensor, got {tokens.dtype} "
-                f"{tuple(tokens.shape)}"
-            )
-        if hidden.dim() != 3:
-            raise ValueError(
-                f"{label}: hidden_states must be [tokens, layers, hidden], got "
-                f"shape {tuple(hidden.shape)}"
-            )
-        if hidden.shape[0] != tokens.shape[0]:
-            raise ValueError(
-                f"{label}: {tokens.shape[0]} token ids but {hidden.shape[0]} hidden states"
-            )
-        mask = _checked_mask(mask, tokens.shape[0], label)
-        items.append(_Item(tokens, hidden, path, label, mask))
+    items = [_item(index, element) for index, element in enumerate(batch)]
     first = items[0]
     for item in items[1:]:
         if item.hidden_states.shape[1:] != first.hidden_states.shape[1:]:
@@ -125,7 +177,29 @@ def _items(batch: Sequence[Any]) -> list[_Item]:
                 f"{item.hidden_states.dtype}, {first.label} is {first.hidden_states.dtype} "
                 "(pass dtype=... to the reader to convert on load)"
             )
+        if _scale_shape(item) != _scale_shape(first):
+            raise ValueError(
+                f"cannot batch fp8 samples with different scale layouts: {item.label} has "
+                f"scales {_scale_shape(item)}, {first.label} has {_scale_shape(first)} "
+                "(dequantize on load, or batch files of one writer setting)"
+            )
     return items
+
+
+def _scale_shape(item: _Item) -> tuple[int, ...] | None:
+    return None if item.scales is None else tuple(item.scales.shape[1:])
+
+
+def _allocator(items: Sequence[_Item], allocate: Allocate | None) -> Allocate:
+    """``allocate``, unless the samples live on a device (read with ``device=``): there."""
+    device = items[0].hidden_states.device
+    if device.type != "cpu":
+        return lambda specs: _on_device(specs, device)
+    return allocate or allocate_plain
+
+
+def _on_device(specs: Sequence[TensorSpec], device: torch.device) -> dict[str, torch.Tensor]:
+    return carve(torch.empty(layout(specs)[1], dtype=torch.uint8, device=device), specs)
 
 
 class PadCollate:
@@ -135,7 +209,8 @@ class PadCollate:
     ``hidden_states`` ``[B, T, L, H]`` (zeros past each sequence's end, the samples'
     dtype), ``attention_mask`` ``[B, T]`` bool, ``loss_mask`` ``[B, T]`` bool and
     ``has_loss_mask`` ``[B]`` bool (see the module docstring), ``lengths`` ``[B]`` int64
-    and ``paths`` (the source files; ``""`` for plain pairs).
+    and ``paths`` (the source files; ``""`` for plain pairs); for raw fp8 samples also
+    ``hidden_states_scales`` ``[B, T, L or 1, 1]`` float32.
 
     Args:
         pad_token_id: Token id written into padding positions.
@@ -143,6 +218,9 @@ class PadCollate:
             shapes, fewer recompilations).
         max_length: Truncate longer sequences to this many tokens (their ends are cut).
     """
+
+    builds_in_place = True
+    """Takes an ``allocate`` argument: the batch is built in memory the caller gives."""
 
     def __init__(
         self,
@@ -163,34 +241,42 @@ class PadCollate:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.max_length = max_length
 
-    def __call__(self, batch: Sequence[Any]) -> dict[str, Any]:
-        """Collate ``batch`` (Samples or ``(token_ids, hidden_states)`` pairs)."""
+    def __call__(self, batch: Sequence[Any], allocate: Allocate | None = None) -> dict[str, Any]:
+        """Collate ``batch`` (Samples or ``(token_ids, hidden_states)`` pairs).
+
+        Args:
+            batch: The samples.
+            allocate: Where the batch's tensors are made (default: ``allocate_plain``).
+        """
         items = _items(batch)
         lengths = [_cap(item.token_ids.shape[0], self.max_length) for item in items]
         width = max(lengths)
         if self.pad_to_multiple_of:
             width = math.ceil(width / self.pad_to_multiple_of) * self.pad_to_multiple_of
-        hidden0 = items[0].hidden_states
-        size = len(items)
-        on = hidden0.device  # samples read with device="cuda" are batched there
-        input_ids = torch.full((size, width), self.pad_token_id, dtype=torch.int64, device=on)
-        hidden = torch.zeros((size, width, *hidden0.shape[1:]), dtype=hidden0.dtype, device=on)
-        mask = torch.zeros((size, width), dtype=torch.bool, device=on)
-        loss_mask = torch.zeros((size, width), dtype=torch.bool, device=on)
+        hidden0, size = items[0].hidden_states, len(items)
+        specs: list[TensorSpec] = [
+            ("hidden_states", (size, width, *hidden0.shape[1:]), hidden0.dtype),
+            ("input_ids", (size, width), torch.int64),
+            ("attention_mask", (size, width), torch.bool),
+            ("loss_mask", (size, width), torch.bool),
+            ("lengths", (size,), torch.int64),
+            ("has_loss_mask", (size,), torch.bool),
+        ]
+        if items[0].scales is not None:
+            specs.append((SCALES, (size, width, *items[0].scales.shape[1:]), torch.float32))
+        out: dict[str, Any] = _allocator(items, allocate)(specs)
+        out["input_ids"].fill_(self.pad_token_id)
+        out["attention_mask"].zero_()
+        out["loss_mask"].zero_()
         for row, (item, n) in enumerate(zip(items, lengths, strict=True)):
-            input_ids[row, :n] = item.token_ids[:n]
-            hidden[row, :n] = item.hidden_states[:n]
-            mask[row, :n] = True
-            loss_mask[row, :n] = item.trained(n)
-        return {
-            "input_ids": input_ids,
-            "hidden_states": hidden,
-            "attention_mask": mask,
-            "loss_mask": loss_mask,
-            "has_loss_mask": _has_mask(items),
-            "lengths": torch.tensor(lengths, dtype=torch.int64),
-            "paths": [item.path for item in items],
-        }
+            _fill_padded(out["hidden_states"][row], item.hidden_states, n)
+            if item.scales is not None:
+                _fill_padded(out[SCALES][row], item.scales, n)
+            out["input_ids"][row, :n] = item.token_ids[:n]
+            out["attention_mask"][row, :n] = True
+            out["loss_mask"][row, :n] = item.trained(n)
+        _fill_sample_fields(out, items, lengths)
+        return out
 
     def __repr__(self) -> str:
         return (
@@ -207,7 +293,8 @@ class PackCollate:
     ``cu_seqlens`` ``[B + 1]`` int32 (sequence boundaries, as FlashAttention's varlen
     functions take them), ``max_seqlen`` (int), ``seq_ids`` ``[1, N]`` int64 (the batch
     index each token comes from), ``loss_mask`` ``[1, N]`` bool and ``has_loss_mask``
-    ``[B]`` bool (see the module docstring), ``lengths`` ``[B]`` int64 and ``paths``.
+    ``[B]`` bool (see the module docstring), ``lengths`` ``[B]`` int64 and ``paths``;
+    for raw fp8 samples also ``hidden_states_scales`` ``[1, N, L or 1, 1]`` float32.
 
     Args:
         max_tokens: Token budget of the pack. Sequences are packed in batch order; the
@@ -216,16 +303,57 @@ class PackCollate:
             renumbered).
     """
 
+    builds_in_place = True
+    """Takes an ``allocate`` argument: the batch is built in memory the caller gives."""
+
     def __init__(self, max_tokens: int | None = None) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.max_tokens = max_tokens
 
-    def __call__(self, batch: Sequence[Any]) -> dict[str, Any]:
-        """Collate ``batch`` (Samples or ``(token_ids, hidden_states)`` pairs)."""
+    def __call__(self, batch: Sequence[Any], allocate: Allocate | None = None) -> dict[str, Any]:
+        """Collate ``batch`` (Samples or ``(token_ids, hidden_states)`` pairs).
+
+        Args:
+            batch: The samples.
+            allocate: Where the batch's tensors are made (default: ``allocate_plain``).
+        """
         items = _items(batch)
-        lengths = []
-        budget = self.max_tokens
+        lengths = self._lengths(items)
+        total, size, hidden0 = sum(lengths), len(items), items[0].hidden_states
+        specs: list[TensorSpec] = [
+            ("hidden_states", (1, total, *hidden0.shape[1:]), hidden0.dtype),
+            ("input_ids", (1, total), torch.int64),
+            ("position_ids", (1, total), torch.int64),
+            ("seq_ids", (1, total), torch.int64),
+            ("loss_mask", (1, total), torch.bool),
+            ("cu_seqlens", (size + 1,), torch.int32),
+            ("lengths", (size,), torch.int64),
+            ("has_loss_mask", (size,), torch.bool),
+        ]
+        if items[0].scales is not None:
+            specs.append((SCALES, (1, total, *items[0].scales.shape[1:]), torch.float32))
+        out: dict[str, Any] = _allocator(items, allocate)(specs)
+        start = 0
+        for index, (item, n) in enumerate(zip(items, lengths, strict=True)):
+            end = start + n
+            copy_rows(out["hidden_states"][0, start:end], item.hidden_states[:n])
+            if item.scales is not None:
+                copy_rows(out[SCALES][0, start:end], item.scales[:n])
+            out["input_ids"][0, start:end] = item.token_ids[:n]
+            out["position_ids"][0, start:end] = torch.arange(n)
+            out["seq_ids"][0, start:end] = index
+            out["loss_mask"][0, start:end] = item.trained(n)
+            start = end
+        out["cu_seqlens"][0] = 0
+        out["cu_seqlens"][1:].copy_(torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0))
+        _fill_sample_fields(out, items, lengths)
+        out["max_seqlen"] = max(lengths)
+        return out
+
+    def _lengths(self, items: Sequence[_Item]) -> list[int]:
+        """Tokens of each item in the pack: all of them, until the budget runs out."""
+        lengths, budget = [], self.max_tokens
         for item in items:
             n = _cap(item.token_ids.shape[0], budget)
             lengths.append(n)
@@ -233,36 +361,23 @@ class PackCollate:
                 budget -= n
         if self.max_tokens is not None and sum(lengths) < sum(i.token_ids.shape[0] for i in items):
             log.debug("pack truncated to max_tokens=%d: lengths %s", self.max_tokens, lengths)
-        counts = torch.tensor(lengths, dtype=torch.int64)
-        cu_seqlens = torch.zeros(len(items) + 1, dtype=torch.int32)
-        cu_seqlens[1:] = torch.cumsum(counts, 0)
-        starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), counts)
-        total = int(cu_seqlens[-1])
-        return {
-            "input_ids": torch.cat([i.token_ids[:n] for i, n in zip(items, lengths, strict=True)])
-            .to(torch.int64)
-            .unsqueeze(0),
-            "hidden_states": torch.cat(
-                [i.hidden_states[:n] for i, n in zip(items, lengths, strict=True)]
-            ).unsqueeze(0),
-            "position_ids": (torch.arange(total, dtype=torch.int64) - starts).unsqueeze(0),
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": max(lengths),
-            "seq_ids": torch.repeat_interleave(torch.arange(len(items)), counts).unsqueeze(0),
-            "loss_mask": torch.cat(
-                [i.trained(n) for i, n in zip(items, lengths, strict=True)]
-            ).unsqueeze(0),
-            "has_loss_mask": _has_mask(items),
-            "lengths": counts,
-            "paths": [item.path for item in items],
-        }
+        return lengths
 
     def __repr__(self) -> str:
         return f"PackCollate(max_tokens={self.max_tokens})"
 
 
-def _has_mask(items: Sequence[_Item]) -> torch.Tensor:
-    return torch.tensor([item.loss_mask is not None for item in items], dtype=torch.bool)
+def _fill_padded(row: torch.Tensor, source: torch.Tensor, n: int) -> None:
+    """``row[:n] = source[:n]`` and zeros after it."""
+    copy_rows(row[:n], source[:n])
+    zero(row[n:])
+
+
+def _fill_sample_fields(out: dict[str, Any], items: Sequence[_Item], lengths: list[int]) -> None:
+    """The per-sample fields both collates return: lengths, has_loss_mask, paths."""
+    out["lengths"].copy_(torch.tensor(lengths, dtype=torch.int64))
+    out["has_loss_mask"].copy_(torch.tensor([i.loss_mask is not None for i in items]))
+    out["paths"] = [item.path for item in items]
 
 
 def _cap(n: int, limit: int | None) -> int:

@@ -40,6 +40,7 @@ from hidden_state_reader.store.url import is_store_url, parse_store_url
 from hidden_state_reader.training.cursor import Cursor
 from hidden_state_reader.training.dataset_modes import (
     FollowedSamples,
+    Reading,
     Sharding,
     Skipped,
     StaticSamples,
@@ -278,6 +279,21 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 yield item
         if counting:
             self._end_pass()
+
+    def _worker_items(
+        self, worker_id: int, num_workers: int, reading: Reading
+    ) -> Generator[tuple[int, Sample | Skipped], None, None]:
+        """One of ``num_workers`` threads' share of the pass, from the cursor (``DeviceFeed``).
+
+        Static mode deals chunks of ``batch_size`` positions round-robin, as to DataLoader
+        workers; follow mode gives each its own claiming reader.
+        """
+        epoch, start = self.epoch, self.consumed
+        if isinstance(self._mode, FollowedSamples):
+            return self._mode.iterate(start, num_workers, self.stats, reading)
+        return self._mode.iterate(
+            epoch, start, worker_id, num_workers, self.batch_size, self.stats, reading
+        )
 
     def __repr__(self) -> str:
         mode = "follow" if self.follow else f"{self.num_samples} samples"

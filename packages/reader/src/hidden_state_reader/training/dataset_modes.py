@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -121,9 +121,18 @@ class StaticSamples:
 
     def iterate(
         self, epoch: int, start: int, worker_id: int, num_workers: int, batch_size: int,
-        stats: ReaderStats,
+        stats: ReaderStats, reading: Reading | None = None,
     ) -> Generator[tuple[int, Sample | Skipped], None, None]:  # fmt: skip
         """Read ``epoch`` from position ``start``, this worker's chunks only, in order.
+
+        Args:
+            epoch: The epoch (its order).
+            start: Positions of it already consumed.
+            worker_id: This worker (or builder thread).
+            num_workers: How many share the pass.
+            batch_size: Positions per chunk.
+            stats: The counters the reader adds to.
+            reading: How to read, when not as ``self.options`` say (``Reading``).
 
         Yields:
             ``(position, sample)``, or ``(position, Skipped(name))`` for a position whose
@@ -131,7 +140,7 @@ class StaticSamples:
         """
         todo = list(enumerate(self.epoch_names(epoch)))[start:]
         mine = worker_chunks(todo, worker_id, num_workers, batch_size)
-        reader = open_reader(self.root, self.options, stats, names=[])
+        reader = _open(self.root, self.options, stats, reading, names=[])
         with closing(reader), closing(reader.in_order(name for _, name in mine)) as reads:
             for (position, _), (name, sample) in zip(mine, reads, strict=True):
                 yield position, Skipped(name) if sample is None else sample
@@ -150,20 +159,54 @@ class FollowedSamples:
         self.options = options
 
     def iterate(
-        self, start: int, num_workers: int, stats: ReaderStats
+        self, start: int, num_workers: int, stats: ReaderStats, reading: Reading | None = None
     ) -> Generator[tuple[int, Sample], None, None]:
         """Follow the source until the reader stops (``idle_timeout``, ``max_samples``).
 
         A followed stream has no order to resume in: positions count on from ``start``.
 
+        Args:
+            start: The first position's number.
+            num_workers: How many consumers follow at once (checked against ``claim``).
+            stats: The counters the reader adds to.
+            reading: How to read, when not as ``self.options`` say (``Reading``).
+
         Raises:
             ValueError: Several workers without claims (each would get every sample).
         """
         self.options.check_consumers(num_workers, "DataLoader workers")
-        reader = open_reader(self.root, self.options, stats)
+        reader = _open(self.root, self.options, stats, reading)
         # Closing the reader's iterator settles the sample last yielded.
         with closing(reader), closing(iter(reader)) as samples:
             yield from enumerate(samples, start)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How a consumer other than a DataLoader worker reads (``DeviceFeed``'s threads).
+
+    Attributes:
+        changes: Reader options that replace the dataset's (e.g. ``raw_fp8=True``).
+        opened: Called with each reader opened, so its owner can close it from another
+            thread (a reader's ``close`` interrupts its waits).
+    """
+
+    changes: dict[str, object]
+    opened: Callable[[HiddenStateReader], None]
+
+
+def _open(
+    root: str,
+    options: ReaderOptions,
+    stats: ReaderStats,
+    reading: Reading | None,
+    names: Sequence[str] | None = None,
+) -> HiddenStateReader:
+    if reading is None:
+        return open_reader(root, options, stats, names)
+    reader = open_reader(root, ReaderOptions(**options.as_kwargs(**reading.changes)), stats, names)
+    reading.opened(reader)
+    return reader
 
 
 def open_reader(

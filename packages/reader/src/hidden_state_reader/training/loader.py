@@ -13,6 +13,10 @@ Exactness comes from three things working together:
 So ``state_dict()`` holds ``(epoch, consumed)`` for this rank and nothing about workers:
 a run resumed with another ``num_workers`` (or ``batch_size``) continues with exactly
 the sample that comes next in the uninterrupted run.
+
+With ``device=`` the batches are built by threads of this process instead of worker
+processes (``device_feed.DeviceFeed``), dealt the same chunks, so all of the above holds
+there too.
 """
 
 from __future__ import annotations
@@ -23,11 +27,15 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader
 
+from hidden_state_reader.sample.placement import check_device
 from hidden_state_reader.training.collate import pad_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.dataset_modes import Skipped
+from hidden_state_reader.training.device_feed import DeviceFeed
 
 _NOT_HERE = ("sampler", "batch_sampler", "shuffle")
+# DataLoader arguments that mean something to builder threads (or nothing, harmlessly).
+_FEED_ARGS = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "in_order")
 
 
 class _Counted(NamedTuple):
@@ -69,6 +77,13 @@ class HiddenStateLoader(DataLoader[Any]):
             whose samples were all skipped is left out (under DDP that rank then has
             one step fewer: use ``on_error="raise"`` where that must not happen).
         drop_last: Drop the last, incomplete batch of each rank's epoch.
+        device: Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ...), built by
+            ``num_workers`` threads (at least one) in reused page-locked buffers and
+            copied on side streams while the loop trains; fp8 files cross as fp8 and
+            are dequantized on the device. Then only ``num_workers``,
+            ``prefetch_factor`` (batches built ahead per thread, default 2),
+            ``pin_memory`` and ``persistent_workers`` (both meaningless there) and
+            ``in_order`` are accepted. None (the default): an ordinary DataLoader.
         **kwargs: Other ``DataLoader`` arguments (``num_workers``, ``pin_memory``,
             ``prefetch_factor``, ``persistent_workers``, ``multiprocessing_context``,
             ...). ``in_order`` defaults to ``False`` in follow mode, where there is no
@@ -77,7 +92,8 @@ class HiddenStateLoader(DataLoader[Any]):
     Raises:
         TypeError: ``dataset`` is not a ``HiddenStateDataset``.
         ValueError: Sampler/shuffle arguments (the dataset orders itself),
-            ``in_order=False`` in static mode, or several followers without claims.
+            ``in_order=False`` in static mode, several followers without claims, or a
+            ``device`` with arguments only worker processes take.
     """
 
     dataset: HiddenStateDataset
@@ -89,6 +105,7 @@ class HiddenStateLoader(DataLoader[Any]):
         *,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         drop_last: bool = False,
+        device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(dataset, HiddenStateDataset):
@@ -105,7 +122,11 @@ class HiddenStateLoader(DataLoader[Any]):
             dataset.options.check_consumers(kwargs.get("num_workers", 0), "DataLoader workers")
         elif kwargs.get("in_order", True) is False:
             raise ValueError("in_order=False would break the static order and exact resume")
-        _check_device_workers(dataset, kwargs.get("num_workers", 0))
+        self.device = None if device is None else _feed_device(dataset, device, kwargs)
+        self._feed_threads = max(1, kwargs.pop("num_workers", 0) or 0) if device else 0
+        self._feed_prefetch = (kwargs.pop("prefetch_factor", None) or 2) if device else 0
+        if device is None:
+            _check_device_workers(dataset, kwargs.get("num_workers", 0))
         dataset._bind(batch_size)
         self.batch_collate_fn = collate_fn if collate_fn is not None else pad_collate
         super().__init__(
@@ -119,11 +140,28 @@ class HiddenStateLoader(DataLoader[Any]):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         dataset = self.dataset
         dataset._begin_pass()  # before workers start (or resume) and read the cursor
-        for counted in super().__iter__():
-            dataset._advance(counted.positions)
-            if counted.batch is not None:
-                yield counted.batch
+        for positions, batch in self._batches():
+            dataset._advance(positions)
+            if batch is not None:
+                yield batch
         dataset._end_pass()
+
+    def _batches(self) -> Iterator[tuple[int, Any]]:
+        """``(positions, batch)`` from the worker processes, or the device feed's threads."""
+        if self.device is None:
+            for counted in super().__iter__():
+                yield counted.positions, counted.batch
+            return
+        feed = DeviceFeed(
+            self.dataset,
+            self.batch_size or 1,
+            self.batch_collate_fn,
+            self.drop_last,
+            threads=self._feed_threads,
+            prefetch=self._feed_prefetch,
+            device=self.device,
+        )
+        yield from feed
 
     @property
     def epoch(self) -> int:
@@ -149,6 +187,28 @@ class HiddenStateLoader(DataLoader[Any]):
         self.dataset.load_state_dict(state)
 
 
+def _feed_device(
+    dataset: HiddenStateDataset, device: str | torch.device, kwargs: dict[str, Any]
+) -> torch.device:
+    """The checked ``device=`` of the loader; refuses what only worker processes take."""
+    parsed = check_device(device)
+    if dataset.options.device is not None:
+        raise ValueError(
+            f"device={device!r} is given to both the dataset and HiddenStateLoader; give it "
+            "to the loader only (it builds whole batches and moves them at once)"
+        )
+    others = sorted(set(kwargs) - set(_FEED_ARGS))
+    if others:
+        raise ValueError(
+            f"HiddenStateLoader(device={device!r}) builds batches in threads of this "
+            f"process; {', '.join(others)} only apply to worker processes (drop them, or "
+            "leave device unset for an ordinary DataLoader)"
+        )
+    kwargs.pop("pin_memory", None)
+    kwargs.pop("persistent_workers", None)
+    return parsed
+
+
 def _check_device_workers(dataset: HiddenStateDataset, num_workers: int) -> None:
     """A device other than the CPU is only reachable from the training process."""
     device = dataset.options.device
@@ -156,7 +216,7 @@ def _check_device_workers(dataset: HiddenStateDataset, num_workers: int) -> None
         return
     raise ValueError(
         f"device={device!r} with num_workers={num_workers}: worker processes cannot use the "
-        "device (CUDA does not survive fork); use num_workers=0 (the reader then copies "
-        "and dequantizes on the device itself), or read raw_fp8=True in workers and call "
-        "hidden_state_reader.format.fp8.dequantize on the device after the loader"
+        "device (CUDA does not survive fork); give the device to the loader instead: "
+        "HiddenStateLoader(dataset, ..., device=...) builds batches in threads and "
+        "dequantizes fp8 on the device"
     )

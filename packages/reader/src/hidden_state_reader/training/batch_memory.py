@@ -1,0 +1,103 @@
+"""Where a batch is built: all its tensors carved out of one buffer, written once.
+
+A collate function (``PadCollate``, ``PackCollate``) first validates its samples and
+works out every output tensor's shape, then asks an allocator for all of them at once
+and copies each sample's rows straight into place. Which memory that is depends on who
+collates:
+
+* ``allocate_plain``: ordinary memory in the training process; in a DataLoader worker
+  process, one shared-memory block, so the batch crosses to the training process as a
+  handle instead of being copied into shared memory when it is sent.
+* ``HostArena`` (``DeviceFeed``): a reused page-locked buffer, from which the batch is
+  copied to the GPU without a staging copy.
+
+``copy_rows`` and ``zero`` move bytes on the CPU with numpy (one thread, the GIL
+released), so several builder threads never start torch's intra-op thread pools at
+once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeAlias
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+TensorSpec: TypeAlias = tuple[str, tuple[int, ...], torch.dtype]
+"""``(name, shape, dtype)`` of one output tensor of a batch."""
+Allocate: TypeAlias = Callable[[Sequence[TensorSpec]], dict[str, torch.Tensor]]
+"""Gives uninitialised tensors for every spec (by name), carved from one buffer."""
+
+ALIGN = 256
+"""Byte alignment of each tensor in a batch buffer (enough for any dtype and DMA)."""
+
+# numpy has no bfloat16 or float8: bytes move through the integer type of their width.
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def layout(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
+    """Byte offsets of each spec in one buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for _, shape, dtype in specs:
+        end = -(-end // ALIGN) * ALIGN
+        offsets.append(end)
+        end += _nbytes(shape, dtype)
+    return offsets, end
+
+
+def carve(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    """Views of ``buffer`` (``uint8``, at least ``layout(specs)[1]`` bytes), one per spec."""
+    offsets, end = layout(specs)
+    if buffer.numel() < end:
+        raise ValueError(f"a batch of {end} bytes does not fit a buffer of {buffer.numel()}")
+    out = {}
+    for (name, shape, dtype), start in zip(specs, offsets, strict=True):
+        size = _nbytes(shape, dtype)
+        out[name] = buffer[start : start + size].view(dtype).view(shape)
+    return out
+
+
+def allocate_plain(specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    """One buffer for the batch: shared memory in a DataLoader worker, else ordinary."""
+    _, size = layout(specs)
+    if get_worker_info() is not None:
+        storage = torch.UntypedStorage._new_shared(max(size, 1))
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+    else:
+        buffer = torch.empty(size, dtype=torch.uint8)
+    return carve(buffer, specs)
+
+
+def copy_rows(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """``destination[...] = source`` (same shape and dtype), once over the bytes.
+
+    On the CPU a numpy copy: one thread, the GIL released, any source strides (a
+    layer-selected view, a mapped file). Elsewhere ``Tensor.copy_``.
+    """
+    if destination.device.type != "cpu" or source.device.type != "cpu":
+        destination.copy_(source)
+        return
+    np.copyto(_bytes_view(destination), _bytes_view(source), casting="no")
+
+
+def zero(tensor: torch.Tensor) -> None:
+    """Fill ``tensor`` with zero bytes (padding), on the CPU without torch's thread pool."""
+    if tensor.device.type != "cpu":
+        tensor.zero_()
+    elif tensor.numel():
+        _bytes_view(tensor).fill(0)
+
+
+def _bytes_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``tensor``'s elements through the integer type of their width."""
+    width = _SAME_WIDTH[tensor.element_size()]
+    return (tensor if tensor.dtype == width else tensor.view(width)).numpy()
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count * dtype.itemsize
