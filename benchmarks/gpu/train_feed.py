@@ -329,6 +329,9 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
             t0, cpu0 = time.perf_counter(), process_cpu_seconds()
             tokens = bytes_ = 0
             waited = 0.0
+        # The previous step is finished (as a trainer that logs its loss each step):
+        # what follows is the time the GPU would sit idle for want of data.
+        torch.cuda.synchronize()
         w0 = time.perf_counter()
         batch = next(batches)
         if alone:  # the batch must really be there: wait for its copy
@@ -341,7 +344,8 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
         tokens += hidden.shape[0]
         bytes_ += hidden.shape[0] * LAYERS * HIDDEN * 2  # bf16-equivalent bytes delivered
         steps += 1
-        if steps > warm and time.perf_counter() - t0 >= args.seconds:
+        limit = args.alone_seconds if alone else args.seconds
+        if steps > warm and time.perf_counter() - t0 >= limit:
             break
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -404,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rows", default="all", help="comma-separated row names, or all")
     parser.add_argument("--seconds", type=float, default=15.0, help="timed seconds per row")
+    parser.add_argument("--alone-seconds", type=float, default=6.0, help="for *_alone rows")
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument("--unique", type=int, default=48, help="distinct samples written")
     parser.add_argument("--copies", type=int, default=2, help="names per sample (hard links)")

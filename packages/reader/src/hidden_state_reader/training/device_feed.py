@@ -149,8 +149,10 @@ class DeviceFeed:
         drop_last: Leave out each thread's last, incomplete batch (as a DataLoader
             leaves out each worker's).
         threads: Builder threads.
-        prefetch: Batches each thread builds ahead (and host buffers it keeps).
+        prefetch: Batches each thread builds ahead.
         device: Where batches go.
+        arenas: Host buffers to build in, one ``HostArenas`` per thread, kept by the
+            caller from pass to pass (page-locking memory is slow); made here if None.
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class DeviceFeed:
         threads: int,
         prefetch: int,
         device: torch.device,
+        arenas: list[HostArenas] | None = None,
     ) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
@@ -179,6 +182,12 @@ class DeviceFeed:
         if self.in_place:
             changes.update(raw_fp8=True, dtype=None)
         self.placement = Placement(device, not options.raw_fp8, options.dtype)
+        # Reused buffers only where the batch is copied out of them: on the CPU the
+        # training loop keeps the built batch itself.
+        reuse = self.in_place and self.placement.cuda
+        if arenas is None and reuse:
+            arenas = [HostArenas(2, pin=True) for _ in range(threads)]
+        self.arenas = arenas if reuse else None
         self._reading = Reading(changes, self._opened)
         self._stop = threading.Event()
         self._readers: list[HiddenStateReader] = []
@@ -241,10 +250,7 @@ class DeviceFeed:
     def _build(self, worker: int) -> None:
         """One builder thread: read, collate, place; everything it makes goes to its queue."""
         out = self._queues[worker if len(self._queues) > 1 else 0]
-        # Reused buffers only where the batch is copied out of them: on the CPU the
-        # training loop keeps the built batch itself.
-        reuse = self.in_place and self.placement.cuda
-        arenas = HostArenas(2, pin=True) if reuse else None
+        arenas = None if self.arenas is None else self.arenas[worker]
         try:
             items = self.dataset._worker_items(worker, self.threads, self._reading)
             with closing(items):

@@ -31,7 +31,7 @@ from hidden_state_reader.sample.placement import check_device
 from hidden_state_reader.training.collate import pad_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.dataset_modes import Skipped
-from hidden_state_reader.training.device_feed import DeviceFeed
+from hidden_state_reader.training.device_feed import DeviceFeed, HostArenas
 
 _NOT_HERE = ("sampler", "batch_sampler", "shuffle")
 # DataLoader arguments that mean something to builder threads (or nothing, harmlessly).
@@ -125,6 +125,7 @@ class HiddenStateLoader(DataLoader[Any]):
         self.device = None if device is None else _feed_device(dataset, device, kwargs)
         self._feed_threads = max(1, kwargs.pop("num_workers", 0) or 0) if device else 0
         self._feed_prefetch = (kwargs.pop("prefetch_factor", None) or 2) if device else 0
+        self._idle_arenas: list[list[HostArenas]] = []  # kept for the next pass
         if device is None:
             _check_device_workers(dataset, kwargs.get("num_workers", 0))
         dataset._bind(batch_size)
@@ -152,6 +153,7 @@ class HiddenStateLoader(DataLoader[Any]):
             for counted in super().__iter__():
                 yield counted.positions, counted.batch
             return
+        arenas = self._idle_arenas.pop() if self._idle_arenas else None
         feed = DeviceFeed(
             self.dataset,
             self.batch_size or 1,
@@ -160,8 +162,13 @@ class HiddenStateLoader(DataLoader[Any]):
             threads=self._feed_threads,
             prefetch=self._feed_prefetch,
             device=self.device,
+            arenas=arenas,
         )
-        yield from feed
+        try:
+            yield from feed
+        finally:
+            if feed.arenas is not None:  # the threads are done with them (feed closed)
+                self._idle_arenas.append(feed.arenas)
 
     @property
     def epoch(self) -> int:
