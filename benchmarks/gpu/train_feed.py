@@ -32,7 +32,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -148,25 +147,38 @@ def write_dataset(root: Path, unique: int, copies: int, fp8: bool, device: torch
 
 
 class Producer:
-    """Hard-links pool files into a followed directory, keeping ``backlog`` waiting."""
+    """A process that hard-links pool files into a followed directory (``backlog`` waiting).
+
+    A process of its own, as vLLM is: it takes no time from the trainer's interpreter.
+    """
 
     def __init__(self, pool: Path, target: Path, backlog: int = 48) -> None:
+        import multiprocessing
+
         self.files = sorted(pool.glob("*.safetensors"))
         self.target, self.backlog = target, backlog
-        self.stop = threading.Event()
-        self.made = 0
         target.mkdir(parents=True, exist_ok=True)
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        context = multiprocessing.get_context("fork")
+        self.stop = context.Event()
+        self.process = context.Process(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.process.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.process.join()
 
     def _run(self) -> None:
+        made = 0
         while not self.stop.is_set():
             waiting = sum(1 for n in os.listdir(self.target) if n.endswith(".safetensors"))
             if waiting >= self.backlog:
                 time.sleep(0.005)
                 continue
-            src = self.files[self.made % len(self.files)]
-            os.link(src, self.target / f"f{self.made:07d}.safetensors")
-            self.made += 1
+            src = self.files[made % len(self.files)]
+            os.link(src, self.target / f"f{made:07d}.safetensors")
+            made += 1
 
 
 # ----------------------------------------------------------------------------- feeds
@@ -315,7 +327,7 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
     if spec["mode"] == "follow":
         target = Path(tempfile.mkdtemp(prefix="follow-", dir=args.workdir))
         producer = Producer(root, target)
-        producer.thread.start()
+        producer.start()
         root = target
     batches = FEEDS[spec["feed"]](root, args, spec)
     alone = spec.get("alone", False)
@@ -329,9 +341,10 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
             t0, cpu0 = time.perf_counter(), process_cpu_seconds()
             tokens = bytes_ = 0
             waited = 0.0
-        # The previous step is finished (as a trainer that logs its loss each step):
-        # what follows is the time the GPU would sit idle for want of data.
-        torch.cuda.synchronize()
+        # Every --sync-every steps the trainer waits for its step (to log the loss), as
+        # trainers do; after that, time in next() is time the GPU sits idle.
+        if args.sync_every and steps % args.sync_every == 0:
+            torch.cuda.synchronize()
         w0 = time.perf_counter()
         batch = next(batches)
         if alone:  # the batch must really be there: wait for its copy
@@ -352,8 +365,7 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
     cpu = process_cpu_seconds() - cpu0
     batches.close()
     if producer is not None:
-        producer.stop.set()
-        producer.thread.join()
+        producer.close()
         shutil.rmtree(root, ignore_errors=True)
     return {
         "kind": "train_feed",
@@ -410,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=15.0, help="timed seconds per row")
     parser.add_argument("--alone-seconds", type=float, default=6.0, help="for *_alone rows")
     parser.add_argument("--warmup-steps", type=int, default=6)
+    parser.add_argument(
+        "--sync-every", type=int, default=1, help="wait for the GPU every N steps (0: never)"
+    )
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s)")
     parser.add_argument("--unique", type=int, default=48, help="distinct samples written")
     parser.add_argument("--copies", type=int, default=2, help="names per sample (hard links)")
     parser.add_argument("--workdir", default="/tmp", help="where the sample files go")
@@ -421,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     specs = row_specs()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.list:
         print("\n".join(specs))
         return 0
@@ -449,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             synthetic_tok_s = row["tok_s"]
         row.update(
             date=args.date,
+            sync_every=args.sync_every,
+            switch_interval=sys.getswitchinterval(),
             gpu=torch.cuda.get_device_name(),
             cpus=os.cpu_count(),
             tok_s_synthetic=synthetic_tok_s,
