@@ -333,12 +333,13 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
     alone = spec.get("alone", False)
     tokens = bytes_ = steps = 0
     waited = 0.0
-    t0 = cpu0 = 0.0
+    t0 = cpu0 = main0 = 0.0
     warm = args.warmup_steps
     while True:
         if steps == warm:
             torch.cuda.synchronize()
             t0, cpu0 = time.perf_counter(), process_cpu_seconds()
+            main0 = time.thread_time()
             tokens = bytes_ = 0
             waited = 0.0
         # Every --sync-every steps the trainer waits for its step (to log the loss), as
@@ -363,6 +364,7 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     cpu = process_cpu_seconds() - cpu0
+    main_cpu = time.thread_time() - main0
     batches.close()
     if producer is not None:
         producer.close()
@@ -380,6 +382,7 @@ def run_row(name: str, spec: dict[str, Any], data: dict[str, Path], trainer: Tra
         "seconds": round(elapsed, 2),
         "tok_s": round(tokens / elapsed),
         "data_wait_frac": round(waited / elapsed, 4),
+        "main_thread_cpu_frac": round(main_cpu / elapsed, 3),
         "loader_gb_s": round(bytes_ / elapsed / 1e9, 2),
         "host_cpu_s_per_gb": round(cpu / (bytes_ / 1e9), 3) if bytes_ else None,
     }
