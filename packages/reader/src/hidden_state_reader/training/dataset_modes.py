@@ -183,7 +183,7 @@ class FollowedSamples:
 
 @dataclass(frozen=True)
 class Reading:
-    """How a consumer other than a DataLoader worker reads (``DeviceFeed``'s threads).
+    """Reader options changed for one consumer (``HiddenStateLoader(device=...)``'s).
 
     Attributes:
         changes: Reader options that replace the dataset's (e.g. ``raw_fp8=True``).
@@ -192,7 +192,7 @@ class Reading:
     """
 
     changes: dict[str, object]
-    opened: Callable[[HiddenStateReader], None]
+    opened: Callable[[HiddenStateReader], None] | None = None
 
 
 def _open(
@@ -205,7 +205,8 @@ def _open(
     if reading is None:
         return open_reader(root, options, stats, names)
     reader = open_reader(root, ReaderOptions(**options.as_kwargs(**reading.changes)), stats, names)
-    reading.opened(reader)
+    if reading.opened is not None:
+        reading.opened(reader)
     return reader
 
 
