@@ -17,6 +17,7 @@ workers of later passes reuse it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -155,7 +156,7 @@ class SlotReceiver:
     def __init__(self, ring: SlotRing, placement: Placement) -> None:
         self.ring = ring
         self.placement = placement
-        self._locked: dict[tuple[int, int], torch.Tensor] = {}
+        self._locked: dict[tuple[int, int], _Locked] = {}
         self._copying: dict[int, tuple[int, torch.cuda.Event | None]] = {}
 
     def place(self, handle: SlotBatch) -> Placed:
@@ -163,10 +164,10 @@ class SlotReceiver:
         w, k = handle.worker, handle.slot
         if handle.storage is not None:
             self._adopt(w, k, handle.storage, handle.version)
-        slot = self._locked.get((w, k))
-        if slot is None:
+        locked = self._locked.get((w, k))
+        if locked is None:
             raise RuntimeError(f"worker {w} sent slot {k} before its buffer")
-        batch: dict[str, Any] = carve(slot, handle.specs)
+        batch: dict[str, Any] = carve(locked.slot, handle.specs)
         if not self.placement.cuda:  # the slot is reused: the loop gets a copy
             batch = {name: tensor.clone() for name, tensor in batch.items()}
         batch.update(handle.fields)
@@ -185,8 +186,6 @@ class SlotReceiver:
     def close(self) -> None:
         """Unlock every slot (the loader is going away)."""
         self.end_pass()
-        for slot in self._locked.values():
-            _unlock(slot, self.placement)
         self._locked.clear()
 
     def _free_previous(self, worker: int) -> None:
@@ -199,27 +198,35 @@ class SlotReceiver:
 
     def _adopt(self, worker: int, index: int, slot: torch.Tensor, version: int) -> None:
         """A slot the worker made: page-lock it and keep it for later passes."""
-        old = self._locked.pop((worker, index), None)
-        if old is not None:
-            _unlock(old, self.placement)
-        _lock(slot, self.placement)
-        self._locked[(worker, index)] = slot
+        self._locked.pop((worker, index), None)  # unlocks the buffer it replaces
+        self._locked[(worker, index)] = _Locked(slot, self.placement.cuda)
         self.ring.slots[worker][index] = slot
         self.ring.versions[worker][index] = version
 
 
-def _lock(slot: torch.Tensor, placement: Placement) -> None:
-    """Page-lock ``slot`` for the device's copies (CUDA only)."""
-    if not placement.cuda:
-        return
-    code = torch.cuda.cudart().cudaHostRegister(slot.data_ptr(), slot.numel(), 0)
-    if int(code) != 0:
-        raise RuntimeError(
-            f"cudaHostRegister of a {slot.numel()}-byte batch slot failed (error {int(code)}); "
-            "the host may limit locked memory (ulimit -l)"
-        )
+class _Locked:
+    """A slot page-locked for CUDA copies, unlocked before its memory can be unmapped.
 
+    It holds the slot, so the memory outlives the registration: a mapping freed while
+    registered would make CUDA refuse whatever is mapped there next.
+    """
 
-def _unlock(slot: torch.Tensor, placement: Placement) -> None:
-    if placement.cuda:
-        torch.cuda.cudart().cudaHostUnregister(slot.data_ptr())
+    def __init__(self, slot: torch.Tensor, cuda: bool) -> None:
+        self.slot = slot
+        self.cuda = cuda
+        if not cuda:
+            return
+        cudart = torch.cuda.cudart()
+        code = int(cudart.cudaHostRegister(slot.data_ptr(), slot.numel(), 0))
+        if code != 0:
+            cudart.cudaGetLastError()  # or torch reports it at the next kernel launch
+            self.cuda = False
+            raise RuntimeError(
+                f"cudaHostRegister of a {slot.numel()}-byte batch slot failed (CUDA error "
+                f"{code}); the host may limit locked memory (ulimit -l)"
+            )
+
+    def __del__(self) -> None:
+        if self.cuda:
+            with contextlib.suppress(Exception):  # at exit CUDA may be gone already
+                torch.cuda.cudart().cudaHostUnregister(self.slot.data_ptr())
