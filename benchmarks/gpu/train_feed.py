@@ -283,7 +283,7 @@ def row_specs() -> dict[str, dict[str, Any]]:
         for mode in ("static", "follow"):
             rows[f"hsl_{tag}_{mode}"] = {
                 "feed": "hidden_state_loader", "mode": mode, "storage": storage,
-                "workers": 4, "threads": True, "path": "device_slots",
+                "workers": 4, "threads": True, "path": "device_feed",
             }  # fmt: skip
         rows[f"dl_{tag}_static"] = {
             "feed": "hidden_state_loader", "mode": "static", "storage": storage,

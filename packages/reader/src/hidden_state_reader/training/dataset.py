@@ -50,7 +50,6 @@ from hidden_state_reader.training.sharding import distributed_context
 
 STATE_VERSION = 1
 
-
 class HiddenStateDataset(IterableDataset[Sample]):
     """Hidden-state samples of a directory written by vLLM, for ``torch.utils.data``.
 
@@ -134,8 +133,6 @@ class HiddenStateDataset(IterableDataset[Sample]):
         )
         self._cursor = Cursor()
         self._bound = False  # set by HiddenStateLoader
-        # Reader options the loader's batch builder needs changed (``device=``).
-        self._reading_changes: dict[str, object] = {}
 
     # -- what there is to read (static mode) -------------------------------------------
 
@@ -267,12 +264,11 @@ class HiddenStateDataset(IterableDataset[Sample]):
             worker_id, num_workers = info.id, info.num_workers
             epoch, start = self._cursor.published()
         items: Generator[tuple[int, Sample | Skipped], None, None]
-        reading = Reading(self._reading_changes) if self._reading_changes else None
         if isinstance(self._mode, FollowedSamples):
-            items = self._mode.iterate(start, num_workers, self.stats, reading)
+            items = self._mode.iterate(start, num_workers, self.stats)
         else:
             items = self._mode.iterate(
-                epoch, start, worker_id, num_workers, self.batch_size, self.stats, reading
+                epoch, start, worker_id, num_workers, self.batch_size, self.stats
             )
         with closing(items):
             for position, item in items:
@@ -283,6 +279,21 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 yield item
         if counting:
             self._end_pass()
+
+    def _worker_items(
+        self, worker_id: int, num_workers: int, reading: Reading
+    ) -> Generator[tuple[int, Sample | Skipped], None, None]:
+        """One of ``num_workers`` threads' share of the pass, from the cursor (``DeviceFeed``).
+
+        Static mode deals chunks of ``batch_size`` positions round-robin, as to DataLoader
+        workers; follow mode gives each its own claiming reader.
+        """
+        epoch, start = self.epoch, self.consumed
+        if isinstance(self._mode, FollowedSamples):
+            return self._mode.iterate(start, num_workers, self.stats, reading)
+        return self._mode.iterate(
+            epoch, start, worker_id, num_workers, self.batch_size, self.stats, reading
+        )
 
     def __repr__(self) -> str:
         mode = "follow" if self.follow else f"{self.num_samples} samples"

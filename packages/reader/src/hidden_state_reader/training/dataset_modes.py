@@ -183,7 +183,7 @@ class FollowedSamples:
 
 @dataclass(frozen=True)
 class Reading:
-    """Reader options changed for one consumer (``HiddenStateLoader(device=...)``'s).
+    """How a consumer other than a DataLoader worker reads (``DeviceFeed``'s threads).
 
     Attributes:
         changes: Reader options that replace the dataset's (e.g. ``raw_fp8=True``).
@@ -192,7 +192,7 @@ class Reading:
     """
 
     changes: dict[str, object]
-    opened: Callable[[HiddenStateReader], None] | None = None
+    opened: Callable[[HiddenStateReader], None]
 
 
 def _open(
@@ -205,8 +205,7 @@ def _open(
     if reading is None:
         return open_reader(root, options, stats, names)
     reader = open_reader(root, ReaderOptions(**options.as_kwargs(**reading.changes)), stats, names)
-    if reading.opened is not None:
-        reading.opened(reader)
+    reading.opened(reader)
     return reader
 
 

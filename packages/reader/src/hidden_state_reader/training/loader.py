@@ -14,10 +14,9 @@ So ``state_dict()`` holds ``(epoch, consumed)`` for this rank and nothing about 
 a run resumed with another ``num_workers`` (or ``batch_size``) continues with exactly
 the sample that comes next in the uninterrupted run.
 
-With ``device=`` the workers build each batch in a shared page-locked slot
-(``batch_slots``) and send a handle; the training process copies it to the device on a
-side stream (``placement``). Batches, counts and order are the same, so all of the above
-holds there too.
+With ``device=`` the batches are built by threads of this process instead of worker
+processes (``device_feed.DeviceFeed``), dealt the same chunks, so all of the above holds
+there too.
 """
 
 from __future__ import annotations
@@ -26,29 +25,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader, get_worker_info
+from torch.utils.data import DataLoader
 
 from hidden_state_reader.sample.placement import check_device
-from hidden_state_reader.sample.sample import Sample
-from hidden_state_reader.training.batch_slots import SlotBatch, SlotReceiver, SlotRing
 from hidden_state_reader.training.collate import pad_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.dataset_modes import Skipped
-from hidden_state_reader.training.placement import (
-    HostArenas,
-    Placed,
-    Placement,
-    deliver,
-    fp8_target,
-)
+from hidden_state_reader.training.device_feed import DeviceFeed, HostArenas
 
 _NOT_HERE = ("sampler", "batch_sampler", "shuffle")
-# What in-place collates read: fp8 as stored (dequantized on the device), no conversion
-# on the host (done on the device), no pinned copy per sample (the batch is pinned).
-_DEVICE_READING = {"raw_fp8": True, "dtype": None, "pin_memory": False, "device": None}
-# Devices whose batches workers build in shared slots (the CPU keeps its batches: plain
-# shared memory serves it; tests add "cpu" to run the slot path without a GPU).
-SLOT_DEVICE_TYPES = {"cuda"}
+# DataLoader arguments that mean something to builder threads (or nothing, harmlessly).
+_FEED_ARGS = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers", "in_order")
 
 
 class _Counted(NamedTuple):
@@ -64,59 +51,12 @@ class _Counted(NamedTuple):
 class _CountingCollate:
     """Drops ``Skipped`` stand-ins, collates the rest, and says how many positions it saw."""
 
-    def __init__(
-        self, collate_fn: Callable[[list[Any]], Any], build: _DeviceBuild | None = None
-    ) -> None:
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
         self.collate_fn = collate_fn
-        self.build = build
 
     def __call__(self, items: Sequence[Any]) -> _Counted:
         samples = [item for item in items if not isinstance(item, Skipped)]
-        if not samples:
-            return _Counted(len(items), None)
-        if self.build is not None:
-            return _Counted(len(items), self.build(samples))
-        return _Counted(len(items), self.collate_fn(samples))
-
-
-class _DeviceBuild:
-    """Builds a batch for ``device=``: in a worker's slot, or placed by this process.
-
-    In a worker with an in-place collate: the batch goes into the worker's next slot and
-    the handle is returned. In the training process (``num_workers=0``): the batch goes
-    into a reused page-locked buffer and is placed on the device at once. Other collates
-    build as usual; the training process then copies their batch to the device.
-    """
-
-    def __init__(self, collate_fn: Callable[..., Any], ring: SlotRing | None, place: Placement):
-        self.collate_fn = collate_fn
-        self.in_place = bool(getattr(collate_fn, "builds_in_place", False))
-        self.ring = ring
-        self.placement = place
-        self.arenas: HostArenas | None = None  # made on first use, in this process only
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "arenas": None}
-
-    def __call__(self, samples: list[Sample]) -> Any:
-        in_worker = get_worker_info() is not None
-        if not self.in_place:
-            batch = self.collate_fn(samples)
-            # A worker's batch crosses to the training process, which copies it to CUDA.
-            return batch if in_worker and self.placement.cuda else self.placement.place(batch)
-        fp8_dtype = fp8_target(samples)
-        if in_worker and self.ring is not None:
-            writer = self.ring.writer()
-            return writer.handle(self.collate_fn(samples, allocate=writer.allocate), fp8_dtype)
-        if not self.placement.cuda:  # the loop keeps the batch itself: fresh memory
-            return self.placement.place(self.collate_fn(samples), fp8_dtype)
-        if self.arenas is None:
-            self.arenas = HostArenas(2, pin=True)
-        placed = self.placement.place(
-            self.collate_fn(samples, allocate=self.arenas.allocate), fp8_dtype
-        )
-        self.arenas.copied(placed.ready)
-        return placed
+        return _Counted(len(items), self.collate_fn(samples) if samples else None)
 
 
 class HiddenStateLoader(DataLoader[Any]):
@@ -137,13 +77,13 @@ class HiddenStateLoader(DataLoader[Any]):
             whose samples were all skipped is left out (under DDP that rank then has
             one step fewer: use ``on_error="raise"`` where that must not happen).
         drop_last: Drop the last, incomplete batch of each rank's epoch.
-        device: Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ...): each
-            worker builds its batches in shared page-locked slots and the copy to the
-            device runs on a side stream while the loop trains; fp8 files cross as fp8
-            and are dequantized on the device. ``pin_memory`` does not apply (slots are
-            page-locked already) and workers are started each pass
-            (``persistent_workers`` does not apply). None (the default): batches on the
-            CPU, as a plain DataLoader gives them.
+        device: Deliver batches on this device (``"cuda"``, ``"cuda:1"``, ...), built by
+            ``num_workers`` threads (at least one) in reused page-locked buffers and
+            copied on side streams while the loop trains; fp8 files cross as fp8 and
+            are dequantized on the device. Then only ``num_workers``,
+            ``prefetch_factor`` (batches built ahead per thread, default 2),
+            ``pin_memory`` and ``persistent_workers`` (both meaningless there) and
+            ``in_order`` are accepted. None (the default): an ordinary DataLoader.
         **kwargs: Other ``DataLoader`` arguments (``num_workers``, ``pin_memory``,
             ``prefetch_factor``, ``persistent_workers``, ``multiprocessing_context``,
             ...). ``in_order`` defaults to ``False`` in follow mode, where there is no
@@ -182,40 +122,21 @@ class HiddenStateLoader(DataLoader[Any]):
             dataset.options.check_consumers(kwargs.get("num_workers", 0), "DataLoader workers")
         elif kwargs.get("in_order", True) is False:
             raise ValueError("in_order=False would break the static order and exact resume")
+        self.device = None if device is None else _feed_device(dataset, device, kwargs)
+        self._feed_threads = max(1, kwargs.pop("num_workers", 0) or 0) if device else 0
+        self._feed_prefetch = (kwargs.pop("prefetch_factor", None) or 2) if device else 0
+        self._idle_arenas: list[list[HostArenas]] = []  # kept for the next pass
+        if device is None:
+            _check_device_workers(dataset, kwargs.get("num_workers", 0))
         dataset._bind(batch_size)
         self.batch_collate_fn = collate_fn if collate_fn is not None else pad_collate
-        self.device = None if device is None else _loader_device(dataset, device, kwargs)
-        build = self._device_build(dataset, kwargs) if self.device is not None else None
-        if build is None:
-            _check_device_workers(dataset, kwargs.get("num_workers", 0))
         super().__init__(
             dataset,
             batch_size=batch_size,
-            collate_fn=_CountingCollate(self.batch_collate_fn, build),
+            collate_fn=_CountingCollate(self.batch_collate_fn),
             drop_last=drop_last,
             **kwargs,
         )
-        self._slots = None if build is None or build.ring is None else build.ring
-        self._receiver = (
-            None if self._slots is None or build is None
-            else SlotReceiver(self._slots, build.placement)
-        )  # fmt: skip
-        self._placement = None if build is None else build.placement
-
-    def _device_build(self, dataset: HiddenStateDataset, kwargs: dict[str, Any]) -> _DeviceBuild:
-        """How batches are built for ``device=`` (reading options, slots, placement)."""
-        assert self.device is not None
-        options = dataset.options
-        placement = Placement(self.device, not options.raw_fp8, options.dtype)
-        in_place = bool(getattr(self.batch_collate_fn, "builds_in_place", False))
-        if in_place:
-            dataset._reading_changes = dict(_DEVICE_READING)
-        workers = kwargs.get("num_workers", 0) or 0
-        ring = None
-        if workers and in_place and self.device.type in SLOT_DEVICE_TYPES:
-            prefetch = kwargs.get("prefetch_factor") or 2
-            ring = SlotRing(workers, per_worker=prefetch + 2)
-        return _DeviceBuild(self.batch_collate_fn, ring, placement)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         dataset = self.dataset
@@ -227,31 +148,27 @@ class HiddenStateLoader(DataLoader[Any]):
         dataset._end_pass()
 
     def _batches(self) -> Iterator[tuple[int, Any]]:
-        """``(positions, batch)`` as the training loop receives them (on ``device``)."""
+        """``(positions, batch)`` from the worker processes, or the device feed's threads."""
         if self.device is None:
             for counted in super().__iter__():
                 yield counted.positions, counted.batch
             return
-        if self._slots is not None:
-            self._slots.new_pass(self.multiprocessing_context)
+        arenas = self._idle_arenas.pop() if self._idle_arenas else None
+        feed = DeviceFeed(
+            self.dataset,
+            self.batch_size or 1,
+            self.batch_collate_fn,
+            self.drop_last,
+            threads=self._feed_threads,
+            prefetch=self._feed_prefetch,
+            device=self.device,
+            arenas=arenas,
+        )
         try:
-            for counted in super().__iter__():
-                yield counted.positions, self._on_device(counted.batch)
+            yield from feed
         finally:
-            if self._receiver is not None:
-                self._receiver.end_pass()
-
-    def _on_device(self, batch: Any) -> Any:
-        """A worker's batch (a slot handle, or a plain batch) or a placed one, delivered."""
-        assert self.device is not None and self._placement is not None
-        if batch is None:
-            return None
-        if isinstance(batch, SlotBatch):
-            assert self._receiver is not None
-            batch = self._receiver.place(batch)
-        elif not isinstance(batch, Placed):
-            batch = self._placement.place(batch)
-        return deliver(batch, self.device)
+            if feed.arenas is not None:  # the threads are done with them (feed closed)
+                self._idle_arenas.append(feed.arenas)
 
     @property
     def epoch(self) -> int:
@@ -277,23 +194,25 @@ class HiddenStateLoader(DataLoader[Any]):
         self.dataset.load_state_dict(state)
 
 
-def _loader_device(
+def _feed_device(
     dataset: HiddenStateDataset, device: str | torch.device, kwargs: dict[str, Any]
 ) -> torch.device:
-    """The checked ``device=`` of the loader; drops the arguments it makes moot."""
+    """The checked ``device=`` of the loader; refuses what only worker processes take."""
     parsed = check_device(device)
     if dataset.options.device is not None:
         raise ValueError(
             f"device={device!r} is given to both the dataset and HiddenStateLoader; give it "
             "to the loader only (it builds whole batches and moves them at once)"
         )
-    if kwargs.pop("persistent_workers", False):
+    others = sorted(set(kwargs) - set(_FEED_ARGS))
+    if others:
         raise ValueError(
-            "persistent_workers=True does not apply with device=: workers start each pass, "
-            "so batch slots left by a pass that ended early are free again"
+            f"HiddenStateLoader(device={device!r}) builds batches in threads of this "
+            f"process; {', '.join(others)} only apply to worker processes (drop them, or "
+            "leave device unset for an ordinary DataLoader)"
         )
-    if kwargs.pop("pin_memory", False):
-        pass  # batches are built in page-locked memory already
+    kwargs.pop("pin_memory", None)
+    kwargs.pop("persistent_workers", None)
     return parsed
 
 
