@@ -266,7 +266,31 @@ def synthetic_batches(root: Path, args: argparse.Namespace, spec: dict[str, Any]
         yield batch
 
 
+def synthetic_varlen_batches(
+    root: Path, args: argparse.Namespace, spec: dict[str, Any]
+) -> Iterator[Any]:
+    """Resident batches with the token counts the loader's packs have (the fair ceiling).
+
+    Packs of ``BATCH_SAMPLES`` shuffled samples of the data set, capped at
+    ``PACK_TOKENS``, as ``PackCollate(max_tokens=...)`` makes them: the trainer's speed
+    depends on the shapes it gets, so the loader rows compare with the same shapes.
+    """
+    from hidden_state_reader.format.header import read_header
+
+    lengths = [read_header(str(p)).num_tokens for p in sorted(root.glob("*.safetensors"))]
+    gen = torch.Generator().manual_seed(2)
+    device = torch.device("cuda")
+    ids = torch.randint(0, VOCAB, (1, PACK_TOKENS), device=device)
+    hidden = torch.randn(1, PACK_TOKENS, LAYERS, HIDDEN, device=device).bfloat16()
+    while True:
+        order = torch.randperm(len(lengths), generator=gen).tolist()
+        for start in range(0, len(order) - BATCH_SAMPLES + 1, BATCH_SAMPLES):
+            n = min(PACK_TOKENS, sum(lengths[i] for i in order[start : start + BATCH_SAMPLES]))
+            yield {"input_ids": ids[:, :n], "hidden_states": hidden[:, :n]}
+
+
 FEEDS: dict[str, Callable[..., Iterator[Any]]] = {
+    "synthetic_varlen": synthetic_varlen_batches,
     "hidden_state_loader": hsl_batches,
     "safetensors": safetensors_batches,
     "synthetic": synthetic_batches,
@@ -277,6 +301,12 @@ def row_specs() -> dict[str, dict[str, Any]]:
     """Every row this benchmark knows, by name."""
     rows: dict[str, dict[str, Any]] = {
         "synthetic": {"feed": "synthetic", "mode": "static", "storage": "model", "workers": 0},
+        "synthetic_varlen": {
+            "feed": "synthetic_varlen",
+            "mode": "static",
+            "storage": "model",
+            "workers": 0,
+        },
     }
     for storage in ("model", "fp8_e4m3"):
         tag = "bf16" if storage == "model" else "fp8"
@@ -299,7 +329,7 @@ def row_specs() -> dict[str, dict[str, Any]]:
         "path": "dataloader_workers",
     }  # fmt: skip
     for name in list(rows):
-        if name != "synthetic":
+        if not name.startswith("synthetic"):
             rows[f"{name}_alone"] = {**rows[name], "alone": True}
     return rows
 
@@ -463,11 +493,13 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.jsonl, "a") as f:
                 f.write(json.dumps({**check, "date": args.date}) + "\n")
     trainer = Trainer(device) if any(not specs[n].get("alone") for n in names) else None
-    synthetic_tok_s = None
+    synthetic_tok_s = varlen_tok_s = None
     for name in names:
         row = run_row(name, specs[name], data, trainer, args)
         if name == "synthetic":
             synthetic_tok_s = row["tok_s"]
+        if name == "synthetic_varlen":
+            varlen_tok_s = row["tok_s"]
         row.update(
             date=args.date,
             sync_every=args.sync_every,
@@ -479,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
                 round(row["tok_s"] / synthetic_tok_s, 3)
                 if synthetic_tok_s and not row["alone"]
                 else None
+            ),
+            tok_s_synthetic_varlen=varlen_tok_s,
+            ratio_vs_synthetic_varlen=(
+                round(row["tok_s"] / varlen_tok_s, 3) if varlen_tok_s and not row["alone"] else None
             ),
         )
         line = json.dumps(row)
