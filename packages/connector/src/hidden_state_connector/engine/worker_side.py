@@ -41,6 +41,7 @@ from hidden_state_connector.engine.write.store_backend import StoreBackend
 from hidden_state_connector.engine.write.target import SampleTarget, pin_sample
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
+from hidden_state_reader.format import tag_metadata
 
 log = get_logger(__name__)
 
@@ -249,7 +250,8 @@ class WorkerSide:
             dir_fd=target.dir_fd if target is not None else None,
             metadata=self.capture.metadata(
                 request_id=order.req_id, num_prompt_tokens=order.num_prompt_tokens
-            ),
+            )
+            | tag_metadata(order.tags),
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
             loss_mask=_mask_tensor(order.loss_mask),
