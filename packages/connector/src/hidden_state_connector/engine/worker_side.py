@@ -33,6 +33,7 @@ from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderListener
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.engine.sleep_guard import RELEASE_REASON, SleepGuard
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import SaveJob
@@ -97,6 +98,7 @@ class WorkerSide:
         self._engine_key = compat.engine_key(vllm_config)
         self._listener: OrderListener | None = None
         self._closed = False
+        self.sleep = SleepGuard(vllm_config, config.shutdown_timeout, self._mutex)
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -176,12 +178,14 @@ class WorkerSide:
             for order in meta.saves:
                 if order.written_this_step:
                     self._start(order)
+            self.sleep.after_call(self.pipeline)
 
     def accept(self, order: SaveOrder) -> None:
         """Start a save handed over between steps (``handoff``: same process or socket)."""
         with self._mutex:
             if self.pipeline is not None:
                 self._start(order, engine_thread=False)  # after shutdown: failed, with why
+                self.sleep.after_call(self.pipeline)
 
     def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
         """Pin the directory and create the lock of every new request."""
@@ -214,6 +218,7 @@ class WorkerSide:
                     if not order.written_this_step:
                         self._start(order)
             self.pipeline.pump()
+            self.sleep.after_call(self.pipeline)
             # vLLM only accepts ids it has announced as finished (this call or before);
             # ids of requests we hold nothing for (never scheduled) must not pile up.
             # (An order sent over the channel may land after the announcement.)
@@ -234,6 +239,8 @@ class WorkerSide:
         assert self.pipeline is not None
         target = self._targets.pop(order.req_id, None)
         failure = order.failure or self._target_errors.pop(order.req_id, None)
+        if failure is None and self.sleep.released:  # its states went with the cache
+            failure = RELEASE_REASON
         if failure is None and target is None:
             try:  # not pinned at schedule time (should not happen): do it now
                 target = self._pin(order.req_id, order.path)
