@@ -69,7 +69,6 @@ def _no_vllm_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compat, "tensor_parallel_rank", lambda: 0)
     monkeypatch.setattr(compat, "find_cache_only_layer", lambda _cfg, caches: next(iter(caches)))
     monkeypatch.setattr(compat, "request_was_aborted", lambda request: request.status == "aborted")
-    monkeypatch.setattr(compat, "calls_cache_release_hooks", lambda: True)
 
 
 def committed_view(blocks: int) -> torch.Tensor:
@@ -301,27 +300,6 @@ def test_a_copy_that_cannot_finish_before_the_release_fails_its_sample_loudly(
     status = read_status(lock_path(path))
     assert status.failed and RELEASE_REASON in status.reason
     assert not os.path.exists(path)
-
-
-def test_without_release_hooks_no_copy_is_left_pending_after_a_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(compat, "calls_cache_release_hooks", lambda: False)  # vLLM 0.26-0.32
-    disk = _SlowDisk(monkeypatch)
-    engine = V2Engine(tmp_path, sleep_mode=True)
-    engine.warm_up_and_register()
-    try:
-        prompt, blocks = TokenBuffer(range(12)), [1, 2, 3]
-        written = states_for(slots_of(blocks, 0, 12), seed=9)
-        threading.Timer(0.2, disk.release.set).start()
-        request = new_request("o", prompt, blocks)
-        engine.step(scheduler_output_v034(new=(request,), scheduled={"o": 12}), written)
-        # wait_for_save returned with every chunk copied: sleep may release the cache now.
-        engine.cache.fill_(float("nan"))
-        path = engine.finish(finished_request("o", prompt, [0]), blocks)[PATH_PARAM]
-        assert torch.equal(read(path).hidden_states, expected(written, slots_of(blocks, 0, 12)))
-    finally:
-        engine.close()
 
 
 # -- tags and idempotency keys -------------------------------------------------------------

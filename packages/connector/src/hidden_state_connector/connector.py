@@ -226,4 +226,3 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         if not 0 <= self._group < len(block_ids):
             return self.request_finished(request, [])
         return self.request_finished(request, block_ids[self._group])
-

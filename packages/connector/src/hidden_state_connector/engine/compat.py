@@ -98,16 +98,6 @@ def check_vllm_version() -> str:
     return found
 
 
-def calls_cache_release_hooks() -> bool:
-    """Whether this vLLM calls ``unregister_kv_caches`` before sleep releases the cache.
-
-    vLLM >= 0.33 does (the hook is on its connector base class); 0.26 - 0.32 do not.
-    """
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    return "unregister_kv_caches" in vars(KVConnectorBase_V1)
-
-
 def tensor_parallel_rank() -> int:
     """This worker's tensor-parallel rank (0 when distributed state is not set up)."""
     try:

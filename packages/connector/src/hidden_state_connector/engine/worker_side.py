@@ -98,7 +98,7 @@ class WorkerSide:
         self._engine_key = compat.engine_key(vllm_config)
         self._listener: OrderListener | None = None
         self._closed = False
-        self.sleep = SleepGuard(vllm_config, config.shutdown_timeout, self._mutex)
+        self.sleep = SleepGuard(config.shutdown_timeout, self._mutex)
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -178,14 +178,12 @@ class WorkerSide:
             for order in meta.saves:
                 if order.written_this_step:
                     self._start(order)
-            self.sleep.after_call(self.pipeline)
 
     def accept(self, order: SaveOrder) -> None:
         """Start a save handed over between steps (``handoff``: same process or socket)."""
         with self._mutex:
             if self.pipeline is not None:
                 self._start(order, engine_thread=False)  # after shutdown: failed, with why
-                self.sleep.after_call(self.pipeline)
 
     def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
         """Pin the directory and create the lock of every new request."""
@@ -218,7 +216,6 @@ class WorkerSide:
                     if not order.written_this_step:
                         self._start(order)
             self.pipeline.pump()
-            self.sleep.after_call(self.pipeline)
             # vLLM only accepts ids it has announced as finished (this call or before);
             # ids of requests we hold nothing for (never scheduled) must not pile up.
             # (An order sent over the channel may land after the announcement.)
