@@ -113,6 +113,11 @@ def main() -> None:
     )
     llm.generate([{"prompt_token_ids": list(range(1, 30))}], row, use_tqdm=False)
 
+    report(out, distinct_keys=2 * args.rollouts + 1)
+
+
+def report(out: Path, distinct_keys: int) -> None:
+    """Read every sample back: rollouts counted per policy version, dataset rows by id."""
     by_policy: dict[str, int] = {}
     for sample in HiddenStateReader(out, on_error="raise"):
         version = sample.metadata.get("policy_version")
@@ -123,7 +128,7 @@ def main() -> None:
             print(f"dataset sample {Path(sample.path).name}: row_id={row_id}, {n} tokens")
     files = sorted(p.name for p in out.glob("*.safetensors"))
     print(f"samples per policy version: {dict(sorted(by_policy.items()))}")
-    print(f"{len(files)} files for {2 * args.rollouts + 1} distinct keys")
+    print(f"{len(files)} files for {distinct_keys} distinct keys")
 
 
 if __name__ == "__main__":
