@@ -409,3 +409,18 @@ def test_a_bad_idempotency_key_is_refused(
     result = _one_request(engine, "bad-key", params)
     assert reason in result[ERROR_PARAM]
     assert not os.path.lexists(lock_path(result[PATH_PARAM]))
+
+
+def test_a_key_naming_a_file_another_request_is_writing_is_refused(engines: Any) -> None:
+    engine = engines()
+    prompt = TokenBuffer(range(20, 28))
+    plain = new_request("x", prompt, [0, 1])  # default name x.v2.safetensors
+    keyed = new_request("y", prompt, [2, 3], {"idempotency_key": "x.v2"})
+    written = states_for(slots_of([0, 1], 0, 8), seed=4)
+    engine.step(scheduler_output_v034(new=(plain, keyed), scheduled={"x": 8, "y": 8}), written)
+    refused = engine.finish(finished_request("y", prompt, [0]), [2, 3])
+    assert "which a request without that key is writing" in refused[ERROR_PARAM]
+    kept = engine.finish(finished_request("x", prompt, [0]), [0, 1])
+    assert torch.equal(
+        read(kept[PATH_PARAM]).hidden_states, expected(written, slots_of([0, 1], 0, 8))
+    )

@@ -37,6 +37,7 @@ from hidden_state_connector.engine.metadata import (
 )
 from hidden_state_connector.engine.sample_params import (
     EXISTED_PARAM,
+    KEY_PARAM,
     keyed_path,
     requested_tags,
     sample_exists,
@@ -74,6 +75,7 @@ class _Tracked:
     path: str
     prompt: list[int] | None
     include_output: bool
+    keyed: bool = False  # its name comes from an idempotency key
     block_ids: list[int] = field(default_factory=list)
     ordered: bool = False  # a save order was sent before the request finished
     failure: str | None = None  # why the sample cannot be written
@@ -184,10 +186,12 @@ class SchedulerSide:
 
     def _track(self, step: compat.ScheduledRequest, params: dict[str, Any]) -> _Tracked:
         keyed, problem = keyed_path(self.root, params, PATH_PARAM)
+        if keyed is not None and self._written_without_key(keyed):
+            problem = f"{KEY_PARAM} names {keyed!r}, which a request without that key is writing"
         path = keyed or self._choose_path(step.req_id, params)
         self._paths_in_use[path] += 1
         include = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
-        tracked = _Tracked(path, step.prompt_token_ids, include)
+        tracked = _Tracked(path, step.prompt_token_ids, include, keyed=keyed is not None)
         self._requests[step.req_id] = tracked
         if problem is None and path != self.default_path(step.req_id):
             # A client-chosen directory: find out now, not when the writer fails.
@@ -211,6 +215,12 @@ class SchedulerSide:
             tracked.found = True
             log.info("request %s: %s is complete already (idempotency key)", step.req_id, keyed)
         return tracked
+
+    def _written_without_key(self, path: str) -> bool:
+        """Whether a request in flight writes ``path`` under a name no key gave it."""
+        if not self._paths_in_use[path]:
+            return False
+        return any(t.path == path and not t.keyed for t in self._requests.values())
 
     def _prompt_order(self, req_id: str, tracked: _Tracked) -> SaveOrder:
         """The save of a prompt whose last token this step computes."""
