@@ -99,8 +99,7 @@ def test_sleep_right_after_generate_loses_no_answered_sample(
         assert report["slept"] == [] and len(report["failed"]) == 2
         assert all("Failed to reset KV cache" in reason for reason in report["failed"])
     names = [os.path.basename(p) for p in report["paths"]]
-    samples = list(HiddenStateReader(out, names=names, on_error="raise"))
-    assert sorted(str(s.path) for s in samples) == sorted(report["paths"])
-    assert [
-        s.num_tokens for s in sorted(samples, key=lambda s: report["paths"].index(str(s.path)))
-    ] == [100 + i for i in range(6)] * 2
+    samples = {str(s.path): s for s in HiddenStateReader(out, names=names, on_error="raise")}
+    assert sorted(samples) == sorted(report["paths"])
+    lengths = [samples[p].num_tokens for p in report["paths"]]
+    assert lengths == [100 + i for i in range(6)] * 2  # every answered prompt, complete

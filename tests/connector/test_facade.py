@@ -70,7 +70,7 @@ def test_sleep_mode_is_accepted_and_the_cpu_build_refuses_it_itself() -> None:
     assert HiddenStateConnector.supports_sleep_mode(config) is True
     assert HiddenStateConnector.supports_sleep_mode() is True
     if current_platform.is_sleep_mode_available():
-        return  # a GPU build: benchmarks/gpu/bench.py's sleep plan runs it
+        return  # a GPU build: benchmarks/gpu/sleep_check.py runs sleep there
     # The CPU build refuses enable_sleep_mode while building the model config, before
     # any connector exists: sleep cannot be run here, only the ordering with fakes.
     with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
