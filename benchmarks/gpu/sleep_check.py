@@ -117,14 +117,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = make_engine(model_dir, out)
     outs: list[Any] = []
     rounds: list[int] = []
-    sleep_s, wake_s, errors = [], [], []
+    sleep_s, wake_s = [], []
+    errors: list[str | None] = []
     for round_no in range(args.rounds):
         batch = one_batch(llm, round_no, args.prompts)
         errors += [o.kv_transfer_params.get("hidden_states_error") for o in batch]
         outs += batch
         rounds += [round_no] * len(batch)
         started = time.monotonic()
-        llm.sleep(level=args.level)  # right after generate(): copies may be in flight
+        try:
+            llm.sleep(level=args.level)  # right after generate(): copies may be in flight
+        except RuntimeError as exc:  # recorded: the run then fails
+            errors.append(f"round {round_no}: sleep raised {exc}")
         sleep_s.append(round(time.monotonic() - started, 3))
         started = time.monotonic()
         llm.wake_up()
