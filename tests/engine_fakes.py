@@ -8,6 +8,8 @@ second, with different block ids, so a mix-up of the groups shows.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -71,3 +73,34 @@ def finished_request(
         num_computed_tokens=len(tokens) - 1,  # the last output token was never fed back
         status=status,
     )
+
+
+class TokenBuffer(array):
+    """vLLM 0.34's ``TokenBuffer``: prompts and token lists are an ``array('i')`` subclass.
+
+    Only what distinguishes it from a list matters here: it is not a ``list``, its
+    slices are lists, and ``+`` gives a list (as in ``vllm/v1/token_buffer.py``).
+    """
+
+    def __new__(cls, tokens: Iterable[int] = ()) -> TokenBuffer:
+        return super().__new__(cls, "i", tokens)
+
+    def __getitem__(self, index: Any) -> Any:
+        item = array.__getitem__(self, index)
+        return item.tolist() if isinstance(index, slice) else item
+
+    def __add__(self, other: Any) -> Any:
+        return self.tolist() + list(other)
+
+
+def scheduler_output_v034(
+    *,
+    new: tuple[SimpleNamespace, ...] = (),
+    cached: tuple[tuple[str, int, list[int] | None], ...] = (),
+    scheduled: dict[str, int] | None = None,
+    preempted: frozenset[str] = frozenset(),
+) -> SimpleNamespace:
+    """0.34's ``SchedulerOutput``: no ``resumed_req_ids``; a resumed request is a new one."""
+    output = scheduler_output(new=new, cached=cached, scheduled=scheduled, preempted=preempted)
+    del output.scheduled_cached_reqs.resumed_req_ids
+    return output

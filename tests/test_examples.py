@@ -267,3 +267,23 @@ def test_store_two_process(tmp_path: Path) -> None:
     assert out["producer_exit"] == 0
     assert out["consumed"] == list(range(12))
     assert out["stats"]["yielded"] == 12 and out["stats"]["skipped"] == 0
+
+
+@runs("tagged_rollouts.py")
+@pytest.mark.vllm  # skipped without vLLM (tests/conftest.py)
+def test_tagged_rollouts(tmp_path: Path, cache_dir: Path) -> None:
+    out = tmp_path / "hs"
+    proc = example(
+        "tagged_rollouts.py",
+        *("--rollouts", "3", "--out", str(out), "--cache-dir", str(cache_dir)),
+        timeout=240,
+        env=IN_PROCESS_ENGINE,
+    )
+    text = proc.stdout
+    assert "batch of policy step-100: 3 samples, e.g. step-100.rollout-0.safetensors" in text, text
+    # The retried requests (same idempotency keys) made no second sample.
+    assert "retry of the same batch: 3 of 3 found complete, nothing rewritten" in text, text
+    assert "samples per policy version: {'step-100': 3, 'step-200': 3}" in text, text
+    assert "dataset sample train-000042.safetensors: row_id=train-000042, 29 tokens" in text
+    assert "7 files for 7 distinct keys" in text
+    assert len(list(out.glob("*.safetensors"))) == 7

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: installs the vLLM 0.26 kit, then the chosen benchmark plan.
 # Usage (from the repo root, via the device tool):  bash benchmarks/gpu/run.sh PLAN
-#   PLAN: smoke | validate | full | tp2
+#   PLAN: smoke | validate | full | tp2 | v30sleep | ...
 set -uo pipefail
 plan=${1:-smoke}
 source .gpu/install.sh || exit 3
@@ -147,6 +147,13 @@ case "$plan" in
     timeout 110 $S --kind none --batches 4 2>>"$OUT/v24g.log" | tail -1
     timeout 150 $S --kind ours --batches 6 --connector '{"storage_dtype": "fp8_e4m3"}' \
       2>>"$OUT/v24g.log" | tail -1
+    ;;
+  # Issue 30 (2026-12-04): sleep mode. One engine (tiny bf16 model, enable_sleep_mode),
+  # three rounds of generate -> sleep(level=1) -> wake_up, every answered sample read back
+  # (CRC) and compared with HF; one RESULT line (kind "sleep") in $OUT/results.jsonl.
+  v30sleep)
+    timeout 170 python3 benchmarks/gpu/sleep_check.py --jsonl "$OUT/results.jsonl" \
+      2>>"$OUT/v30sleep.log" | grep RESULT
     ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

@@ -23,6 +23,7 @@ from hidden_state_reader.format import LockState, lock_path, probe
 pytestmark = pytest.mark.vllm
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "offline_delivery.py"
+SLEEP_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "offline_sleep.py"
 
 
 @pytest.mark.parametrize(
@@ -67,3 +68,38 @@ def test_answered_requests_are_published_without_further_requests_and_at_exit(
     every = [p for r in reports.values() for p in r["paths"]]
     assert all(probe(lock_path(p)) is LockState.FREE for p in every)
     assert not [f for f in os.listdir(out) if ".tmp." in f]
+
+
+@pytest.mark.parametrize(
+    "multiprocessing",
+    ["1", pytest.param("0", marks=pytest.mark.long)],
+    ids=["multiprocess", "in-process"],
+)
+def test_sleep_right_after_generate_loses_no_answered_sample(
+    multiprocessing: str, tiny_model_fp32: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "hs"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+    done = subprocess.run(
+        [sys.executable, str(SLEEP_SCRIPT), str(tiny_model_fp32), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    report = json.loads(line)
+    if multiprocessing == "1":
+        # The engine core's pause steps until the connector has reported its blocks free.
+        assert report["slept"] == [0, 1] and report["failed"] == []
+    else:
+        # An in-process engine does not step in its pause: vLLM refuses to reset the cache
+        # while the connector holds the batch's blocks, and releases nothing.
+        assert report["slept"] == [] and len(report["failed"]) == 2
+        assert all("Failed to reset KV cache" in reason for reason in report["failed"])
+    names = [os.path.basename(p) for p in report["paths"]]
+    samples = {str(s.path): s for s in HiddenStateReader(out, names=names, on_error="raise")}
+    assert sorted(samples) == sorted(report["paths"])
+    lengths = [samples[p].num_tokens for p in report["paths"]]
+    assert lengths == [100 + i for i in range(6)] * 2  # every answered prompt, complete

@@ -116,6 +116,25 @@ def _disconnect_mid_stream(server: VllmServer) -> tuple[str, str]:
     return str(out / new_locks[0]), str(out / new_locks[0][: -len(".lock")])
 
 
+def test_a_retried_idempotency_key_over_http_makes_one_tagged_sample(server: VllmServer) -> None:
+    out = Path(server.options.out_dir)
+    prompt = [(k * 13) % 250 for k in range(40)]
+    tags = {"policy_version": "step-7", "row_id": "r-000123"}
+    kwargs = {"kv_transfer_params": {"metadata": tags}, "idempotency_key": "http-retry-1"}
+    first = complete(server.url, "tiny", prompt, **kwargs)["kv_transfer_params"]
+    assert first["hidden_states_path"] == str(out / "http-retry-1.safetensors")
+    [sample] = HiddenStateReader(out, names=["http-retry-1.safetensors"], on_error="raise")
+    assert {k: sample.metadata[k] for k in tags} == tags
+    inode = os.stat(sample.path).st_ino
+    # The client retries (its connection broke after the server had answered).
+    again = complete(server.url, "tiny", prompt, **kwargs)["kv_transfer_params"]
+    assert again["hidden_states_path"] == first["hidden_states_path"]
+    assert again["hidden_states_existed"] is True and "hidden_states_error" not in again
+    assert os.stat(sample.path).st_ino == inode  # the first sample, untouched
+    data = [n for n in os.listdir(out) if n.startswith("http-retry-1") and n.endswith("tensors")]
+    assert data == ["http-retry-1.safetensors"]
+
+
 def test_client_disconnect_aborts_and_releases_the_lock_as_failed(server: VllmServer) -> None:
     for _attempt in range(3):
         lock_file, data_path = _disconnect_mid_stream(server)

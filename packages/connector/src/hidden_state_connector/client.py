@@ -46,8 +46,13 @@ def complete(
     kv_transfer_params: dict[str, Any] | None = None,
     timeout: float = 600.0,
     retries: int = 3,
+    idempotency_key: str | None = None,
 ) -> dict[str, Any]:
     """POST one completion; retry connection errors and 5xx with back-off.
+
+    A retry re-sends a request the server may have computed already (the connection
+    broke after it): with ``idempotency_key`` the sample is named by the key, so a
+    retry never makes a second one (docs/connector.md, "Retries without duplicates").
 
     Returns:
         The decoded JSON response.
@@ -61,6 +66,8 @@ def complete(
         "max_tokens": max_tokens,
         "temperature": 0.0,
     }
+    if idempotency_key is not None:
+        kv_transfer_params = {**(kv_transfer_params or {}), "idempotency_key": idempotency_key}
     if kv_transfer_params:
         body["kv_transfer_params"] = kv_transfer_params
     data = json.dumps(body).encode()
@@ -108,9 +115,13 @@ def complete_all(
     *,
     concurrency: int = 8,
     on_done: Callable[[Completion], None] | None = None,
+    key_prefix: str | None = None,
     **kwargs: Any,
 ) -> Iterator[Completion]:
     """Send every prompt with at most ``concurrency`` requests in flight.
+
+    With ``key_prefix``, prompt ``i`` is sent with the idempotency key
+    ``f"{key_prefix}-{i}"``: retries, and a re-run of the same job, make no second sample.
 
     Yields:
         Completions in the order they finish.
@@ -121,6 +132,8 @@ def complete_all(
             if len(pending) >= concurrency:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 yield from _finish(done, on_done)
+            if key_prefix is not None:
+                kwargs["idempotency_key"] = f"{key_prefix}-{index}"
             pending.add(pool.submit(_one, index, base_url, model, prompt, **kwargs))
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)

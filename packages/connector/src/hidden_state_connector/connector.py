@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# The connector API; its module path is the one vLLM 0.26-0.33 share. This module and
+# The connector API; its module path is the one vLLM 0.26-0.34 share. This module and
 # ``engine.metrics`` are the only modules run in the engine that need vLLM importable.
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -56,7 +56,6 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
-        refuse_sleep_mode(vllm_config)
         files = self.config.storage_backend == "files"
         if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
             # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
@@ -93,15 +92,11 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
-        """Sleep mode is declined (vLLM >= 0.33 asks; older releases never do).
+        """Sleep mode is supported (vLLM >= 0.33 asks; older releases never do).
 
-        Sleeping discards the KV cache, and with it the hidden states of finished
-        requests whose blocks the connector still holds while their copies are in
-        flight. vLLM 0.33 then refuses to start with ``enable_sleep_mode``
-        ("HiddenStateConnector does not support sleep mode."); on older releases
-        ``__init__`` refuses it itself.
+        Every copy in flight finishes before the cache is released (``SleepGuard``).
         """
-        return False
+        return True
 
     def get_finished_count(self) -> int:
         """Only TP rank 0 reports; one report per request frees its blocks."""
@@ -120,12 +115,14 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------
 
     def unregister_kv_caches(self) -> None:
-        """Never called: sleep mode is declined (``supports_sleep_mode``)."""
-        raise RuntimeError("HiddenStateConnector does not support sleep mode")
+        """Before sleep releases the cache (vLLM >= 0.33): finish every copy in flight."""
+        if self._worker is not None:
+            self._worker.sleep.before_release(self._worker.pipeline)
 
     def restore_kv_caches(self) -> None:
-        """Never called: sleep mode is declined (``supports_sleep_mode``)."""
-        raise RuntimeError("HiddenStateConnector does not support sleep mode")
+        """After wake-up (vLLM >= 0.33): the cache is back at its addresses; capture on."""
+        if self._worker is not None:
+            self._worker.sleep.after_restore()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Locate the hidden-state cache and start the write pipeline."""
@@ -135,7 +132,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward pass: finish copying blocks vLLM freed by preemption.
 
-        vLLM 0.26-0.33 call this before every forward pass, before binding the step's
+        vLLM 0.26-0.34 call this before every forward pass, before binding the step's
         metadata (``start_load_kv`` runs after the forward pass since 0.32).
         """
         if self._worker is not None and isinstance(
@@ -229,21 +226,3 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         if not 0 <= self._group < len(block_ids):
             return self.request_finished(request, [])
         return self.request_finished(request, block_ids[self._group])
-
-
-def refuse_sleep_mode(vllm_config: Any) -> None:
-    """Fail start-up when the engine has sleep mode enabled (on every vLLM release).
-
-    vLLM >= 0.33 already refuses the combination (``supports_sleep_mode`` is False);
-    0.26 - 0.32 would discard the KV cache under samples still being copied out.
-
-    Raises:
-        ValueError: ``enable_sleep_mode`` is set.
-    """
-    model_config = getattr(vllm_config, "model_config", None)
-    if getattr(model_config, "enable_sleep_mode", False):
-        raise ValueError(
-            "HiddenStateConnector does not support sleep mode: sleeping discards the KV "
-            "cache that holds hidden states still being written. Start vLLM without "
-            "enable_sleep_mode (--enable-sleep-mode)."
-        )

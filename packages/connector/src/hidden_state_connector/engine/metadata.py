@@ -34,6 +34,7 @@ class SaveOrder:
             save after that step's forward pass, without waiting for the request to
             finish. Otherwise every token was computed in earlier steps.
         loss_mask: The client's 0/1 per token of ``token_ids`` (None: no mask).
+        tags: The client's checked tags, recorded in the file's metadata (None: none).
     """
 
     req_id: str
@@ -44,6 +45,7 @@ class SaveOrder:
     failure: str | None = None
     written_this_step: bool = False
     loss_mask: list[int] | None = None
+    tags: dict[str, str] | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ KV blocks until the worker has copied them out.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,13 @@ from hidden_state_connector.engine.metadata import (
     HiddenStateConnectorMetadata,
     NewSample,
     SaveOrder,
+)
+from hidden_state_connector.engine.sample_params import (
+    EXISTED_PARAM,
+    KEY_PARAM,
+    keyed_path,
+    requested_tags,
+    sample_exists,
 )
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.storage_check import usable_directory
@@ -67,11 +75,19 @@ class _Tracked:
     path: str
     prompt: list[int] | None
     include_output: bool
+    keyed: bool = False  # its name comes from an idempotency key
     block_ids: list[int] = field(default_factory=list)
     ordered: bool = False  # a save order was sent before the request finished
     failure: str | None = None  # why the sample cannot be written
     refused: bool = False  # refused when scheduled: no lock, no order, nothing held
     loss_mask: list[int] | None = None  # the client's mask, as far as checked on arrival
+    tags: dict[str, str] | None = None  # the client's checked tags (``metadata``)
+    found: bool = False  # its idempotency key names a sample already complete: no write
+
+    @property
+    def holds_nothing(self) -> bool:
+        """No lock, no save order, no blocks kept: refused, or found complete."""
+        return self.refused or self.found
 
 
 class SchedulerSide:
@@ -102,7 +118,7 @@ class SchedulerSide:
         self.engine_key = compat.engine_key(vllm_config)
         self._sender = OrderSender(self.engine_key)
         self._requests: dict[str, _Tracked] = {}
-        self._paths_in_use: set[str] = set()
+        self._paths_in_use: Counter[str] = Counter()  # requests in flight per path
         self._outgoing = HiddenStateConnectorMetadata()
 
     def default_path(self, req_id: str) -> str:
@@ -148,10 +164,10 @@ class SchedulerSide:
                 if step.req_id not in new_params:
                     continue  # not ours (should not happen)
                 tracked = self._track(step, new_params[step.req_id])
-                if tracked.refused:
+                if tracked.holds_nothing:
                     continue
                 meta.new_samples.append(NewSample(step.req_id, tracked.path))
-            if tracked.refused:
+            if tracked.holds_nothing:
                 continue
             if step.new_block_ids is not None and not tracked.ordered:
                 if step.replaces_table:
@@ -169,29 +185,42 @@ class SchedulerSide:
         return meta
 
     def _track(self, step: compat.ScheduledRequest, params: dict[str, Any]) -> _Tracked:
-        path = self._choose_path(step.req_id, params)
-        self._paths_in_use.add(path)
+        keyed, problem = keyed_path(self.root, params, PATH_PARAM)
+        if keyed is not None and self._written_without_key(keyed):
+            problem = f"{KEY_PARAM} names {keyed!r}, which a request without that key is writing"
+        path = keyed or self._choose_path(step.req_id, params)
+        self._paths_in_use[path] += 1
         include = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
-        tracked = _Tracked(path, step.prompt_token_ids, include)
-        if path != self.default_path(step.req_id):
+        tracked = _Tracked(path, step.prompt_token_ids, include, keyed=keyed is not None)
+        self._requests[step.req_id] = tracked
+        if problem is None and path != self.default_path(step.req_id):
             # A client-chosen directory: find out now, not when the writer fails.
             reason = usable_directory(os.path.dirname(path))
             if reason is not None:
-                tracked.refused = True
-                tracked.failure = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
-                log.warning("request %s: %s", step.req_id, tracked.failure)
+                problem = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
                 self.stats.refused_path()
-        if not tracked.refused:
+        if problem is None:
+            tracked.tags, problem = requested_tags(params)
+        if problem is None:
             prompt = step.prompt_token_ids
             mask, problem = requested_mask(params, None if prompt is None else len(prompt), include)
             tracked.loss_mask = mask
-            if problem is not None:
-                # Refused like an unusable path: a sample without its mask would
-                # silently train on every token.
-                tracked.refused, tracked.failure = True, problem
-                log.warning("request %s: %s; no sample is written", step.req_id, problem)
-        self._requests[step.req_id] = tracked
+        if problem is not None:
+            # Refused before any lock: a sample without its mask would silently train on
+            # every token, one without its tags could not be told apart.
+            tracked.refused, tracked.failure = True, problem
+            log.warning("request %s: %s; no sample is written", step.req_id, problem)
+        elif keyed is not None and sample_exists(keyed):
+            # A retry of a request whose sample is complete: answer with it, write nothing.
+            tracked.found = True
+            log.info("request %s: %s is complete already (idempotency key)", step.req_id, keyed)
         return tracked
+
+    def _written_without_key(self, path: str) -> bool:
+        """Whether a request in flight writes ``path`` under a name no key gave it."""
+        if not self._paths_in_use[path]:
+            return False
+        return any(t.path == path and not t.keyed for t in self._requests.values())
 
     def _prompt_order(self, req_id: str, tracked: _Tracked) -> SaveOrder:
         """The save of a prompt whose last token this step computes."""
@@ -205,6 +234,7 @@ class SchedulerSide:
             len(tracked.prompt),
             written_this_step=True,
             loss_mask=tracked.loss_mask,
+            tags=tracked.tags,
         )
         if len(order.block_ids) * self.block_size < len(order.token_ids):
             tracked.failure = order.failure = (
@@ -221,11 +251,15 @@ class SchedulerSide:
         tracked = self._requests.pop(req_id, None)
         if tracked is None:
             return False, None  # never scheduled: no lock, nothing computed
-        self._paths_in_use.discard(tracked.path)
+        self._paths_in_use[tracked.path] -= 1
+        if self._paths_in_use[tracked.path] <= 0:
+            del self._paths_in_use[tracked.path]
         result: dict[str, Any] = {PATH_PARAM: tracked.path}
         result |= transfer_params(self.config, self.root, tracked.path)  # store name, URL
         if tracked.refused:  # the worker holds nothing for it: free the blocks now
             return False, result | {ERROR_PARAM: tracked.failure}
+        if tracked.found:
+            return False, result | {EXISTED_PARAM: True}
         if tracked.ordered:
             # Its prompt was complete and is being written; what happened after (more
             # decoding, an abort) does not change those hidden states.
@@ -233,6 +267,7 @@ class SchedulerSide:
                 result[ERROR_PARAM] = tracked.failure
             return True, result
         order = self._finish_order(request, tracked, block_ids)
+        order.tags = tracked.tags
         if order.failure:
             result[ERROR_PARAM] = order.failure
         self._deliver(order)

@@ -33,6 +33,7 @@ from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderListener
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.engine.sleep_guard import RELEASE_REASON, SleepGuard
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import SaveJob
@@ -41,6 +42,7 @@ from hidden_state_connector.engine.write.store_backend import StoreBackend
 from hidden_state_connector.engine.write.target import SampleTarget, pin_sample
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
+from hidden_state_reader.format import tag_metadata
 
 log = get_logger(__name__)
 
@@ -96,6 +98,7 @@ class WorkerSide:
         self._engine_key = compat.engine_key(vllm_config)
         self._listener: OrderListener | None = None
         self._closed = False
+        self.sleep = SleepGuard(config.shutdown_timeout, self._mutex)
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -233,6 +236,8 @@ class WorkerSide:
         assert self.pipeline is not None
         target = self._targets.pop(order.req_id, None)
         failure = order.failure or self._target_errors.pop(order.req_id, None)
+        if failure is None and self.sleep.released:  # its states went with the cache
+            failure = RELEASE_REASON
         if failure is None and target is None:
             try:  # not pinned at schedule time (should not happen): do it now
                 target = self._pin(order.req_id, order.path)
@@ -249,7 +254,8 @@ class WorkerSide:
             dir_fd=target.dir_fd if target is not None else None,
             metadata=self.capture.metadata(
                 request_id=order.req_id, num_prompt_tokens=order.num_prompt_tokens
-            ),
+            )
+            | tag_metadata(order.tags),
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
             loss_mask=_mask_tensor(order.loss_mask),

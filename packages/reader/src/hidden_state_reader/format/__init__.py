@@ -15,6 +15,7 @@ from hidden_state_reader.format.header import (
     read_header_fd,
     sample_metadata,
 )
+from hidden_state_reader.format.idempotency import keyed_sample_name
 from hidden_state_reader.format.lockfile import (
     LockState,
     LockStatus,
@@ -45,6 +46,7 @@ from hidden_state_reader.format.publish import (
     tensor_bytes,
     write_sample,
 )
+from hidden_state_reader.format.tags import check_tags, sample_tags, tag_metadata
 from hidden_state_reader.format.tensors import TensorInfo
 
 __all__ = [
@@ -65,9 +67,11 @@ __all__ = [
     "SharedLock",
     "TensorInfo",
     "WriterLock",
+    "check_tags",
     "classify",
     "encode_header",
     "has_nonfinite",
+    "keyed_sample_name",
     "lock_path",
     "natural_key",
     "open_dir_beneath",
@@ -79,6 +83,8 @@ __all__ = [
     "safe_component",
     "sample_key",
     "sample_metadata",
+    "sample_tags",
+    "tag_metadata",
     "temp_path",
     "tensor_bytes",
     "write_sample",

@@ -72,6 +72,8 @@ class Meta:
     NUM_HIDDEN_LAYERS = "num_hidden_layers"  # decimal; layer id N = the last layer's output
     MODEL_REVISION = "model_revision"  # commit hash (or revision) of the model's weights
     VLLM_VERSION = "vllm_version"  # the vLLM that computed the hidden states
+    # JSON list of the entries that are a client's tags (``tags.py``), each under its key.
+    TAG_KEYS = "tag_keys"
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,9 @@ class StorePublisher:
     def publish(self, name: str, data: bytes | memoryview | mmap.mmap) -> None:
         """Store one complete sample file's bytes, then announce them.
 
+        A name whose bytes are in the store already (a retried request with the same
+        idempotency key) is left as it is and not announced again: one sample per name.
+
         Raises:
             SampleError: The bytes are not a complete sample (nothing is stored).
             StoreFullError: The store stayed full for ``full_timeout`` seconds.
@@ -83,6 +86,9 @@ class StorePublisher:
         """
         key = data_key(self.prefix, name)
         header = parse_sample_header(key, data)
+        if self.client.exists([key])[0]:
+            log.info("%s is in the store already (a retry?): kept, not announced again", name)
+            return
         self.client.put(key, data, full_timeout=self.full_timeout)
         crc = header.metadata.get(Meta.CRC32, "")
         self._commit(CommitRecord(name, True, header.file_size, crc))

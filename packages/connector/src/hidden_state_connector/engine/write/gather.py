@@ -223,6 +223,11 @@ class Extractor:
         if self.on_cuda and self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
+    def wait_copies(self) -> None:
+        """Return once every copy issued so far has completed (CPU copies already have)."""
+        if self.on_cuda and self._stream is not None:
+            self._stream.synchronize()
+
     def record_done(self) -> object | None:
         """An event that completes when every copy issued so far has completed."""
         if not self.on_cuda:

@@ -41,6 +41,8 @@ from hidden_state_connector.engine.write.sample_file import FileOptions, write_s
 from hidden_state_connector.engine.write.trace import StageTrace
 from hidden_state_reader.format.flockwait import threads_ignore_signals
 
+PREEMPTED = "request preempted while its hidden states were being copied"
+
 
 def _fail_unstarted(job: SaveJob, stats: WriteStats, reason: str, *, dropped: bool = False) -> None:
     """Fail a job no writer thread will take (it is still reported finished)."""
@@ -165,18 +167,19 @@ class WritePipeline:
                 return  # out of slabs
             self._jobs.popleft()
 
-    def flush(self, req_ids: set[str], timeout: float) -> None:
-        """Finish issuing the copies of these jobs before the model may reuse their blocks.
+    def flush(self, req_ids: set[str] | None, timeout: float, reason: str = PREEMPTED) -> None:
+        """Finish issuing the copies of these jobs (None: all) before their blocks go.
 
-        For requests preempted after their save was ordered: vLLM frees a preempted
-        request's blocks, and the next forward pass may overwrite them. Blocks the
-        engine's thread until every chunk of those jobs (and of the jobs ahead of them)
-        is copied, as writers return slabs, or ``timeout`` passes (then they fail:
-        nothing stale is published); on CUDA the model's stream then waits for the copies.
+        For requests preempted after their save was ordered (vLLM frees their blocks,
+        the next forward pass may overwrite them), and before sleep releases the cache.
+        Blocks the engine's thread until every chunk of those jobs (and of the jobs ahead
+        of them) is copied, as writers return slabs, or ``timeout`` passes (then they fail
+        with ``reason``: nothing stale is published); on CUDA the model's stream then
+        waits for the copies.
         """
         deadline = time.monotonic() + timeout
         with self._cond:
-            targets = [j for j in self._jobs if j.req_id in req_ids]
+            targets = [j for j in self._jobs if req_ids is None or j.req_id in req_ids]
             if not targets:
                 return
             self.extractor.begin_step()
@@ -188,7 +191,7 @@ class WritePipeline:
                 self._cond.wait(min(left, 1.0))  # woken by a returned slab
             for job in targets:
                 if not job.produced_all:
-                    job.fail("request preempted while its hidden states were being copied")
+                    job.fail(reason)
                     # Fails fast: only ends the job's chunk stream.
                     issue_copies(job, self.pool, self.extractor, self.trace)
                     self._jobs.remove(job)
