@@ -37,7 +37,9 @@ def add_grace_argument(parser: argparse.ArgumentParser, default: float) -> None:
         default=default,
         metavar="S",
         help="seconds a lock without data, or an unlocked truncated/temporary file, may "
-        "stay unchanged and still count as pending",
+        "stay unchanged and still count as pending. A lock whose writer ran on this host "
+        "and is gone (its process no longer runs) is stale at once; the reason says "
+        "which case applies",
     )
 
 
