@@ -24,10 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_reader.cli.common import (
+    EMPTY_EXIT_RULE,
     EXIT_PROBLEMS,
     Progress,
     add_grace_argument,
     add_progress_argument,
+    add_require_samples_argument,
+    empty_is_failure,
     print_json,
     require_dir,
 )
@@ -75,8 +78,9 @@ def register(subparsers: Any) -> None:
         "With --checksums every sample's data is read and its CRC32 checked; files without "
         "one are\ncounted (\"N of M files have no CRC32\"): corruption there cannot be "
         "detected.\n\n"
-        "exit status: 0 no problems, 1 problems found (with --require-checksums: also a "
-        "file without\na CRC32) or no samples at all, 2 bad usage (e.g. no such directory)",
+        "exit status:\n  0  no problems\n  1  problems found (with --require-checksums: "
+        "also a file without a CRC32)\n  2  bad usage (e.g. no such directory)\n"
+        + EMPTY_EXIT_RULE,
         examples="""
 hidden-state verify /data/hs
 hidden-state verify /data/hs --checksums          # also read all data and check CRC32s
@@ -103,6 +107,7 @@ hidden-state verify /data/hs --json > report.json
         help="print a JSON report: directory, ok, samples, states, problems (one object "
         "per problem, as `ls --json`), checksums",
     )
+    add_require_samples_argument(p)
     add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
@@ -167,7 +172,8 @@ def run_verify(args: argparse.Namespace) -> int:
     problems = [r for r in results if r.problem]
     crc = _checksum_report(samples) if checksums else None
     missing_crc = bool(args.require_checksums and crc is not None and crc["missing"])
-    rc = EXIT_PROBLEMS if problems or not samples or missing_crc else EXIT_OK
+    empty_fails = not samples and empty_is_failure(root, args.require_samples)
+    rc = EXIT_PROBLEMS if problems or empty_fails or missing_crc else EXIT_OK
     if not samples:
         log.warning("%s", describe_empty(root))
     if args.json:
