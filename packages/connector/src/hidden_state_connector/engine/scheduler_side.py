@@ -14,8 +14,9 @@ complete:
   writing worker: in the same process (``handoff.same_process``) or over a local socket
   (``handoff.socket_channel``); else in the next step's metadata.
 
-``request_finished`` returns ``{"hidden_states_path": ...}`` to the client and keeps the
-KV blocks until the worker has copied them out.
+``request_finished`` returns ``{"hidden_states_path": ...}`` to the client (with the
+Mooncake Store backend ``hidden_states_key`` and ``hidden_states_url`` instead) and keeps
+the KV blocks until the worker has copied them out.
 """
 
 from __future__ import annotations
@@ -222,8 +223,10 @@ class SchedulerSide:
         if tracked is None:
             return False, None  # never scheduled: no lock, nothing computed
         self._paths_in_use.discard(tracked.path)
-        result: dict[str, Any] = {PATH_PARAM: tracked.path}
-        result |= transfer_params(self.config, self.root, tracked.path)  # store name, URL
+        # Files: the sample's path. The store: its key and URL, and no path (nothing is
+        # ever written there, so a path would send the client to a file that never exists).
+        store = transfer_params(self.config, self.root, tracked.path)
+        result: dict[str, Any] = dict(store) if store else {PATH_PARAM: tracked.path}
         if tracked.refused:  # the worker holds nothing for it: free the blocks now
             return False, result | {ERROR_PARAM: tracked.failure}
         if tracked.ordered:
