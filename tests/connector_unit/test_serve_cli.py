@@ -302,3 +302,32 @@ def test_help_names_each_default_once() -> None:
             assert len(re.findall(r"\(default\b", text)) <= 1, where
             if action.nargs == 0 or action.default in ([], {}):  # a flag, an empty list
                 assert not text.endswith(f"(default: {action.default})"), where
+
+
+def test_serve_to_a_store_needs_no_out(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    proc = hidden_state(
+        "serve", str(model), "--storage", "mooncake", "--store-master", "10.0.0.5:50051",
+        "--dry-run",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    printed = shlex.split(proc.stdout)
+    config = json.loads(printed[printed.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"] == {
+        "storage_backend": "mooncake",
+        "mooncake_master": "10.0.0.5:50051",
+    }  # no shared_storage_path: nothing is written to a directory
+    refused = {
+        ("--storage", "mooncake"): "--storage mooncake needs --store-master HOST:PORT",
+        ("--storage", "mooncake", "--store-master", "h:1", "--out", str(tmp_path / "o")):
+            "--out does not apply to --storage mooncake",
+        (): "--out DIR is required (or --storage mooncake",
+        ("--out", str(tmp_path / "o"), "--store-master", "h:1"):
+            "--store-master applies to --storage mooncake only",
+    }  # fmt: skip
+    for args, message in refused.items():
+        bad = hidden_state("serve", str(model), *args, "--dry-run")
+        assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
+    assert not (tmp_path / "o").exists()

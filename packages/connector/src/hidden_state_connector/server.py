@@ -34,12 +34,18 @@ def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def kv_transfer_config(out_dir: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that routes captured states to ``HiddenStateConnector``."""
+def kv_transfer_config(
+    out_dir: str | os.PathLike[str] | None, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that routes captured states to ``HiddenStateConnector``.
+
+    ``out_dir`` None leaves ``shared_storage_path`` out (the store backend writes none).
+    """
+    storage = {} if out_dir is None else {"shared_storage_path": os.fspath(out_dir)}
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": os.fspath(out_dir), **(extra or {})},
+        "kv_connector_extra_config": {**storage, **(extra or {})},
     }
 
 
@@ -49,7 +55,7 @@ class ServeOptions:
 
     Attributes:
         model: Model path or name.
-        out_dir: Storage directory for the samples.
+        out_dir: Storage directory for the samples (None with the store backend).
         layer_ids: Layers to capture.
         port: HTTP port on 127.0.0.1.
         connector: Extra ``kv_connector_extra_config`` keys.
@@ -61,7 +67,7 @@ class ServeOptions:
     """
 
     model: str
-    out_dir: str
+    out_dir: str | None
     layer_ids: Sequence[int]
     port: int = 8000
     connector: dict[str, Any] = field(default_factory=dict)
