@@ -111,14 +111,17 @@ def _read_proc(path: str) -> str | None:
 
 
 @functools.cache
-def _this_kernel() -> tuple[str | None, str | None]:
-    """This process's boot id and PID namespace (None where there is no /proc)."""
-    boot = _read_proc(f"{_PROC}/sys/kernel/random/boot_id")
+def _boot_id() -> str | None:
+    """The running kernel's boot id (None where there is no /proc)."""
+    return _read_proc(f"{_PROC}/sys/kernel/random/boot_id")
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace, e.g. ``pid:[4026531836]`` (None without /proc)."""
     try:
-        pid_ns: str | None = os.readlink(f"{_PROC}/self/ns/pid")
+        return os.readlink(f"{_PROC}/self/ns/pid")
     except OSError:
-        pid_ns = None
-    return boot, pid_ns
+        return None
 
 
 @dataclass(frozen=True)
@@ -151,12 +154,19 @@ def writer_identity() -> dict[str, Any]:
     another's) and ``start_ticks`` (the process start time in clock ticks after boot,
     ``/proc/PID/stat`` field 22: a reused pid has another one).
     """
-    identity: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname()}
-    boot, pid_ns = _this_kernel()
-    seen = process_seen(os.getpid())
-    if boot is not None and pid_ns is not None and seen is not None:
-        identity.update(boot_id=boot, pid_ns=pid_ns, start_ticks=seen.start_ticks)
-    return identity
+    return {"pid": os.getpid(), "host": socket.gethostname(), **_process_facts(os.getpid())}
+
+
+@functools.cache
+def _process_facts(pid: int) -> dict[str, Any]:
+    """``boot_id``, ``pid_ns`` and ``start_ticks`` of this process; {} without ``/proc``.
+
+    Looked up once per pid: a forked child is another pid, with its own start time.
+    """
+    boot, pid_ns, seen = _boot_id(), _pid_namespace(), process_seen(pid)
+    if boot is None or pid_ns is None or seen is None:
+        return {}
+    return {"boot_id": boot, "pid_ns": pid_ns, "start_ticks": seen.start_ticks}
 
 
 class WriterFate(enum.Enum):
@@ -194,7 +204,7 @@ def check_writer(status: LockStatus | None) -> WriterCheck:
     if not (isinstance(pid, int) and isinstance(boot, str) and isinstance(ticks, int)):
         why = "the lock does not record its writer's process (an older writer, or vLLM's)"
         return WriterCheck(WriterFate.UNKNOWN, why)
-    my_boot, my_pid_ns = _this_kernel()
+    my_boot = _boot_id()
     if boot != my_boot:
         if my_boot is not None and host == socket.gethostname():
             why = f"its writer (pid {pid}) ran on this host before it last restarted"
@@ -202,7 +212,7 @@ def check_writer(status: LockStatus | None) -> WriterCheck:
         return WriterCheck(
             WriterFate.ELSEWHERE, f"its writer (pid {pid}) ran on host {host}: not checkable here"
         )
-    if pid_ns != my_pid_ns:
+    if pid_ns != _pid_namespace():
         why = f"its writer (pid {pid}) ran in another PID namespace of this host: not checkable"
         return WriterCheck(WriterFate.ELSEWHERE, why)
     seen = process_seen(pid)
