@@ -154,3 +154,21 @@ def test_where_it_cannot_be_known_the_grace_period_stays(hs_dir: Path) -> None:
         assert old.state is SampleState.STALE and why in old.reason
     (hs_dir / "vllm.safetensors.lock").write_bytes(b"")  # vLLM's empty lock
     assert check_sample(hs_dir, "vllm.safetensors", grace=3600).state is SampleState.PENDING
+
+
+def test_verify_says_which_locks_only_the_grace_period_can_judge(hs_dir: Path) -> None:
+    write_samples(hs_dir, 1)
+    me = writer_identity()
+    fake_lock(hs_dir, "far.safetensors", **{**me, "host": "gpu-node-7", "boot_id": "0" * 36})
+    proc = run("verify", hs_dir, "--grace", HOUR)
+    assert proc.returncode == 0, proc.stdout
+    assert (
+        "pending far.safetensors: lock free for now and no data yet; lock created "
+    ) in proc.stdout
+    assert "ran on host gpu-node-7: not checkable here, so the 3600s grace period applies" in (
+        proc.stdout
+    )
+    report = json.loads(run("verify", hs_dir, "--grace", HOUR, "--json").stdout)
+    [undecided] = report["undecided"]
+    assert undecided["name"] == "far.safetensors"
+    assert undecided["writer_process"]["fate"] == "elsewhere"

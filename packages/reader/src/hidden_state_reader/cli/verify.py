@@ -105,7 +105,8 @@ hidden-state verify /data/hs --json > report.json
         "--json",
         action="store_true",
         help="print a JSON report: directory, ok, samples, states, problems (one object "
-        "per problem, as `ls --json`), checksums",
+        "per problem, as `ls --json`), undecided (free locks without data still in their "
+        "grace period), checksums",
     )
     add_require_samples_argument(p)
     add_grace_argument(p, GRACE)
@@ -170,6 +171,8 @@ def run_verify(args: argparse.Namespace) -> int:
     samples = [r for r in results if not r.is_temp]
     temps = [r for r in results if r.is_temp]
     problems = [r for r in results if r.problem]
+    # Free locks without data that only the grace period can judge: said, not hidden.
+    undecided = [r for r in samples if r.state is SampleState.PENDING and r.writer is not None]
     crc = _checksum_report(samples) if checksums else None
     missing_crc = bool(args.require_checksums and crc is not None and crc["missing"])
     empty_fails = not samples and empty_is_failure(root, args.require_samples)
@@ -188,6 +191,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 "states": count_states(samples),
                 "temp_states": count_states(temps),
                 "problems": [r.as_dict() for r in problems],
+                "undecided": [r.as_dict() for r in undecided],
             }
         )
         return rc
@@ -208,6 +212,10 @@ def run_verify(args: argparse.Namespace) -> int:
             "cannot be detected"
             + (" (--require-checksums: a problem)" if args.require_checksums else "")
         )
+    for r in undecided[:5]:
+        print(f"pending {r.name}: {r.reason}")
+    if len(undecided) > 5:
+        print(f"... and {len(undecided) - 5} more free locks without data (see --json)")
     if problems:
         n = len(problems)
         print(f"{n} problem{'s' if n != 1 else ''} found ({_clean_hint(problems, root)})")
