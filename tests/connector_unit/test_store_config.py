@@ -96,6 +96,7 @@ def test_a_store_response_names_the_key_and_no_local_file(tmp_path: Path) -> Non
     config = ConnectorConfig.from_extra_config({
         "storage_backend": "mooncake", "mooncake_master": "10.0.0.5:50051",
         "shared_storage_path": str(tmp_path), "instance_id": "unit",
+        "allow_custom_save_path": True,
     })  # fmt: skip
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(engine_id=f"unit-{uuid.uuid4().hex}"),
@@ -104,10 +105,16 @@ def test_a_store_response_names_the_key_and_no_local_file(tmp_path: Path) -> Non
     side = SchedulerSide(config, vllm_config, 4, 1, WriteStats(0))
     try:
         prompt, blocks = list(range(10, 16)), [3, 1]
-        side.build_metadata(
-            scheduler_output(new=(new_request("req-s", prompt, blocks),), scheduled={"req-s": 6})
+        # A local file where the name's folder would be: the name is still a fine key.
+        (tmp_path / "run1").write_text("not a folder")
+        chosen = {"hidden_states_path": "run1/chosen.safetensors"}
+        requests = (
+            new_request("req-s", prompt, blocks),
+            new_request("req-c", prompt, [2, 0], chosen),
         )
+        side.build_metadata(scheduler_output(new=requests, scheduled={"req-s": 6, "req-c": 6}))
         _, params = side.request_finished(finished_request("req-s", prompt, [7]), blocks)
+        _, named = side.request_finished(finished_request("req-c", prompt, [7]), [2, 0])
     finally:
         side.shutdown()
     assert params == {
@@ -115,3 +122,9 @@ def test_a_store_response_names_the_key_and_no_local_file(tmp_path: Path) -> Non
         "hidden_states_url": "mooncake://10.0.0.5:50051/hs/req-s.unit.safetensors",
     }
     assert Completion(0, None, params=params).sample == params["hidden_states_url"]
+    # A client-chosen name is a store key: no local folder is looked at or made.
+    assert named == {
+        "hidden_states_key": "run1/chosen.safetensors",
+        "hidden_states_url": "mooncake://10.0.0.5:50051/hs/run1/chosen.safetensors",
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["run1"]

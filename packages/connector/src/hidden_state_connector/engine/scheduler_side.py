@@ -174,8 +174,9 @@ class SchedulerSide:
         self._paths_in_use.add(path)
         include = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
         tracked = _Tracked(path, step.prompt_token_ids, include)
-        if path != self.default_path(step.req_id):
-            # A client-chosen directory: find out now, not when the writer fails.
+        if path != self.default_path(step.req_id) and self.config.storage_backend == "files":
+            # A client-chosen directory: find out now, not when the writer fails. (The
+            # store backend writes no directory: the path only names the store key.)
             reason = usable_directory(os.path.dirname(path))
             if reason is not None:
                 tracked.refused = True
