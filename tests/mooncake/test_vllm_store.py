@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ def test_round_trip_through_the_connector(
         result["errors"], strict=True,
     ):  # fmt: skip
         assert params["hidden_states_url"].endswith("/vllm/" + params["hidden_states_key"])
+        assert "hidden_states_path" not in params, "no local file is written: none is named"
         assert tokens == prompt
         assert layer_ids == [1, 2, 4]
         assert errors and max(errors) < 1e-4, errors
-    assert not os.path.exists("/nonexistent-unused"), "the store backend writes no files"

@@ -37,7 +37,8 @@ def main() -> None:
         model=model, dtype="float32", max_model_len=512, enforce_eager=True,
         kv_cache_memory_bytes=256 * 1024**2, skip_tokenizer_init=True, seed=0,
         speculative_config=speculative_config(LAYERS),
-        kv_transfer_config=kv_transfer_config("/nonexistent-unused", {
+        # No shared_storage_path (as `hidden-state serve --storage mooncake` starts it).
+        kv_transfer_config=kv_transfer_config(None, {
             "storage_backend": "mooncake", "mooncake_master": master,
             "mooncake_prefix": prefix, "mooncake_local_hostname": "127.0.0.1",
             "mooncake_buffer_bytes": "64MiB", "num_writer_threads": 2, "stats_interval": 0,

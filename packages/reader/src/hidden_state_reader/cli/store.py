@@ -2,7 +2,9 @@
 
 Both run the binaries of the installed Mooncake wheel (``mooncake_master``,
 ``mooncake_client``) in the foreground with the flags this project's store backend
-expects; Ctrl-C stops them. For production, run the binaries under your supervisor
+expects. The command *becomes* the binary (``exec``), so its pid is the binary's: Ctrl-C,
+``kill PID`` (SIGTERM) or a supervisor's stop reach it directly and nothing is left
+behind holding the port. For production, run the binaries under your supervisor
 (``docs/scale-out.md``); ``--dry-run`` prints the command to copy.
 """
 
@@ -12,7 +14,6 @@ import argparse
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from typing import Any
 
@@ -28,7 +29,9 @@ def register(subparsers: Any) -> None:
         description="Run mooncake_master in the foreground: the directory of a Mooncake "
         "Store. Producers (vLLM\nwith storage_backend=mooncake) and readers "
         "(mooncake://HOST:PORT/PREFIX) connect to it.\nIt holds no sample data: "
-        "segment hosts (`hidden-state store-host`) or readers with ?segment= do.",
+        "segment hosts (`hidden-state store-host`) or readers with ?segment= do.\n"
+        "The command becomes mooncake_master (same pid): stop it with Ctrl-C or "
+        "`kill PID` (SIGTERM).",
         examples="""
 hidden-state store-master --host 127.0.0.1 --port 50051
 hidden-state store-master --host 0.0.0.0 --port 50051 --dry-run""",
@@ -43,7 +46,8 @@ hidden-state store-master --host 0.0.0.0 --port 50051 --dry-run""",
         summary="host Mooncake Store memory next to the trainers",
         description="Run mooncake_client in the foreground: contributes SIZE of memory to "
         "the store, so samples\nsurvive restarts of vLLM and of the trainers (neither needs "
-        "to host any).",
+        "to host any).\nThe command becomes mooncake_client (same pid): stop it with "
+        "Ctrl-C or `kill PID` (SIGTERM);\nthe samples in its memory are gone then.",
         examples="""
 hidden-state store-host --master 127.0.0.1:50051 --size 8GB
 hidden-state store-host --master 10.0.0.5:50051 --hostname 10.0.0.7 --size 64GB""",
@@ -69,13 +73,18 @@ def _binary(name: str) -> str:
 
 
 def _run(argv: list[str], dry_run: bool) -> int:
+    """Print ``argv`` (dry run), or replace this process with it.
+
+    A child process would outlive a launcher stopped by SIGTERM (and keep the port);
+    as the same process there is no launcher to outlive.
+    """
     if dry_run:
         print(shlex.join(argv))
         return EXIT_OK
-    try:
-        return subprocess.call(argv)
-    except KeyboardInterrupt:
-        return EXIT_OK
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return EXIT_OK  # not reached
 
 
 def run_master(args: argparse.Namespace) -> int:

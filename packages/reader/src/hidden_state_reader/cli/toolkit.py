@@ -38,15 +38,24 @@ class CliError(Exception):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description and the examples epilog as written; shows defaults."""
+    """Keeps the description and the examples epilog as written; shows defaults.
+
+    A default is appended once, and only where it says something: not when the help
+    already names the default, not for a flag (``--no-checksum``'s ``True``), not for an
+    empty list or mapping.
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
+        default = action.default
         if (
-            "%(default)" not in text
-            and action.default not in (None, False, argparse.SUPPRESS)
+            text
             and action.option_strings
-            and text
+            and action.nargs != 0
+            and "default" not in text
+            and default is not None
+            and default is not argparse.SUPPRESS
+            and default not in ([], {})
         ):
             text += " (default: %(default)s)"
         return text

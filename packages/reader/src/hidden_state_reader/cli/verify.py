@@ -6,7 +6,9 @@ re-checks each candidate at the moment of removal:
 * a lock file is removed while ``clean`` itself holds ``LOCK_EX`` on it (so no writer
   or reader holds it), after checking that the name still refers to the inode it
   locked (a new writer replaces lock files by rename) and, for a stale or failed lock,
-  that the data file has still not appeared;
+  that the data file has still not appeared; a stale lock whose writer is known to be
+  gone (it ran on this host: ``format.lockfile.check_writer``) needs no ``--older-than``
+  wait, but must still name that writer when it is removed;
 * a temporary file is removed only if the lock protecting it is still not held and it
   is still unchanged for ``--older-than`` seconds.
 """
@@ -22,10 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_reader.cli.common import (
+    EMPTY_EXIT_RULE,
     EXIT_PROBLEMS,
     Progress,
     add_grace_argument,
     add_progress_argument,
+    add_require_samples_argument,
+    empty_is_failure,
     print_json,
     require_dir,
 )
@@ -33,7 +38,13 @@ from hidden_state_reader.cli.table import format_table
 from hidden_state_reader.cli.toolkit import EXIT_OK, add_command, format_bytes, non_negative_float
 from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.listing import describe_empty
-from hidden_state_reader.format.lockfile import LockState, probe
+from hidden_state_reader.format.lockfile import (
+    LockState,
+    WriterFate,
+    check_writer,
+    probe,
+    read_status_fd,
+)
 from hidden_state_reader.format.names import LOCK_SUFFIX
 from hidden_state_reader.sample.health import (
     SampleHealth,
@@ -47,6 +58,7 @@ log = logging.getLogger(__name__)
 
 _ORPHAN_TEMP = "orphan temp file"
 _READY_LOCK = "lock of ready sample"
+_DEAD_WRITER_LOCK = "stale lock (writer gone)"
 
 _CLEANABLE = (SampleState.STALE, SampleState.FAILED, SampleState.ORPHAN_TEMP)
 
@@ -66,8 +78,9 @@ def register(subparsers: Any) -> None:
         "With --checksums every sample's data is read and its CRC32 checked; files without "
         "one are\ncounted (\"N of M files have no CRC32\"): corruption there cannot be "
         "detected.\n\n"
-        "exit status: 0 no problems, 1 problems found (with --require-checksums: also a "
-        "file without\na CRC32) or no samples at all, 2 bad usage (e.g. no such directory)",
+        "exit status:\n  0  no problems\n  1  problems found (with --require-checksums: "
+        "also a file without a CRC32)\n  2  bad usage (e.g. no such directory)\n"
+        + EMPTY_EXIT_RULE,
         examples="""
 hidden-state verify /data/hs
 hidden-state verify /data/hs --checksums          # also read all data and check CRC32s
@@ -92,8 +105,10 @@ hidden-state verify /data/hs --json > report.json
         "--json",
         action="store_true",
         help="print a JSON report: directory, ok, samples, states, problems (one object "
-        "per problem, as `ls --json`), checksums",
+        "per problem, as `ls --json`), undecided (free locks without data still in their "
+        "grace period), checksums",
     )
+    add_require_samples_argument(p)
     add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
@@ -127,7 +142,8 @@ hidden-state clean /data/hs --grace 0 --json  # --grace is --older-than
         metavar="S",
         help="only remove files unchanged for at least S seconds; also the grace period "
         "that decides what is stale or orphaned (--grace is the same option, as in the "
-        "other commands)",
+        "other commands). A lock whose writer ran on this host and is gone is stale at "
+        "once and removed whatever S",
     )
     p.add_argument(
         "--locks",
@@ -155,9 +171,12 @@ def run_verify(args: argparse.Namespace) -> int:
     samples = [r for r in results if not r.is_temp]
     temps = [r for r in results if r.is_temp]
     problems = [r for r in results if r.problem]
+    # Free locks without data that only the grace period can judge: said, not hidden.
+    undecided = [r for r in samples if r.state is SampleState.PENDING and r.writer is not None]
     crc = _checksum_report(samples) if checksums else None
     missing_crc = bool(args.require_checksums and crc is not None and crc["missing"])
-    rc = EXIT_PROBLEMS if problems or not samples or missing_crc else EXIT_OK
+    empty_fails = not samples and empty_is_failure(root, args.require_samples)
+    rc = EXIT_PROBLEMS if problems or empty_fails or missing_crc else EXIT_OK
     if not samples:
         log.warning("%s", describe_empty(root))
     if args.json:
@@ -172,6 +191,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 "states": count_states(samples),
                 "temp_states": count_states(temps),
                 "problems": [r.as_dict() for r in problems],
+                "undecided": [r.as_dict() for r in undecided],
             }
         )
         return rc
@@ -192,6 +212,10 @@ def run_verify(args: argparse.Namespace) -> int:
             "cannot be detected"
             + (" (--require-checksums: a problem)" if args.require_checksums else "")
         )
+    for r in undecided[:5]:
+        print(f"pending {r.name}: {r.reason}")
+    if len(undecided) > 5:
+        print(f"... and {len(undecided) - 5} more free locks without data (see --json)")
     if problems:
         n = len(problems)
         print(f"{n} problem{'s' if n != 1 else ''} found ({_clean_hint(problems, root)})")
@@ -274,7 +298,8 @@ def _candidates(results: list[SampleHealth], *, locks: bool, older_than: float) 
         if item is None:
             continue
         item.file_bytes = _file_bytes(item.path)
-        if not item.outcome and r.age is not None and r.age < older_than:
+        young = r.age is not None and r.age < older_than and not r.writer_gone
+        if not item.outcome and young:
             item.outcome = "kept"
             item.detail = f"modified {r.age:.0f}s ago, less than --older-than {older_than:g}s"
         out.append(item)
@@ -288,7 +313,8 @@ def _candidate(r: SampleHealth, *, locks: bool) -> Removal | None:
             return Removal(r.path, _ORPHAN_TEMP, r.reason)
         return Removal(r.path, "temp file", r.reason, outcome="kept", detail=r.reason)
     if r.state in (SampleState.STALE, SampleState.FAILED):
-        return Removal(_lock(r), f"{r.state.value} lock", r.reason)
+        what = _DEAD_WRITER_LOCK if r.writer_gone else f"{r.state.value} lock"
+        return Removal(_lock(r), what, r.reason)
     if r.state is SampleState.READY and r.lock is LockState.FREE:
         if locks:
             return Removal(_lock(r), _READY_LOCK, "sample complete, lock free")
@@ -320,7 +346,9 @@ def _age(path: str) -> float:
     return time.time() - os.stat(path).st_mtime
 
 
-def remove_lock(lock_file: str, *, older_than: float, require_no_data: bool) -> str | None:
+def remove_lock(
+    lock_file: str, *, older_than: float, require_no_data: bool, writer_gone: bool = False
+) -> str | None:
     """Remove a lock file if nobody holds it; the caller decided it is not needed.
 
     The file is locked ``LOCK_EX`` (non-blocking) for the duration of the checks and the
@@ -331,6 +359,8 @@ def remove_lock(lock_file: str, *, older_than: float, require_no_data: bool) -> 
         lock_file: ``NAME.safetensors.lock``.
         older_than: Leave it if modified less than this many seconds ago.
         require_no_data: Leave it if ``NAME.safetensors`` exists (stale/failed locks).
+        writer_gone: Instead of ``older_than``: leave it unless the status in it still
+            names a writer that is gone (``check_writer``).
 
     Returns:
         None if it was removed, otherwise why it was left.
@@ -351,7 +381,10 @@ def remove_lock(lock_file: str, *, older_than: float, require_no_data: bool) -> 
             return "already gone"
         if (mine.st_dev, mine.st_ino) != (current.st_dev, current.st_ino):
             return "replaced by a new writer"
-        if time.time() - current.st_mtime < older_than:
+        if writer_gone:
+            if check_writer(read_status_fd(fd)).fate is not WriterFate.GONE:
+                return "rewritten by a writer that is not known to be gone"
+        elif time.time() - current.st_mtime < older_than:
             return f"modified less than {older_than:g}s ago"
         if require_no_data and os.path.lexists(lock_file[: -len(LOCK_SUFFIX)]):
             return "its data file has appeared"
@@ -423,6 +456,7 @@ def clean_directory(
                     item.path,
                     older_than=older_than,
                     require_no_data=item.what != _READY_LOCK,
+                    writer_gone=item.what == _DEAD_WRITER_LOCK,
                 )
         except OSError as exc:
             item.outcome, item.detail = "error", str(exc)

@@ -73,16 +73,15 @@ def describe_empty(root: str) -> str:
         One sentence naming the directory, what is in it, and which sub-folders hold
         samples (readers do not descend into them: point a reader at each).
     """
-    subdirs: list[str] = []
+    subdirs = sample_subfolders(root)
     others = temps = 0
     with os.scandir(root) as entries:
         for entry in entries:
             if entry.name.startswith(".") and classify(entry.name) is not Kind.TEMP:
                 continue  # the readers' own bookkeeping
             if entry.is_dir(follow_symlinks=False):
-                if _holds_samples(entry.path):
-                    subdirs.append(entry.name)
-            elif classify(entry.name) is Kind.TEMP:
+                continue
+            if classify(entry.name) is Kind.TEMP:
                 temps += 1
             else:
                 others += 1
@@ -91,12 +90,29 @@ def describe_empty(root: str) -> str:
         what.append(f"{temps} temporary file(s) (writers at work, or died)")
     text = f"no samples (*{DATA_SUFFIX}) found in {root}: " + (", ".join(what) or "it is empty")
     if subdirs:
-        shown = ", ".join(sorted(subdirs, key=natural_key)[:5])
+        shown = ", ".join(subdirs[:5])
         text += (
             f"; samples are in sub-folders ({shown}{', ...' if len(subdirs) > 5 else ''}), "
             "which readers do not search: point the reader at each sub-folder"
         )
     return text
+
+
+def sample_subfolders(root: str) -> list[str]:
+    """The sub-folders of ``root`` (not hidden ones) that hold samples, natural order.
+
+    Readers do not descend into them; a directory whose samples are all there is most
+    likely one level too high.
+    """
+    with os.scandir(root) as entries:
+        found = [
+            e.name
+            for e in entries
+            if not e.name.startswith(".")
+            and e.is_dir(follow_symlinks=False)
+            and _holds_samples(e.path)
+        ]
+    return sorted(found, key=natural_key)
 
 
 def _holds_samples(directory: str) -> bool:

@@ -29,7 +29,7 @@ from hidden_state_reader.format.fileio import (
 )
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.format.header import Meta
-from hidden_state_reader.format.lockfile import LockState, SharedLock, read_status
+from hidden_state_reader.format.lockfile import LockState, SharedLock, check_writer, read_status
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
@@ -270,7 +270,8 @@ class Decider:
             lock_age = None
         if not locked or lock_age is None:
             return Outcome(OutcomeKind.VANISHED, name)  # consumed elsewhere, or removed
-        obs = Observation(LockState.FREE, read_status(lock_file), lock_age)
+        status = read_status(lock_file)
+        obs = Observation(LockState.FREE, status, lock_age, writer=check_writer(status))
         return judged(name, data_path, judge(obs, self.grace), None, None, claim)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Generator, Sequence
 from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
 from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.format.lockfile import SharedLock
+from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.access import check_modes
 from hidden_state_reader.read.backend import Outcome
@@ -99,6 +100,8 @@ class DirectoryBackend:
             source = SnapshotSource(self.root, options.names, watch=options.watch)
             if options.names is None and not source.has_news():
                 log.warning("%s", describe_empty(self.root))
+            elif options.names is not None:
+                _warn_absent(self.root, options.names)
         self.source = source
         decider = Decider(
             self.root,
@@ -176,3 +179,31 @@ class DirectoryBackend:
             self.source.close()
         if self.membership is not None:
             self.membership.leave()
+
+
+def _warn_absent(root: str, names: Sequence[str]) -> None:
+    """Say which of the names a reader was asked for are not in ``root`` at all.
+
+    Such a name has neither its data file nor its lock: it was consumed and removed
+    already, or it was never written here (with the Mooncake Store backend nothing is:
+    read the store instead). The reader then yields nothing for it, and says so here
+    rather than returning fewer samples without a word.
+    """
+    absent = [
+        name
+        for name in names
+        if not os.path.lexists(os.path.join(root, name))
+        and not os.path.lexists(lock_path(os.path.join(root, name)))
+    ]
+    if absent:
+        shown = ", ".join(absent[:5]) + (", ..." if len(absent) > 5 else "")
+        log.warning(
+            "%d of the %d names asked for are not in %s (neither data file nor lock): %s. "
+            "Consumed and removed already, or never written there; a sample of the "
+            "Mooncake Store backend is read from its store: "
+            "HiddenStateReader(STORE_URL, names=[hidden_states_key]) (docs/scale-out.md)",
+            len(absent),
+            len(names),
+            root,
+            shown,
+        )

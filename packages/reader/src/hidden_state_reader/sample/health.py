@@ -39,7 +39,15 @@ from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import Meta, SampleHeader, read_header
 from hidden_state_reader.format.listing import list_entries
-from hidden_state_reader.format.lockfile import LockState, LockStatus, probe, read_status
+from hidden_state_reader.format.lockfile import (
+    LockState,
+    LockStatus,
+    WriterCheck,
+    WriterFate,
+    check_writer,
+    probe,
+    read_status,
+)
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
     LOCK_SUFFIX,
@@ -80,6 +88,7 @@ class SampleHealth:
             file) was modified.
         checksum_verified: True when a recorded CRC32 was checked and matched.
         is_temp: This entry is a temporary file, not a sample.
+        writer: For a free lock without data: what is known of its writer's process.
     """
 
     name: str
@@ -93,6 +102,12 @@ class SampleHealth:
     age: float | None = None
     checksum_verified: bool = False
     is_temp: bool = False
+    writer: WriterCheck | None = None
+
+    @property
+    def writer_gone(self) -> bool:
+        """The lock's writer ran on this host and is gone: no grace period is needed."""
+        return self.writer is not None and self.writer.fate is WriterFate.GONE
 
     @property
     def ok(self) -> bool:
@@ -144,6 +159,8 @@ class SampleHealth:
             out["lock_status"] = {"state": current.state, **current.detail}
         elif self.lock_status is not None and self.lock_status.detail:
             out["writer"] = dict(self.lock_status.detail)  # who wrote it: pid, host, request
+        if self.writer is not None:
+            out["writer_process"] = {"fate": self.writer.fate.value, "why": self.writer.why}
         if self.header is not None:
             h = self.header
             out.update(
@@ -251,6 +268,8 @@ def _check_sample(
         st = None
     data_mtime = st.st_mtime if st is not None else None
     status = read_status(lock_file) if lock is not LockState.ABSENT else None
+    # Only a free lock without data asks whether its writer still runs (a /proc look-up).
+    writer = check_writer(status) if st is None and lock is LockState.FREE else None
     header: SampleHeader | None = None
     problem: SampleError | None = None
     if st is not None and lock is not LockState.HELD:
@@ -272,6 +291,7 @@ def _check_sample(
         _age(now, data_mtime),
         problem,
         header.num_tokens if header is not None else None,
+        writer,
     )
     try:
         verdict = judge(obs, grace)
@@ -292,6 +312,7 @@ def _check_sample(
         size=st.st_size if st is not None else None,
         age=_age(now, lock_mtime, data_mtime),
         checksum_verified=verified,
+        writer=writer,
     )
 
 

@@ -6,7 +6,9 @@ to yield, wait or skip, ``len(HiddenStateDataset)``, and the ``ls``, ``stats``,
 sample (its lock, the status the writer left in it, whether and how old the data file
 is, what reading it found) and asks ``judge`` for the verdict. There is one grace period,
 ``GRACE``: how long a released lock without data, or a lock-less file that fails to
-parse, may be young and still count as work in progress.
+parse, may be young and still count as work in progress. It is not needed where the
+writer is known to be gone (its lock records a process of this host that no longer
+runs: ``format.lockfile.check_writer``): such a lock is stale at once.
 
 States (``SampleState``):
 
@@ -20,7 +22,8 @@ States (``SampleState``):
 ``failed``
     The writer gave up and said why in the lock file; there is no data file.
 ``stale``
-    A released lock, older than the grace period, whose data file never appeared.
+    A released lock whose data file never appeared, whose writer is known to be gone
+    or that is older than the grace period.
 ``incomplete``
     The data file is shorter than its header promises and no writer is at work.
 ``corrupt``
@@ -37,7 +40,7 @@ import enum
 from dataclasses import dataclass
 
 from hidden_state_reader.errors import IncompleteSampleError, SampleError
-from hidden_state_reader.format.lockfile import LockState, LockStatus
+from hidden_state_reader.format.lockfile import LockState, LockStatus, WriterCheck, WriterFate
 
 GRACE = 30.0
 """Seconds a released lock without data, a lock-less truncated file or a temporary file
@@ -83,6 +86,8 @@ class Observation:
         data_age: Seconds since the data file was modified (None without one).
         problem: What reading the data file found wrong (None: it is valid).
         num_tokens: Tokens of a valid data file.
+        writer: What could be found out about the process that wrote the lock's status
+            (``format.lockfile.check_writer``); None when it was not looked at.
     """
 
     lock: LockState
@@ -92,6 +97,7 @@ class Observation:
     data_age: float | None = None
     problem: SampleError | None = None
     num_tokens: int | None = None
+    writer: WriterCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -153,15 +159,24 @@ def _without_data(obs: Observation, grace: float) -> Verdict:
         raise FileNotFoundError("neither the data file nor its lock exists")
     if obs.status is not None and obs.status.failed:
         return Verdict(SampleState.FAILED, f"writer reported failure: {obs.status.reason}")
+    writer = obs.writer
+    if writer is not None and writer.fate is WriterFate.GONE:
+        return Verdict(
+            SampleState.STALE, f"lock released, the data file never appeared and {writer.why}"
+        )
+    # Whether the writer lives cannot be told here: the grace period decides.
+    case = f"; {writer.why}, so the {grace:g}s grace period applies" if writer else ""
     age = obs.lock_age
     if age is not None and age < grace:
         return Verdict(
             SampleState.PENDING,
-            f"lock free for now and no data yet; lock created {age:.1f}s ago",
+            f"lock free for now and no data yet; lock created {age:.1f}s ago{case}",
             recheck_in=grace - age,
         )
     unchanged = f" (unchanged for {age:.0f}s)" if age is not None else ""
-    return Verdict(SampleState.STALE, f"lock released but the data file never appeared{unchanged}")
+    return Verdict(
+        SampleState.STALE, f"lock released but the data file never appeared{unchanged}{case}"
+    )
 
 
 def _writer(status: LockStatus | None) -> str:
