@@ -92,6 +92,7 @@ def render(rows: list[dict[str, Any]], date: str) -> str:
     out += _long_table([r for r in thr if r.get("prompt_len", 0) > 1024])
     out += _decode_table(decode)
     out += _sustain_table([r for r in rows if r.get("kind") == "sustain"])
+    out += _train_feed_table([r for r in rows if r.get("kind") == "train_feed"])
     return "\n".join(out)
 
 
@@ -198,6 +199,28 @@ def _sustain_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['consumed']} ({'yes' if r['exactly_once'] else 'NO'}) | "
             f"{r['max_backlog_files']} | {_f(r['yield_latency_p50_ms'])} / "
             f"{_f(r['yield_latency_p99_ms'])} | {_f(r['tok_s'], 0)} | {_f(ratio, 3)} |"
+        )
+    return [*out, ""]
+
+
+def _train_feed_table(rows: list[dict[str, Any]]) -> list[str]:
+    """``train_feed.py`` rows: the trainer's tok/s per feed, and each feed alone."""
+    if not rows:
+        return []
+    out = [
+        "| call | row | feed (design) | storage | mode | workers | trainer tok/s | vs "
+        "synthetic | vs synthetic, same shapes | data wait | loader GB/s (bf16-eq.) | host "
+        "CPU-s per GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        feed = r["path"] + (f" ({r['device_design']})" if r.get("device_design") else "")
+        tok_s = _f(r["tok_s"], 0) + (" (alone)" if r.get("alone") else "")
+        out.append(
+            f"| {r.get('call', '')} | {r['row']} | {feed} | {r['storage_dtype']} | {r['mode']} | "
+            f"{r['workers']} | {tok_s} | {_f(r.get('ratio_vs_synthetic'), 3)} | "
+            f"{_f(r.get('ratio_vs_synthetic_varlen'), 3)} | {_f(r['data_wait_frac'], 3)} | "
+            f"{_f(r['loader_gb_s'])} | {_f(r.get('host_cpu_s_per_gb'), 3)} |"
         )
     return [*out, ""]
 
