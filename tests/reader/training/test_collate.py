@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,3 +141,38 @@ def test_module_level_collates_use_defaults() -> None:
     assert isinstance(pad_collate, PadCollate) and pad_collate.pad_token_id == 0
     assert pad_collate.max_length is None and pad_collate.pad_to_multiple_of is None
     assert isinstance(pack_collate, PackCollate) and pack_collate.max_tokens is None
+
+
+@pytest.mark.parametrize("collate", [PadCollate(pad_to_multiple_of=4), PackCollate()], ids=repr)
+def test_raw_fp8_batches_carry_their_scales(hs_dir: Path, collate: Any) -> None:
+    from hidden_state_reader.format import fp8, write_sample
+
+    for i, n in enumerate(LENGTHS):
+        tokens, hidden = make_tensors(i, n, 3, 8)
+        write_sample(hs_dir / f"hs_{i}.safetensors", tokens, hidden, storage="fp8_e4m3")
+    raw = collate(sorted(HiddenStateReader(hs_dir, raw_fp8=True), key=lambda s: s.path))
+    values = collate(sorted(HiddenStateReader(hs_dir), key=lambda s: s.path))
+    assert raw["hidden_states"].dtype == torch.float8_e4m3fn
+    assert raw["hidden_states_scales"].shape == (*raw["hidden_states"].shape[:3], 1)
+    # Dequantizing the batch gives what dequantizing each sample gives, padding zero.
+    got = fp8.dequantize(raw["hidden_states"], raw["hidden_states_scales"], torch.bfloat16)
+    assert torch.equal(got, values["hidden_states"])
+
+
+def test_fp8_codes_without_scales_are_refused() -> None:
+    tokens = torch.arange(4)
+    codes = torch.zeros(4, 2, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="without their scales"):
+        pad_collate([(tokens, codes)])
+
+
+def test_samples_with_other_scale_layouts_are_refused() -> None:
+    tokens = torch.arange(4)
+    codes = torch.zeros(4, 2, 8, dtype=torch.float8_e4m3fn)
+    per_layer = Sample(tokens, codes, "a", hidden_states_scales=torch.ones(4, 2, 1))
+    per_token = Sample(tokens, codes, "b", hidden_states_scales=torch.ones(4, 1, 1))
+    with pytest.raises(ValueError, match="different scale layouts"):
+        pack_collate([per_layer, per_token])
+    wrong = Sample(tokens, codes, "c", hidden_states_scales=torch.ones(3, 2, 1))
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_collate([wrong])
