@@ -85,11 +85,8 @@ def _capturing_classes(models_dir: str, modules: set[str]) -> set[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def capturing_architectures() -> frozenset[str] | None:
-    """Architectures of the installed vLLM whose model class has ``SupportsEagle3``.
-
-    None when vLLM's sources cannot be read (then nothing is refused on this ground).
-    """
+def _registry() -> tuple[frozenset[str], frozenset[str]] | None:
+    """(Architectures vLLM implements itself, those of them with the interface)."""
     models_dir = _models_dir()
     if models_dir is None:
         return None
@@ -101,7 +98,17 @@ def capturing_architectures() -> frozenset[str] | None:
     if not entries:
         return None
     classes = _capturing_classes(models_dir, {module for module, _ in entries.values()})
-    return frozenset(arch for arch, (_, cls) in entries.items() if cls in classes)
+    capturing = frozenset(arch for arch, (_, cls) in entries.items() if cls in classes)
+    return frozenset(entries), capturing
+
+
+def capturing_architectures() -> frozenset[str] | None:
+    """Architectures of the installed vLLM whose model class has ``SupportsEagle3``.
+
+    None when vLLM's sources cannot be read (then nothing is refused on this ground).
+    """
+    registry = _registry()
+    return None if registry is None else registry[1]
 
 
 def uses_mla(config: dict[str, Any]) -> bool:
@@ -144,8 +151,13 @@ def check_capturable(
             "capture a model without MLA, or run vLLM with VLLM_MLA_DISABLE=1 (plain "
             "attention; its values are not checked by this project's tests)."
         )
-    known = capturing_architectures()
-    if known is None or not architectures or any(a in known for a in architectures):
+    registry = _registry()
+    if registry is None:
+        return
+    implemented, known = registry
+    # Architectures vLLM does not implement itself (plugins, the Transformers backend)
+    # are left to vLLM to judge.
+    if not any(a in implemented for a in architectures) or any(a in known for a in architectures):
         return
     raise UnsupportedArchitectureError(
         f"{where}: vLLM {vllm_version} cannot capture the hidden states of {name}: its "
