@@ -34,6 +34,7 @@ pytestmark = pytest.mark.vllm
 CAPTURED = "captured, checked"
 REFUSED = "refused at start-up"
 NOT_RUN = "not run"
+PROMPT_ONLY = "prompt captured, checked, prefix caching off; otherwise refused at start-up"
 
 SUPPORT = {  # architecture -> what vLLM 0.32's CPU build does with it here
     "Llama": CAPTURED,
@@ -42,7 +43,7 @@ SUPPORT = {  # architecture -> what vLLM 0.32's CPU build does with it here
     "gpt-oss": CAPTURED,
     "DeepSeek-V2/V3, Kimi (MLA)": REFUSED,
     "Gemma 3": REFUSED,
-    "Nemotron-H (hybrid)": NOT_RUN,
+    "Nemotron-H (hybrid)": PROMPT_ONLY,
     "Qwen2.5-VL, Qwen3-VL (text path)": NOT_RUN,
 }
 ARCH = {  # matrix row -> tiny-model --arch
@@ -52,6 +53,7 @@ ARCH = {  # matrix row -> tiny-model --arch
     "gpt-oss": "gpt_oss",
     "DeepSeek-V2/V3, Kimi (MLA)": "deepseek_v2",
     "Gemma 3": "gemma3",
+    "Nemotron-H (hybrid)": "nemotron_h",
 }
 CORE = {"Qwen3", "Qwen3-MoE", "gpt-oss", "DeepSeek-V2/V3, Kimi (MLA)"}
 NUM_LAYERS = 4
@@ -78,7 +80,7 @@ def in_process() -> Iterator[None]:
     env.undo()
 
 
-def _engine(model: Path, out: Path) -> object:
+def _engine(model: Path, out: Path, *, prefix_caching: bool = True, outputs: bool = True) -> object:
     from vllm import LLM
 
     return LLM(
@@ -86,22 +88,27 @@ def _engine(model: Path, out: Path) -> object:
         dtype="float32",
         max_model_len=1024,
         max_num_batched_tokens=64,  # the 150-token prompts take chunked prefill
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
         enforce_eager=True,
         kv_cache_memory_bytes=256 * 1024**2,
         skip_tokenizer_init=True,
         seed=0,
         speculative_config=speculative_config(LAYERS),
         kv_transfer_config=kv_transfer_config(
-            str(out), {"include_output_tokens": True, "stats_interval": 0}
+            str(out), {"include_output_tokens": outputs, "stats_interval": 0}
         ),
     )
 
 
-def _generate(llm: object, prompts: list[list[int]]) -> list[object]:
+def _generate(llm: object, prompts: list[list[int]], params: dict | None = None) -> list[object]:
     from vllm import SamplingParams
 
-    sampling = SamplingParams(max_tokens=3, temperature=0.0, detokenize=False)
+    sampling = SamplingParams(
+        max_tokens=3,
+        temperature=0.0,
+        detokenize=False,
+        extra_args={"kv_transfer_params": params} if params else None,
+    )
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)  # type: ignore[attr-defined]
 
 
@@ -175,7 +182,7 @@ def test_captured_layers_equal_hugging_face(
     print(f"{row}: worst relative error {worst:.1e} (vLLM {vllm_version()})")
 
 
-@pytest.mark.parametrize("row", _rows(REFUSED))
+@pytest.mark.parametrize("row", _rows(REFUSED) + _rows(PROMPT_ONLY))
 def test_refused_at_start_up_within_a_minute_naming_the_architecture(
     row: str, tmp_path_factory: pytest.TempPathFactory, in_process: None
 ) -> None:
@@ -190,9 +197,42 @@ def test_refused_at_start_up_within_a_minute_naming_the_architecture(
     assert seconds < REFUSAL_S
     if ARCH[row] == "deepseek_v2":  # refused by the connector
         assert "HiddenStateConnector: DeepseekV2ForCausalLM uses multi-head latent" in message
+    elif ARCH[row] == "nemotron_h":
+        assert "HiddenStateConnector: NemotronHForCausalLM keeps a recurrent" in message
+        assert "--no-enable-prefix-caching" in message
     else:  # vLLM fails first (it loads the model before the connector starts); the
         # launchers refuse it with their own message (tests/connector_unit/test_architecture.py)
         assert "does not support EAGLE3" in message
+
+
+@pytest.mark.parametrize("row", _rows(PROMPT_ONLY))
+def test_prompt_only_capture_of_recurrent_models(
+    row: str, tmp_path_factory: pytest.TempPathFactory, in_process: None
+) -> None:
+    base = tmp_path_factory.mktemp(ARCH[row])
+    model = build_tiny_model(base / "model", arch=ARCH[row], dtype="float32", num_layers=NUM_LAYERS)
+    with pytest.raises(Exception) as info:  # generated tokens by default: refused
+        _engine(model, base / "refused", prefix_caching=False)
+    assert "include_output_tokens is refused" in "".join(str(e) for e in _chain(info.value))
+    gc.collect()
+    llm = _engine(model, base / "hs", prefix_caching=False, outputs=False)
+    try:
+        first, cached = _prompts()
+        outputs = _generate(llm, [*first, cached])
+        [asked] = _generate(llm, [first[1]], {"include_output_tokens": True})
+    finally:
+        del llm
+        gc.collect()
+    assert "include_output_tokens is refused" in asked.kv_transfer_params["hidden_states_error"]  # type: ignore[attr-defined]
+    reference = Reference(model)
+    worst = 0.0
+    for output in outputs:
+        sample = _read(output.kv_transfer_params["hidden_states_path"])  # type: ignore[attr-defined]
+        assert sample.token_ids.tolist() == list(output.prompt_token_ids)  # type: ignore[attr-defined]
+        errors = reference.worst_error(sample)
+        assert max(errors.values()) < RTOL, f"{row}: relative errors {errors}"
+        worst = max(worst, *errors.values())
+    print(f"{row}: worst relative error {worst:.1e} (prompt only; vLLM {vllm_version()})")
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:

@@ -49,8 +49,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface).
-        architecture.check_engine_model(vllm_config, compat.check_vllm_version())
+        found = compat.check_vllm_version()
         # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
         # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
         KVConnectorMetadata.register(HiddenStateConnectorMetadata)
@@ -58,6 +57,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_connector_extra_config
         )
         refuse_sleep_mode(vllm_config)
+        # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
+        # recurrent state with prefix caching or generated tokens).
+        architecture.check_engine_model(vllm_config, found, self.config.include_output_tokens)
         files = self.config.storage_backend == "files"
         if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
             # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.

@@ -142,6 +142,28 @@ def _gemma3(size: TinySize) -> tuple[Any, Any]:
     return config, Gemma3ForCausalLM
 
 
+def _nemotron_h(size: TinySize) -> tuple[Any, Any]:
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    # Mamba-2, attention and MLP layers in turn (the hybrid's layer kinds).
+    kinds = ["linear_attention", "mlp", "full_attention", "mlp"]
+    common = size.common()
+    common.pop("num_hidden_layers")
+    config = NemotronHConfig(
+        **common,
+        layers_block_type=[kinds[i % len(kinds)] for i in range(size.num_layers)],
+        intermediate_size=size.hidden_size * 2,
+        num_key_value_heads=1,
+        head_dim=size.head_dim,
+        mamba_num_heads=4,
+        mamba_head_dim=size.hidden_size // 2,
+        ssm_state_size=16,
+        n_groups=1,
+        use_mamba_kernels=False,
+    )
+    return config, NemotronHForCausalLM
+
+
 ARCHITECTURES: dict[str, Callable[[TinySize], tuple[Any, Any]]] = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -149,6 +171,7 @@ ARCHITECTURES: dict[str, Callable[[TinySize], tuple[Any, Any]]] = {
     "gpt_oss": _gpt_oss,
     "deepseek_v2": _deepseek_v2,
     "gemma3": _gemma3,
+    "nemotron_h": _nemotron_h,
 }
 """Architecture name (``hidden-state tiny-model --arch``) -> its config and model class."""
 

@@ -168,22 +168,58 @@ def check_capturable(
     )
 
 
-def check_engine_model(vllm_config: Any, vllm_version: str) -> None:
+def recurrent_state_refusal(vllm_config: Any) -> str | None:
+    """Why generated tokens cannot be captured for this engine's model, or None.
+
+    Models with a recurrent state (Mamba and linear-attention hybrids such as Nemotron-H)
+    are captured right for the prompt only: vLLM 0.32's extraction step advances the
+    state for its speculative slot, and every row after the prompt is wrong (measured:
+    relative error 0.5-1 against Hugging Face, exact prompt rows).
+    """
+    model_config = getattr(vllm_config, "model_config", None)
+    if not getattr(model_config, "has_inner_state", False):
+        return None
+    name = "/".join(getattr(model_config, "architectures", None) or []) or "this model"
+    return (
+        f"{name} keeps a recurrent (Mamba / linear-attention) state: vLLM captures its "
+        "prompt right but not its generated tokens; include_output_tokens is refused"
+    )
+
+
+def check_engine_model(vllm_config: Any, vllm_version: str, include_output_tokens: bool) -> None:
     """``check_capturable`` for the model of a running engine (the connector's check).
 
+    Also refuses, for models with a recurrent state, prefix caching (vLLM 0.32's CPU
+    build crashes at the first request) and ``include_output_tokens`` by default.
+
     Raises:
-        UnsupportedArchitectureError: See ``check_capturable``.
+        UnsupportedArchitectureError: See ``check_capturable``, or the above.
     """
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None:
         return
     architectures = list(getattr(model_config, "architectures", None) or [])
+    where = "HiddenStateConnector"
     check_capturable(
         architectures,
         mla=bool(getattr(model_config, "use_mla", False)),
         vllm_version=vllm_version,
-        where="HiddenStateConnector",
+        where=where,
     )
+    recurrent = recurrent_state_refusal(vllm_config)
+    if recurrent is None:
+        return
+    if getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False):
+        raise UnsupportedArchitectureError(
+            f"{where}: {recurrent.split(':')[0]}; with prefix caching vLLM {vllm_version} "
+            "fails at the first request when it captures hidden states. Start vLLM with "
+            "prefix caching off (--no-enable-prefix-caching, enable_prefix_caching=False)."
+        )
+    if include_output_tokens:
+        raise UnsupportedArchitectureError(
+            f"{where}: {recurrent} (kv_connector_extra_config.include_output_tokens is "
+            "true: set it to false)."
+        )
 
 
 def _cached_config(model: str) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.architecture import recurrent_state_refusal
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderSender
@@ -104,6 +105,8 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._paths_in_use: set[str] = set()
         self._outgoing = HiddenStateConnectorMetadata()
+        # Set when generated tokens cannot be captured right for this model.
+        self._no_output_tokens = recurrent_state_refusal(vllm_config)
 
     def default_path(self, req_id: str) -> str:
         """Where a request's sample goes unless the client chose a path."""
@@ -181,6 +184,9 @@ class SchedulerSide:
                 tracked.failure = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
                 log.warning("request %s: %s", step.req_id, tracked.failure)
                 self.stats.refused_path()
+        if not tracked.refused and include and self._no_output_tokens is not None:
+            tracked.refused, tracked.failure = True, self._no_output_tokens
+            log.warning("request %s: %s; no sample is written", step.req_id, tracked.failure)
         if not tracked.refused:
             prompt = step.prompt_token_ids
             mask, problem = requested_mask(params, None if prompt is None else len(prompt), include)
