@@ -7,7 +7,9 @@ must be refused: vLLM (0.32) merges the hidden-state cache layer into the MLA la
 cache group (``HiddenStateCacheSpec`` subclasses ``MLAAttentionSpec``, whose ``merge``
 does not compare head sizes), so the hidden states share the latent cache's block table
 and page layout; generation then hangs. vLLM 0.34's own example connector refuses MLA
-verifiers for the same reason.
+verifiers for the same reason. Models with a recurrent state (Mamba / linear-attention
+hybrids) are captured right for their prompt only, and without prefix caching
+(``recurrent_state_refusal``, ``check_engine_model``).
 
 The capturing architectures are read from the installed vLLM's source files (its model
 registry and the classes that declare ``SupportsEagle3``, directly or through a base),
@@ -24,10 +26,6 @@ import os
 import re
 from collections.abc import Sequence
 from typing import Any
-
-from hidden_state_connector.logs import get_logger
-
-log = get_logger(__name__)
 
 INTERFACE = "SupportsEagle3"
 _REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
