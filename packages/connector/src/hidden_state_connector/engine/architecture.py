@@ -3,11 +3,13 @@
 ``extract_hidden_states`` needs the verifier's model class to have vLLM's aux-hidden-state
 interface (``SupportsEagle3``); without it vLLM fails at start-up with a message that
 names neither the model nor what works. And an MLA verifier (DeepSeek-V2/V3, Kimi, ...)
-must be refused: vLLM (0.32) merges the hidden-state cache layer into the MLA layers' KV
-cache group (``HiddenStateCacheSpec`` subclasses ``MLAAttentionSpec``, whose ``merge``
-does not compare head sizes), so the hidden states share the latent cache's block table
-and page layout; generation then hangs. vLLM 0.34's own example connector refuses MLA
-verifiers for the same reason. Models with a recurrent state (Mamba / linear-attention
+is refused. vLLM's CPU build turns chunked prefill off for MLA, while
+``extract_hidden_states`` caps each step's token budget at ``max_num_batched_tokens``:
+a prompt longer than that is never scheduled and ``generate()`` never returns. And the
+hidden-state cache layer is merged into the MLA layers' KV-cache group
+(``HiddenStateCacheSpec`` subclasses ``MLAAttentionSpec``, whose ``merge`` does not
+compare head sizes), sharing their block table; vLLM 0.34's own example connector
+refuses MLA verifiers for that reason. Models with a recurrent state (Mamba / linear-attention
 hybrids) are captured right for their prompt only, and without prefix caching
 (``recurrent_state_refusal``, ``check_engine_model``).
 
@@ -144,8 +146,9 @@ def check_capturable(
     if mla:
         raise UnsupportedArchitectureError(
             f"{where}: {name} uses multi-head latent attention (MLA); vLLM {vllm_version} "
-            "cannot capture its hidden states (extract_hidden_states puts its cache layer "
-            "into the MLA layers' KV-cache group, and generation hangs). Not supported: "
+            "cannot capture its hidden states (its hidden-state cache layer is merged into "
+            "the MLA layers' KV-cache group, and on the CPU build a prompt longer than "
+            "max_num_batched_tokens is never scheduled: generate() hangs). Not supported: "
             "capture a model without MLA, or run vLLM with VLLM_MLA_DISABLE=1 (plain "
             "attention; its values are not checked by this project's tests)."
         )
