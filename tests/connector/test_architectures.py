@@ -133,7 +133,7 @@ class Reference:
         self.last = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
 
     @torch.no_grad()
-    def worst_error(self, sample: Sample) -> dict[int, float]:
+    def layer_errors(self, sample: Sample) -> dict[int, float]:
         """Relative error of each captured layer against Hugging Face's values."""
         out = self.model(sample.token_ids[None].long(), output_hidden_states=True)
         errors = {}
@@ -176,7 +176,7 @@ def test_captured_layers_equal_hugging_face(
         # Generated tokens included, but the last one (never fed back: no hidden state).
         assert sample.token_ids.tolist() == prompt + generated[:-1]
         assert sample.layer_ids == LAYERS
-        errors = reference.worst_error(sample)
+        errors = reference.layer_errors(sample)
         assert max(errors.values()) < RTOL, f"{row}: relative errors {errors}"
         worst = max(worst, *errors.values())
     print(f"{row}: worst relative error {worst:.1e} (vLLM {vllm_version()})")
@@ -229,7 +229,7 @@ def test_prompt_only_capture_of_recurrent_models(
     for output in outputs:
         sample = _read(output.kv_transfer_params["hidden_states_path"])  # type: ignore[attr-defined]
         assert sample.token_ids.tolist() == list(output.prompt_token_ids)  # type: ignore[attr-defined]
-        errors = reference.worst_error(sample)
+        errors = reference.layer_errors(sample)
         assert max(errors.values()) < RTOL, f"{row}: relative errors {errors}"
         worst = max(worst, *errors.values())
     print(f"{row}: worst relative error {worst:.1e} (prompt only; vLLM {vllm_version()})")
