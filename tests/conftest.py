@@ -45,6 +45,7 @@ LONGEST_FIRST = (
     "test_demo.py",
     "test_examples.py",
     "test_delivery.py",
+    "test_architectures.py",
     "test_soak.py",
     "test_server_kill.py",
     "test_offline.py",

@@ -120,3 +120,15 @@ def test_help_has_examples_and_the_entry_point_registers_it(
     assert declared["tiny-model"] == "hidden_state_connector.cli.tiny_model:register"
     args = parser.parse_args(["tiny-model", "./m", "--layers", "3"])
     assert (args.handler, args.layers, args.hidden) == (command.run, 3, 128)
+
+
+def test_other_architectures_get_the_same_tokenizer(tmp_path: Path) -> None:
+    # Whether vLLM can capture each: tests/connector/test_architectures.py.
+    from transformers import AutoConfig, AutoTokenizer
+
+    for arch, model_class in [("qwen3", "Qwen3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")]:
+        out = tmp_path / arch
+        assert command.main([str(out), "--arch", arch, "--layers", "2"]) == 0
+        assert AutoConfig.from_pretrained(out).architectures == [model_class]
+        tokenizer = AutoTokenizer.from_pretrained(out)
+        assert tokenizer.decode(tokenizer("hi")["input_ids"]) == "hi" and tokenizer.chat_template

@@ -36,6 +36,7 @@ WAIT_S = 10.0  # generous bound for anything a thread must do
 
 
 LAYERS, HIDDEN, NUM_BLOCKS = 3, 8, 12
+LAYER_IDS = [1, 2, 4]  # what the jobs' metadata records
 
 
 @pytest.fixture(params=[1, 2], ids=["token-axis-1", "token-axis-2"])
@@ -51,7 +52,9 @@ def cache(request: pytest.FixtureRequest) -> tuple[torch.Tensor, CacheLayout]:
     return data, CacheLayout(axis, BLOCK_SIZE, LAYERS, HIDDEN)
 
 
-def _pipeline(cache: torch.Tensor, layout: CacheLayout, threads: int = 1) -> WritePipeline:
+def _pipeline(
+    cache: torch.Tensor, layout: CacheLayout, threads: int = 1, layer_ids: list[int] = LAYER_IDS
+) -> WritePipeline:
     extractor = Extractor(cache, layout, blocks_per_chunk=1, check_nonfinite=True)
     return WritePipeline(
         extractor,
@@ -63,6 +66,7 @@ def _pipeline(cache: torch.Tensor, layout: CacheLayout, threads: int = 1) -> Wri
         check_nonfinite=True,
         fsync=False,
         stats=WriteStats(0),
+        layer_ids=layer_ids,
     )
 
 
@@ -77,7 +81,7 @@ def _job(pipeline: WritePipeline, root: Path, req_id: str, block_ids: list[int],
         block_ids=block_ids,
         lock=WriterLock.create(path, dir_fd=dir_fd, request_id=req_id),
         dir_fd=dir_fd,  # the pipeline closes it
-        metadata=sample_metadata(layer_ids=[1, 2, 4], request_id=req_id, num_prompt_tokens=n),
+        metadata=sample_metadata(layer_ids=LAYER_IDS, request_id=req_id, num_prompt_tokens=n),
         chunks=extractor.plan(n),
         nbytes=n * extractor.token_bytes,
     )
@@ -208,3 +212,80 @@ def test_slab_pool_is_bounded_and_reuses_slabs() -> None:
     assert pool.allocated_bytes == 3 * 1024
 
 
+# -- the guard against silent wrong data (row_guard) ---------------------------------
+
+
+def _assert_failed_loudly(pipeline: WritePipeline, job: SaveJob, words: str) -> None:
+    """No file, the lock released as failed with the reason, counted, reported finished."""
+    assert job.finished.wait(WAIT_S)
+    status = read_status(lock_path(job.path))
+    assert status.failed and words in status.reason, status.reason
+    assert probe(lock_path(job.path)) is LockState.FREE
+    assert not os.path.exists(job.path)
+    assert [f for f in os.listdir(os.path.dirname(job.path)) if ".tmp." in f] == []
+    assert pipeline.finished() == [job.req_id]  # reported, so vLLM frees its blocks
+    assert pipeline.stats.total.failures == 1 and pipeline.stats.total.files == 0
+
+
+@pytest.mark.parametrize("zero", [0.0, -0.0], ids=["plus-zero", "minus-zero"])
+def test_a_sample_with_an_all_zero_row_is_failed_not_published(
+    cache: tuple[torch.Tensor, CacheLayout], tmp_path: Path, zero: float
+) -> None:
+    # What vLLM leaves when it never stores a layer (one layer of one token here: the
+    # fault seen upstream is a whole layer or a whole sample).
+    data, layout = cache
+    blocks, n = [2, 7, 4], 3 * BLOCK_SIZE - 1
+    view = layout.blocks_tokens_layers(data)
+    view[7, 1, 2].fill_(zero)  # token BLOCK_SIZE + 1, layer position 2 (layer id 4)
+    view[7, 1, 0, 0] = 0.0  # a zero first element alone is a real value
+    pipeline = _pipeline(data, layout)
+    try:
+        job = _job(pipeline, tmp_path, "zeros", blocks, n)
+        pipeline.submit(job)
+        _assert_failed_loudly(pipeline, job, f"token {BLOCK_SIZE + 1} at layer 4 are all zero")
+    finally:
+        assert pipeline.close(WAIT_S) == 0
+
+
+def test_zero_embeddings_rows_are_real_values(
+    cache: tuple[torch.Tensor, CacheLayout], tmp_path: Path
+) -> None:
+    # Layer id 0 is the embedding table's row, which may be zero (padding_idx).
+    data, layout = cache
+    layout.blocks_tokens_layers(data)[5, 0, 0].zero_()
+    pipeline = _pipeline(data, layout, layer_ids=[0, 2, 4])
+    try:
+        job = _job(pipeline, tmp_path, "emb", [5], BLOCK_SIZE)
+        pipeline.submit(job)
+        sample = _read_all(tmp_path, ["emb.safetensors"])["emb.safetensors"]
+        assert torch.equal(sample.hidden_states, _gathered(data, layout, [5], BLOCK_SIZE))
+        assert not sample.hidden_states[0, 0].any()
+    finally:
+        assert pipeline.close(WAIT_S) == 0
+
+
+def test_a_sample_with_fewer_blocks_than_its_tokens_need_is_failed(
+    cache: tuple[torch.Tensor, CacheLayout], tmp_path: Path
+) -> None:
+    # Its last rows would come from whatever the slab held before: never published.
+    data, layout = cache
+    pipeline = _pipeline(data, layout)
+    try:
+        job = _job(pipeline, tmp_path, "short", [3, 4], 2 * BLOCK_SIZE + 1)
+        pipeline.submit(job)
+        _assert_failed_loudly(pipeline, job, "2 blocks cannot hold tokens")
+    finally:
+        assert pipeline.close(WAIT_S) == 0
+
+
+def test_rows_must_add_up_to_the_token_ids() -> None:
+    from hidden_state_connector.engine.write.row_guard import RowCounter
+
+    rows = RowCounter(10)
+    assert rows.add(0, 4) is None and rows.add(4, 8) is None
+    assert rows.missing() == (
+        "8 rows of hidden states were captured for 10 token ids; the sample is not published"
+    )
+    assert "do not follow the 8 rows" in (rows.add(9, 10) or "")
+    assert "within 10 token ids" in (RowCounter(10).add(0, 11) or "")
+    assert RowCounter(3).add(0, 3) is None

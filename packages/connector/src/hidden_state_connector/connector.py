@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from hidden_state_connector.engine import compat
+from hidden_state_connector.engine import architecture, compat
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
@@ -49,13 +49,16 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        compat.check_vllm_version()
+        found = compat.check_vllm_version()
         # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
         # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
         KVConnectorMetadata.register(HiddenStateConnectorMetadata)
         self.config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
+        # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
+        # recurrent state with prefix caching or generated tokens).
+        architecture.check_engine_model(vllm_config, found, self.config.include_output_tokens)
         files = self.config.storage_backend == "files"
         if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
             # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.

@@ -65,6 +65,7 @@ def build_tiny_model(
     num_heads: int = 2,
     dtype: str = "bfloat16",
     seed: int = 0,
+    arch: str = "llama",
 ) -> Path:
     """Create (or reuse) a tiny random Llama model directory loadable by vLLM and HF.
 
@@ -76,6 +77,8 @@ def build_tiny_model(
             ``CPU_HEAD_SIZES`` for vLLM's CPU build).
         dtype: ``"bfloat16"`` or ``"float32"`` weights.
         seed: Weight initialisation seed.
+        arch: Architecture (``tiny_archs.ARCHITECTURES``: llama, qwen3, qwen3_moe, ...);
+            every one gets the same byte-level tokenizer.
 
     Returns:
         The model directory.
@@ -83,9 +86,11 @@ def build_tiny_model(
     Raises:
         ImportError: ``transformers`` or ``tokenizers`` is not installed
             (``pip install "hidden-state-connector[demo]"``).
+        ValueError: Unknown ``arch``.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hidden_state_connector.tiny_archs import TinySize, tiny_config
 
     path = Path(directory)
     recipe = {
@@ -95,27 +100,25 @@ def build_tiny_model(
         "dtype": dtype,
         "seed": seed,
     }
+    if arch != "llama":  # recipes of Llama folders built before stay valid
+        recipe["arch"] = arch
     stamp = path / RECIPE_FILE
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _byte_level_tokenizer()
-    vocab_size = BYTE_VOCAB + len(SPECIAL_TOKENS)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
+    size = TinySize(
+        vocab_size=BYTE_VOCAB + len(SPECIAL_TOKENS),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=4096,
+        num_layers=num_layers,
+        num_heads=num_heads,
         bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
         eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
         pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
-        tie_word_embeddings=False,
     )
+    config, model_class = tiny_config(arch, size)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model = model_class(config).to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
     stamp.write_text(json.dumps(recipe))

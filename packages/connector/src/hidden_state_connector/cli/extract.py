@@ -13,7 +13,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from hidden_state_connector.cli.serve import add_arguments, add_storage_argument, with_storage
+from hidden_state_connector.cli.serve import (
+    add_arguments,
+    add_storage_argument,
+    refuse_uncapturable,
+    with_storage,
+)
 from hidden_state_connector.layers import resolve_layers
 from hidden_state_reader.cli.toolkit import (
     EXIT_FAILED,
@@ -275,6 +280,7 @@ def _options(args: argparse.Namespace) -> Any:
         checksum=args.checksum,
     )
     layers = resolve_layers(args.model, args.layers, args.include_last)
+    refuse_uncapturable(args.model, "hidden-state extract")
     return ExtractOptions(
         model=args.model,
         input=args.input,

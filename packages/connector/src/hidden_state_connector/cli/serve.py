@@ -132,6 +132,24 @@ def register(subparsers: Any) -> None:
     )
 
 
+def refuse_uncapturable(model: str, command: str) -> None:
+    """Stop before vLLM starts when it cannot capture this model's hidden states.
+
+    Raises:
+        CliError: The model uses MLA or lacks vLLM's aux-hidden-state interface (the
+            message names the architecture and the families that work).
+    """
+    from hidden_state_connector.engine.architecture import (
+        UnsupportedArchitectureError,
+        check_model_before_start,
+    )
+
+    try:
+        check_model_before_start(model, command)
+    except UnsupportedArchitectureError as exc:
+        raise CliError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the equivalent vLLM command, then replace this process with the server.
 
@@ -139,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     """
     connector = with_backend(args)
     layers = resolve_layers(args.model, args.layers, args.include_last)
+    refuse_uncapturable(args.model, "hidden-state serve")
     options = ServeOptions(
         model=args.model,
         out_dir=os.path.abspath(args.out) if args.out is not None else None,

@@ -13,13 +13,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hidden_state_connector.tiny_archs import ARCHITECTURES
 from hidden_state_reader.cli.toolkit import CliError, HelpFormatter, add_command, positive_int
 
 DESCRIPTION = """\
-Build a tiny Llama-architecture model with random weights and a byte-level tokenizer
-(with a chat template) into OUT_DIR, locally, in a few seconds: no download, no hub
-account. vLLM (CPU or CUDA) and Hugging Face load it like any local model folder, so
-`hidden-state serve`, `extract` and `demo --model` run on it at once. Its hidden states
+Build a tiny model with random weights and a byte-level tokenizer (with a chat
+template) into OUT_DIR, locally, in a few seconds: no download, no hub account. A Llama
+by default; --arch picks another architecture, with the same tokenizer. vLLM (CPU or
+CUDA) and Hugging Face load it like any local model folder, so `hidden-state serve`,
+`extract` and `demo --model` run on it at once. Its hidden states
 are meaningless: it is for trying the pipeline, not for training a drafter.
 
 OUT_DIR must be new, empty, or a tiny model built before (rebuilt only if the options
@@ -29,6 +31,7 @@ differ). Needs transformers and tokenizers (pip install "hidden-state-connector[
 EXAMPLES = """\
 hidden-state tiny-model ./tiny-llama                          # 4 layers, hidden 128, bf16
 hidden-state tiny-model ./tiny-llama-fp32 --dtype float32 --layers 6
+hidden-state tiny-model ./tiny-qwen3 --arch qwen3                 # or qwen3_moe, gpt_oss
 hidden-state serve ./tiny-llama --out /tmp/hs --layers 1,2,4  # then serve it ...
 hidden-state extract ./tiny-llama --input prompts.jsonl --out /tmp/hs   # ... or extract
 """
@@ -50,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "takes: 32, 64, 80, ...)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument(
+        "--arch",
+        choices=tuple(ARCHITECTURES),
+        default="llama",
+        help="architecture (every one gets the same byte-level tokenizer); those vLLM "
+        "cannot capture (gemma3, deepseek_v2 with MLA) are for trying the refusal",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
 
 
@@ -95,13 +105,14 @@ def run(args: argparse.Namespace) -> int:
         0 once the folder holds the model; 2 for unusable options or a folder in use.
     """
     out = _check(args)
+    title = "Llama" if args.arch == "llama" else args.arch
     try:
         from hidden_state_connector.tiny_model import RECIPE_FILE, build_tiny_model
 
         before = (out / RECIPE_FILE).read_text() if (out / RECIPE_FILE).exists() else None
         started = time.monotonic()
         if before is None:
-            print(f"building a tiny random Llama in {out} ...", file=sys.stderr, flush=True)
+            print(f"building a tiny random {title} in {out} ...", file=sys.stderr, flush=True)
         path = build_tiny_model(
             out,
             num_layers=args.layers,
@@ -109,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             num_heads=args.heads,
             dtype=args.dtype,
             seed=args.seed,
+            arch=args.arch,
         )
     except ImportError as exc:
         raise CliError(
@@ -119,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     what = "already there" if reused else f"built in {time.monotonic() - started:.1f} s"
     layers = ",".join(str(n) for n in sorted({1, max(1, args.layers // 2), args.layers}))
     print(
-        f"{os.fspath(path)}: tiny random Llama, {args.layers} layers, hidden {args.hidden}, "
+        f"{os.fspath(path)}: tiny random {title}, {args.layers} layers, hidden {args.hidden}, "
         f"{args.heads} heads, {args.dtype} ({what})\n"
         f"next: hidden-state serve {os.fspath(path)} --out /tmp/hs --layers {layers}"
     )

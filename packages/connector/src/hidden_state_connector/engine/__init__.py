@@ -17,8 +17,9 @@ facade vLLM instantiates is ``hidden_state_connector.connector``; behind it:
 * Settings and checks: ``config`` (``kv_connector_extra_config``), ``store_config`` (its
   ``mooncake_*`` keys), ``storage_check`` (start-up checks of the storage),
   ``loss_mask_param`` (a request's loss mask), ``stats`` / ``metrics`` (counters; vLLM's
-  stats type), ``layout`` (how the cache view is indexed) and ``compat`` (everything that
-  differs between vLLM releases).
+  stats type), ``layout`` (how the cache view is indexed), ``compat`` (everything that
+  differs between vLLM releases) and ``architecture`` (which models the installed vLLM
+  can capture).
 
 Only the facade and ``metrics`` need vLLM to be importable. ``compat`` imports vLLM
 inside its functions only, and ``metadata`` is plain dataclasses (the facade registers

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.architecture import recurrent_state_refusal
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderSender
@@ -121,6 +122,8 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._paths_in_use: Counter[str] = Counter()  # requests in flight per path
         self._outgoing = HiddenStateConnectorMetadata()
+        # Set when generated tokens cannot be captured right for this model.
+        self._no_output_tokens = recurrent_state_refusal(vllm_config)
 
     def default_path(self, req_id: str) -> str:
         """Where a request's sample goes unless the client chose a path."""
@@ -205,6 +208,8 @@ class SchedulerSide:
             if reason is not None:
                 problem = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
                 self.stats.refused_path()
+        if problem is None and include and self._no_output_tokens is not None:
+            problem = self._no_output_tokens
         if problem is None:
             tracked.tags, problem = requested_tags(params)
         if problem is None:

@@ -150,6 +150,7 @@ class WorkerSide:
             check_nonfinite=self.config.check_nonfinite,
             fsync=self.config.fsync,
             stats=self.stats,
+            layer_ids=self.layer_ids,
         )
         same_process.register(self._engine_key, self.accept)
         try:

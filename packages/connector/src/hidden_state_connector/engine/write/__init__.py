@@ -3,7 +3,8 @@
 ``target`` pins a request's directory and creates its lock; ``job`` is one sample's
 state; ``pipeline`` (``WritePipeline``) pumps cache chunks through ``gather`` into host
 slabs from ``buffers`` and hands them to writer threads, each writing one file with
-``sample_file`` (create, write chunks, publish by rename, release the lock, or abort);
+``sample_file`` (create, write chunks, publish by rename, release the lock, or abort),
+which refuses rows vLLM never stored with ``row_guard``;
 ``store_backend`` puts the finished file into a Mooncake Store instead; ``trace`` times
 the stages. Nothing is imported here.
 """

@@ -154,6 +154,10 @@ class Extractor:
         filled asynchronously; wait for the event before reading either.
         """
         wanted = block_ids[chunk.first : chunk.first + chunk.count]
+        if len(wanted) != chunk.count:  # the rows would come from a stale slab
+            raise ValueError(
+                f"{len(block_ids)} blocks cannot hold tokens [{chunk.start}, {chunk.stop})"
+            )
         host = self._host_view(slab, chunk.count)
         if self._cpu_view is not None:
             # One strided copy per block: the cache view is permuted (vLLM's layouts keep
@@ -239,6 +243,21 @@ class Extractor:
     def chunk_bytes(self, slab: Slab, chunk: Chunk) -> torch.Tensor:
         """The finished bytes of a chunk in its slab (after the copy completed)."""
         return slab.data[: chunk.num_tokens * self.token_bytes]
+
+    @property
+    def stored_itemsize(self) -> int:
+        """Bytes per element of a chunk in its slab (1 when the device quantized to fp8)."""
+        return 1 if self.device_fp8 else self.dtype.itemsize
+
+    def chunk_rows(self, slab: Slab, chunk: Chunk) -> np.ndarray:
+        """A chunk's rows in its slab, as ``uint8 [tokens, layers, row bytes]`` (no copy).
+
+        The model's values, or the fp8 bytes a CUDA slab received; after the copy completed.
+        """
+        layers, hidden = self.layout.num_layers, self.layout.hidden_size
+        row_bytes = hidden * self.stored_itemsize
+        data = slab.data[: chunk.num_tokens * layers * row_bytes]
+        return data.numpy().reshape(chunk.num_tokens, layers, row_bytes)
 
     def chunk_nonfinite(self, slab: Slab, chunk: Chunk) -> bool:
         """Whether the chunk holds NaN/inf (after the copy completed)."""

@@ -32,11 +32,13 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.buffers import Slab, SlabPool
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import JobState, SaveJob
+from hidden_state_connector.engine.write.row_guard import ZeroRowCheck
 from hidden_state_connector.engine.write.sample_file import FileOptions, write_sample
 from hidden_state_connector.engine.write.trace import StageTrace
 from hidden_state_reader.format.flockwait import threads_ignore_signals
@@ -65,6 +67,8 @@ class WritePipeline:
         check_nonfinite: Record NaN/inf flags.
         fsync: fsync each file before publishing.
         stats: Where counters go.
+        layer_ids: Captured layer ids, in layer-axis order, for the all-zero row guard
+            (``row_guard``; None: ids 1..n, every layer checked).
     """
 
     def __init__(
@@ -79,13 +83,20 @@ class WritePipeline:
         check_nonfinite: bool,
         fsync: bool,
         stats: WriteStats,
+        layer_ids: Sequence[int] | None = None,
     ) -> None:
         self.extractor = extractor
         self.pool = SlabPool(extractor.slab_bytes, host_budget, pinned=extractor.on_cuda)
         self.pool.preallocate()
         self.when_full = when_full
         self.max_queued_bytes = max_queued_bytes
-        self.file_options = FileOptions(checksum, check_nonfinite, fsync)
+        layout = extractor.layout
+        zero_rows = ZeroRowCheck(
+            layer_ids or range(1, layout.num_layers + 1),
+            extractor.stored_itemsize,
+            layout.hidden_size,
+        )
+        self.file_options = FileOptions(checksum, check_nonfinite, fsync, zero_rows)
         self.stats = stats
         self.trace = StageTrace()
         self._jobs: deque[SaveJob] = deque()  # submitted, not yet fully produced

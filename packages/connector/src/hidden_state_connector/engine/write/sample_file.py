@@ -10,8 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hidden_state_connector.engine.write.buffers import Slab
-from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.gather import Chunk, Extractor
 from hidden_state_connector.engine.write.job import END_OF_CHUNKS, SaveJob
+from hidden_state_connector.engine.write.row_guard import RowCounter, ZeroRowCheck
 from hidden_state_reader.format import SampleFileWriter
 
 
@@ -23,11 +24,13 @@ class FileOptions:
         checksum: Record CRC32s.
         check_nonfinite: Record NaN/inf flags.
         fsync: fsync each file before publishing.
+        zero_rows: Fail samples holding an all-zero row (None: no check).
     """
 
     checksum: bool
     check_nonfinite: bool
     fsync: bool
+    zero_rows: ZeroRowCheck | None = None
 
 
 def write_sample(
@@ -54,8 +57,10 @@ def write_sample(
         None once the file is published, else why it failed.
     """
     writer = _open(job, extractor, options)
-    _write_chunks(job, writer, extractor, options.check_nonfinite, return_slab)
+    rows = _write_chunks(job, writer, extractor, options, return_slab)
     copies_done()
+    if job.failure is None and (short := rows.missing()) is not None:
+        job.fail(short)
     if job.failure is None and writer is not None:
         try:
             writer.publish()
@@ -101,20 +106,30 @@ def _write_chunks(
     job: SaveJob,
     writer: SampleFileWriter | None,
     extractor: Extractor,
-    check_nonfinite: bool,
+    options: FileOptions,
     return_slab: Callable[[Slab], None],
-) -> None:
-    """Write chunks as they arrive until the stream ends; after a failure, only drain."""
+) -> RowCounter:
+    """Write chunks as they arrive until the stream ends; after a failure, only drain.
+
+    Each chunk is checked before it is written: its rows must follow the rows before
+    it, and none may be all zero (``row_guard``); a chunk that fails either fails the
+    sample. Returns the row count, to compare with the token ids at the end.
+    """
+    rows = RowCounter(int(job.token_ids.shape[0]))
     while True:
         item = job.ready.get()
         if item is END_OF_CHUNKS:
-            return
+            return rows
         chunk, slab = item
         try:
             if slab.event is not None:
                 slab.event.synchronize()
             if writer is not None and job.failure is None:
-                if check_nonfinite:
+                wrong = _check_rows(rows, options.zero_rows, extractor, slab, chunk)
+                if wrong is not None:
+                    job.fail(wrong)
+                    continue
+                if options.check_nonfinite:
                     writer.note_nonfinite(extractor.chunk_nonfinite(slab, chunk))
                 data, scales = extractor.chunk_payload(slab, chunk)
                 if scales is not None:
@@ -124,3 +139,14 @@ def _write_chunks(
             job.fail(f"write failed: {exc}")
         finally:
             return_slab(slab)
+
+
+def _check_rows(
+    rows: RowCounter, zero_rows: ZeroRowCheck | None, extractor: Extractor, slab: Slab, chunk: Chunk
+) -> str | None:
+    """Why a chunk's rows must not be published (out of order, too many, all zero), or None."""
+    wrong = rows.add(chunk.start, chunk.stop)
+    if wrong is None and zero_rows is not None:
+        found = zero_rows.first_zero_row(extractor.chunk_rows(slab, chunk), chunk.start)
+        wrong = None if found is None else found.reason()
+    return wrong
