@@ -24,5 +24,6 @@ BENCHMARKS = (
     "locks",
     "consume",
     "claims",
+    "loader_feed",
 )
 """Benchmark names, in run order (each is the module ``benchmarks.<name>``)."""

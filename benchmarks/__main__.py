@@ -46,6 +46,8 @@ benchmarks (run in this order):
               (CPU; device where CUDA is), store: GB/s per reader, backlog, latency
   claims      one consumer group of 1-16 follow + claim + delete readers: CPU, failed claim
               attempts and metadata calls per sample, latency, fairness, a reader killed
+  loader_feed  the loader path without a GPU: GB/s delivered and CPU-s per GB of the
+              training thread, process and workers; reader loop, workers, device= threads
 
 examples:
   python -m benchmarks                          # full run (~15 min here), writes docs/
