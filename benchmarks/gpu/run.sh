@@ -116,6 +116,14 @@ case "$plan" in
       --json "$OUT/t.json" 2>>"$OUT/v24d.log" | tail -4
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
+  # Issue 28 (next): the trainer's feed with one shape per step (5 samples per pack fill
+  # nearly every pack to 16,384 tokens), so rows compare with the resident batch alone.
+  v28)
+    timeout 500 python3 benchmarks/gpu/train_feed.py --batch-samples 5 --seconds 10 \
+      --alone-seconds 5 --unique 32 --copies 10 --jsonl "$OUT/results.jsonl" \
+      --rows synthetic,synthetic_varlen,hsl_bf16_static,hsl_fp8_static,hsl_bf16_follow,hsl_fp8_follow,dl_bf16_static,safetensors_bf16,hsl_bf16_static_alone,hsl_fp8_static_alone,synthetic \
+      2>"$OUT/v28.log" | grep RESULT
+    ;;
   v24c)  # sustained: engine + 3 follow/claim/delete readers; none first, bf16 >= 100 GB, fp8
     S="python3 benchmarks/gpu/sustain.py --jsonl $OUT/results.jsonl"
     timeout 120 $S --kind none --batches 4 2>>"$OUT/v24c.log" | tail -1

@@ -43,7 +43,7 @@ from torch.nn import functional as F  # noqa: N812 -- the usual name
 
 HIDDEN, HEADS, MLP, DRAFT_VOCAB, VOCAB, LAYERS = 4096, 32, 14336, 32000, 128256, 4
 PACK_TOKENS = 16384
-BATCH_SAMPLES = 4
+BATCH_SAMPLES = 4  # --batch-samples
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -445,6 +445,7 @@ def check_equal(data: dict[str, Path], batches: int = 3) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BATCH_SAMPLES  # --batch-samples: read by the feeds when they are made
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="example: python benchmarks/gpu/train_feed.py --rows synthetic,hsl_bf16_static "
@@ -453,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rows", default="all", help="comma-separated row names, or all")
     parser.add_argument("--seconds", type=float, default=15.0, help="timed seconds per row")
+    parser.add_argument(
+        "--batch-samples",
+        type=int,
+        default=BATCH_SAMPLES,
+        help="samples per pack; 5 fills nearly every pack to 16,384 tokens (one shape)",
+    )
     parser.add_argument("--alone-seconds", type=float, default=6.0, help="for *_alone rows")
     parser.add_argument("--warmup-steps", type=int, default=6)
     parser.add_argument(
@@ -470,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     specs = row_specs()
+    BATCH_SAMPLES = args.batch_samples
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     if args.list:
