@@ -58,3 +58,43 @@ def test_every_sustained_run_on_record_has_its_baseline() -> None:
             row = json.loads(line)
             if row.get("kind") == "sustain" and row["producer"] != "none":
                 assert row["tok_s_none"] > 0, (path.name, row)
+
+
+TRAIN_FEED_FIELDS = (
+    "feed", "mode", "storage_dtype", "workers", "tok_s", "tok_s_synthetic",
+    "ratio_vs_synthetic", "data_wait_frac", "loader_gb_s", "host_cpu_s_per_gb",
+)  # fmt: skip
+
+
+def test_every_train_feed_row_has_the_issues_fields_and_is_rendered() -> None:
+    summary = load_summary()
+    dates, _ = summary.load()
+    rows = [r for date in dates.values() for r in date if r.get("kind") == "train_feed"]
+    assert rows
+    for row in rows:
+        missing = [f for f in TRAIN_FEED_FIELDS if f not in row]
+        assert not missing, (row["row"], missing)
+        assert row["feed"] in (
+            "hidden_state_loader",
+            "safetensors",
+            "synthetic",
+            "synthetic_varlen",
+        )
+        if not row["alone"] and row["tok_s_synthetic"]:
+            assert abs(row["ratio_vs_synthetic"] - row["tok_s"] / row["tok_s_synthetic"]) < 1e-3
+    table = summary.render(rows, "2026-12-04")
+    assert table.count("| train_feed-") == len(rows)
+
+
+def test_train_feed_lists_its_rows_without_a_gpu() -> None:
+    import subprocess
+    import sys
+
+    script = ROOT / "benchmarks/gpu/train_feed.py"
+    out = subprocess.run([sys.executable, script, "--list"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert {"synthetic", "hsl_bf16_static", "hsl_fp8_follow", "safetensors_bf16"} <= set(
+        out.stdout.split()
+    )
+    help_text = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
+    assert "example:" in help_text.stdout
