@@ -19,6 +19,7 @@ import pytest
 
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.loader import HiddenStateLoader
+
 from samples import write_samples
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -74,3 +75,49 @@ def test_a_killed_trainer_loses_no_sample(hs_dir: Path, how: str) -> None:
     assert len(trained) == len(set(trained))
     assert set(by_killed) & set(trained) == set(killed[-1])  # the batch in flight, again
     assert not [p for p in hs_dir.iterdir() if p.name.endswith(".safetensors")]
+
+
+def batch_names(batch: dict) -> list[str]:
+    return [os.path.basename(path) for path in batch["paths"]]
+
+
+@pytest.mark.parametrize(
+    "loader_kw",
+    [
+        {"num_workers": 0},
+        {"num_workers": 2},
+        {"num_workers": 2, "persistent_workers": True},
+        {"num_workers": 2, "device": "cpu"},
+    ],
+    ids=["in-process", "workers", "persistent-workers", "threads"],
+)
+def test_commit_records_the_batch_held_and_a_break_gives_it_back(
+    hs_dir: Path, loader_kw: dict
+) -> None:
+    write_samples(hs_dir, 24, tokens=2)
+    ds = HiddenStateDataset(hs_dir, follow=True, on_consumed="delete", idle_timeout=1.0)
+    loader = HiddenStateLoader(ds, batch_size=4, **loader_kw)
+    batches = iter(loader)
+    committed = batch_names(next(batches))
+    loader.commit()  # e.g. at a checkpoint: the loop is done with this batch
+    assert not any((hs_dir / name).exists() for name in committed)
+    held = batch_names(next(batches))
+    del batches  # the loop stops holding a batch it did not finish
+    assert all((hs_dir / name).exists() for name in held)
+    rest = [name for batch in loader for name in batch_names(batch)]
+    assert set(held) <= set(rest)  # delivered again, with what was read ahead
+    assert sorted(committed + rest) == sorted(f"hs_{i}.safetensors" for i in range(24))
+    assert not [p for p in hs_dir.iterdir() if p.name.endswith(".safetensors")]
+
+
+def test_static_delete_removes_a_batch_once_the_loop_is_past_it(hs_dir: Path) -> None:
+    write_samples(hs_dir, 16, tokens=2)
+    loader = HiddenStateLoader(
+        HiddenStateDataset(hs_dir, on_consumed="delete"), batch_size=4, num_workers=2
+    )
+    seen: list[list[str]] = []
+    for batch in loader:
+        seen.append(batch_names(batch))
+        assert not any((hs_dir / n).exists() for names in seen[:-1] for n in names)
+        assert all((hs_dir / name).exists() for name in seen[-1])
+    assert len(seen) == 4 and not [p for p in hs_dir.iterdir() if p.suffix == ".safetensors"]
