@@ -69,12 +69,14 @@ class Ledger:
     """One consumer's deliveries not yet settled, numbered in the order it read them.
 
     Args:
-        in_worker: The consumer is a DataLoader worker process: hand out receipts for
-            the training process to settle.
+        acks: A worker process's acknowledgements (it hands out receipts for the
+            training process to settle); None for a consumer in the training process.
+        consumer: The consumer's number (its worker id or thread index).
     """
 
-    def __init__(self, in_worker: bool) -> None:
-        self.in_worker = in_worker
+    def __init__(self, acks: Acks | None, consumer: int) -> None:
+        self.acks = acks
+        self.consumer = consumer
         self.pid = os.getpid()  # a ledger copied into a forked worker is not the worker's
         self.handed_out = 0
         self._open: deque[tuple[int, Delivery, bool]] = deque()  # number, delivery, receipt sent
@@ -87,16 +89,17 @@ class Ledger:
             self.handed_out += 1
             if delivery is None:
                 return
-            receipt = delivery.receipt() if self.in_worker else None
+            receipt = delivery.receipt() if self.acks is not None else None
             if receipt is not None:
                 self._receipts.append(receipt)
             self._open.append((self.handed_out, delivery, receipt is not None))
 
-    def ticket(self, consumer: int) -> Ticket:
+    def ticket(self) -> Ticket:
         """The ticket of the batch just built: everything handed out since the last one."""
         with self._lock:
             receipts, self._receipts = self._receipts, []
-            return Ticket(consumer, self.handed_out, receipts if self.in_worker else None)
+            in_worker = self.acks is not None
+            return Ticket(self.consumer, self.handed_out, receipts if in_worker else None)
 
     def settle_through(self, last: int) -> None:
         """The training loop is past item ``last``: record it and those before as consumed."""
@@ -109,6 +112,11 @@ class Ledger:
                     delivery.commit()
                 self._open.popleft()
 
+    def catch_up(self) -> None:
+        """In a worker process: settle what the training loop has acknowledged so far."""
+        if self.acks is not None:
+            self.settle_through(self.acks.of(self.consumer))
+
     def give_back(self) -> None:
         """Return every delivery not settled: the loop never got past it."""
         with self._lock:
@@ -116,9 +124,9 @@ class Ledger:
                 self._open[0][1].give_back()
                 self._open.popleft()
 
-    def finish(self, last: int) -> None:
-        """Settle through ``last``, give back the rest (a pass or a worker ends)."""
-        self.settle_through(last)
+    def finish(self) -> None:
+        """Catch up, then give back the rest (a worker's pass or process ends)."""
+        self.catch_up()
         self.give_back()
 
 
@@ -149,7 +157,69 @@ class Acks:
         self._shared.zero_()
 
 
-def watch_in_worker(ledger: Ledger, acks: Acks, consumer: int) -> None:
+class Acknowledgements:
+    """A dataset's acknowledgements: the shared numbers, and this process's ledgers.
+
+    Inactive (every method does nothing) until a loader that records what its loop
+    consumed binds the dataset; kept by the dataset, so worker processes get a copy.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.acks: Acks | None = None
+        self._ledgers: dict[int, Ledger] = {}
+
+    def activate(self, workers: int) -> None:
+        """Record samples as consumed on acknowledgement; ``workers``: worker processes."""
+        self.active = True
+        self.acks = Acks(workers) if workers > 0 else None
+
+    def begin_pass(self, fresh_workers: bool) -> None:
+        """A pass starts; ``fresh_workers``: new worker processes, numbering from 1 again."""
+        if self.acks is not None and fresh_workers:
+            self.acks.reset()
+
+    def start(self, consumer: int, in_worker: bool) -> Ledger | None:
+        """The ledger ``consumer`` hands its items to this pass (None when inactive).
+
+        A worker process's ledger is watched (``watch_in_worker``); a persistent worker's
+        ledger first settles and gives back what its previous pass left.
+        """
+        if not self.active:
+            return None
+        ledger = self._ledgers.get(consumer)
+        if ledger is None or ledger.pid != os.getpid():  # not one copied into a fork
+            ledger = self._ledgers[consumer] = Ledger(self.acks if in_worker else None, consumer)
+            if ledger.acks is not None:
+                watch_in_worker(ledger)
+        ledger.finish()
+        return ledger
+
+    def ticket(self, consumer: int) -> Ticket | None:
+        """The ticket of the batch just built from ``consumer``'s items, in this process."""
+        ledger = self._ledgers.get(consumer)
+        if ledger is None or ledger.pid != os.getpid():
+            return None
+        return ledger.ticket()
+
+    def acknowledge(self, ticket: Ticket | None) -> None:
+        """The training loop is past the batch of ``ticket``: its samples are consumed."""
+        if ticket is None:
+            return
+        if ticket.receipts is not None:
+            assert self.acks is not None
+            self.acks.acknowledge(ticket)
+        else:
+            self._ledgers[ticket.consumer].settle_through(ticket.last)
+
+    def close_pass(self) -> None:
+        """A pass ended: consumers here give back what was not acknowledged."""
+        for ledger in self._ledgers.values():
+            if ledger.pid == os.getpid() and ledger.acks is None:
+                ledger.give_back()
+
+
+def watch_in_worker(ledger: Ledger) -> None:
     """In a worker process: settle what is acknowledged while it waits, and at its exit.
 
     A daemon thread looks at the acknowledgements every few milliseconds, and ends the
@@ -165,66 +235,7 @@ def watch_in_worker(ledger: Ledger, acks: Acks, consumer: int) -> None:
             time.sleep(_WATCH_INTERVAL)
             if os.getppid() != parent:
                 os._exit(1)  # the training process died: the kernel releases the claims
-            ledger.settle_through(acks.of(consumer))
+            ledger.catch_up()
 
     threading.Thread(target=watch, daemon=True, name="hidden-state-acks").start()
-    multiprocessing.util.Finalize(None, lambda: ledger.finish(acks.of(consumer)), exitpriority=10)
-
-
-class Acknowledgements:
-    """A loader's acknowledgements: the shared numbers, and this process's ledgers.
-
-    Kept by the dataset, so worker processes get their copy with it.
-
-    Args:
-        workers: DataLoader worker processes (0: consumers run in the training process).
-    """
-
-    def __init__(self, workers: int) -> None:
-        self.acks = Acks(workers) if workers > 0 else None
-        self._ledgers: dict[int, Ledger] = {}
-
-    def begin_pass(self, fresh_workers: bool) -> None:
-        """A pass starts; ``fresh_workers``: new worker processes, numbering from 1 again."""
-        if self.acks is not None and fresh_workers:
-            self.acks.reset()
-
-    def ledger(self, consumer: int, in_worker: bool) -> Ledger:
-        """The ledger of ``consumer`` in this process (a worker's is watched, see above)."""
-        ledger = self._ledgers.get(consumer)
-        if ledger is None or ledger.pid != os.getpid():  # not one copied into a fork
-            ledger = self._ledgers[consumer] = Ledger(in_worker)
-            if in_worker:
-                assert self.acks is not None
-                watch_in_worker(ledger, self.acks, consumer)
-        return ledger
-
-    def acknowledged(self, consumer: int) -> int | None:
-        """In a worker: the last number acknowledged to it (None in the training process)."""
-        ledger = self._ledgers.get(consumer)
-        if self.acks is None or ledger is None or not ledger.in_worker:
-            return None
-        return self.acks.of(consumer)
-
-    def ticket(self, consumer: int) -> Ticket | None:
-        """The ticket of the batch just built from ``consumer``'s items, in this process."""
-        ledger = self._ledgers.get(consumer)
-        if ledger is None or ledger.pid != os.getpid():
-            return None
-        return ledger.ticket(consumer)
-
-    def acknowledge(self, ticket: Ticket | None) -> None:
-        """The training loop is past the batch of ``ticket``: its samples are consumed."""
-        if ticket is None:
-            return
-        if ticket.receipts is not None:
-            assert self.acks is not None
-            self.acks.acknowledge(ticket)
-        else:
-            self._ledgers[ticket.consumer].settle_through(ticket.last)
-
-    def close_pass(self) -> None:
-        """A pass ended: consumers here give back what was not acknowledged."""
-        for ledger in self._ledgers.values():
-            if ledger.pid == os.getpid() and not ledger.in_worker:
-                ledger.give_back()
+    multiprocessing.util.Finalize(None, ledger.finish, exitpriority=10)

@@ -37,7 +37,7 @@ from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.store.url import is_store_url, parse_store_url
-from hidden_state_reader.training.acknowledgement import Acknowledgements, Ledger, Ticket
+from hidden_state_reader.training.acknowledgement import Acknowledgements, Ledger
 from hidden_state_reader.training.cursor import Cursor
 from hidden_state_reader.training.dataset_modes import (
     FollowedSamples,
@@ -135,8 +135,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         )
         self._cursor = Cursor()
         self._bound = False  # set by HiddenStateLoader
-        # A loader records samples as consumed once its loop is past them.
-        self._acknowledgements: Acknowledgements | None = None
+        # What says when a loader's loop is past a sample (inactive until bound).
+        self._acknowledgements = Acknowledgements()
 
     # -- what there is to read (static mode) -------------------------------------------
 
@@ -233,16 +233,9 @@ class HiddenStateDataset(IterableDataset[Sample]):
             raise ValueError(f"consumed={consumed} is outside this rank's epoch of {len(self)}")
         self._cursor.move_to(int(state["epoch"]), consumed)
 
-    def _begin_pass(self, fresh_workers: bool = True) -> None:
-        """Start (or continue) a pass: publish the cursor to the workers.
-
-        Args:
-            fresh_workers: The pass starts new worker processes (not persistent ones):
-                their item numbers start again.
-        """
+    def _begin_pass(self) -> None:
+        """Start (or continue) a pass: publish the cursor to the workers."""
         self._cursor.publish()
-        if self._acknowledgements is not None:
-            self._acknowledgements.begin_pass(fresh_workers)
 
     def _advance(self, positions: int) -> None:
         self._cursor.consumed += positions
@@ -253,16 +246,11 @@ class HiddenStateDataset(IterableDataset[Sample]):
             self._cursor.next_epoch()
 
     def _bind(self, batch_size: int, workers: int) -> None:
-        """Called by ``HiddenStateLoader``: chunk by its batch size, let it count and acknowledge.
-
-        Args:
-            batch_size: The loader's batch size.
-            workers: Its DataLoader worker processes (0: none, or builder threads).
-        """
+        """Called by ``HiddenStateLoader`` (``workers`` processes): chunk, count, acknowledge."""
         self.batch_size = _positive(batch_size, "batch_size")
         self._bound = True
         if self.options.claim or self.options.on_consumed != "keep":
-            self._acknowledgements = Acknowledgements(workers)
+            self._acknowledgements.activate(workers)
 
     # -- iteration ----------------------------------------------------------------------
 
@@ -281,18 +269,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         else:
             worker_id, num_workers = info.id, info.num_workers
             epoch, start = self._cursor.published()
-        ledger = self._ledger(worker_id, in_worker=info is not None)
-        acknowledged = self._acknowledged(worker_id)
-        if ledger is not None and acknowledged is not None:
-            ledger.finish(acknowledged)  # what a previous pass left (persistent workers)
-        defer = None if ledger is None else ledger.hand_out
-        items: Generator[tuple[int, Sample | Skipped], None, None]
-        if isinstance(self._mode, FollowedSamples):
-            items = self._mode.iterate(start, num_workers, self.stats, defer=defer)
-        else:
-            items = self._mode.iterate(
-                epoch, start, worker_id, num_workers, self.batch_size, self.stats, defer=defer
-            )
+        ledger = self._acknowledgements.start(worker_id, in_worker=info is not None)
+        items = _share(self, epoch, start, worker_id, num_workers, ledger)
         with closing(items):
             for position, item in items:
                 if counting:
@@ -300,41 +278,10 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 if isinstance(item, Skipped) and not self._bound:
                     continue  # only a loader counts a stand-in as a position
                 yield item
-                acknowledged = self._acknowledged(worker_id)
-                if ledger is not None and acknowledged is not None:  # before the next read
-                    ledger.settle_through(acknowledged)
+                if ledger is not None:
+                    ledger.catch_up()  # before the next read
         if counting:
             self._end_pass()
-
-    def _ledger(self, consumer: int, in_worker: bool) -> Ledger | None:
-        """Where ``consumer`` hands out its items, when a loader acknowledges them."""
-        acknowledgements = self._acknowledgements if self._bound else None
-        return None if acknowledgements is None else acknowledgements.ledger(consumer, in_worker)
-
-    def _ticket(self, consumer: int | None = None) -> Ticket | None:
-        """The ticket of the batch just built from ``consumer``'s items.
-
-        ``consumer`` defaults to this DataLoader worker (or the training process).
-        """
-        info = get_worker_info()
-        acknowledgements = self._acknowledgements
-        if consumer is None:
-            consumer = 0 if info is None else info.id
-        return None if acknowledgements is None else acknowledgements.ticket(consumer)
-
-    def _acknowledge(self, ticket: Ticket | None) -> None:
-        """The training loop is past the batch of ``ticket``: its samples are consumed."""
-        if self._acknowledgements is not None:
-            self._acknowledgements.acknowledge(ticket)
-
-    def _close_pass(self) -> None:
-        """A loader's pass ended: what its loop did not get past is given back."""
-        if self._acknowledgements is not None:
-            self._acknowledgements.close_pass()
-
-    def _acknowledged(self, consumer: int) -> int | None:
-        acknowledgements = self._acknowledgements
-        return None if acknowledgements is None else acknowledgements.acknowledged(consumer)
 
     def _worker_items(
         self, worker_id: int, num_workers: int, reading: Reading
@@ -344,14 +291,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         Static mode deals chunks of ``batch_size`` positions round-robin, as to DataLoader
         workers; follow mode gives each its own claiming reader.
         """
-        epoch, start = self.epoch, self.consumed
-        ledger = self._ledger(worker_id, in_worker=False)
-        defer = None if ledger is None else ledger.hand_out
-        if isinstance(self._mode, FollowedSamples):
-            return self._mode.iterate(start, num_workers, self.stats, reading, defer)
-        return self._mode.iterate(
-            epoch, start, worker_id, num_workers, self.batch_size, self.stats, reading, defer
-        )
+        ledger = self._acknowledgements.start(worker_id, in_worker=False)
+        return _share(self, self.epoch, self.consumed, worker_id, num_workers, ledger, reading)
 
     def __repr__(self) -> str:
         mode = "follow" if self.follow else f"{self.num_samples} samples"
@@ -359,6 +300,22 @@ class HiddenStateDataset(IterableDataset[Sample]):
             f"HiddenStateDataset({self.root!r}, {mode}, rank {self.rank}/{self.world_size}, "
             f"epoch {self.epoch}, consumed {self.consumed})"
         )
+
+
+def _share(
+    dataset: HiddenStateDataset, epoch: int, start: int, worker_id: int, num_workers: int,
+    ledger: Ledger | None, reading: Reading | None = None,
+) -> Generator[tuple[int, Sample | Skipped], None, None]:  # fmt: skip
+    """One consumer's share of a pass from ``start`` (see the modes' ``iterate``).
+
+    With a ``ledger``, each item's delivery is handed to it (``training.acknowledgement``).
+    """
+    mode, defer = dataset._mode, None if ledger is None else ledger.hand_out
+    if isinstance(mode, FollowedSamples):
+        return mode.iterate(start, num_workers, dataset.stats, reading, defer)
+    return mode.iterate(
+        epoch, start, worker_id, num_workers, dataset.batch_size, dataset.stats, reading, defer
+    )
 
 
 def _dataset_only_options(

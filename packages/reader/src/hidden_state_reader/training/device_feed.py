@@ -263,7 +263,7 @@ class DeviceFeed:
                     if self.drop_last and len(chunk) < self.batch_size:
                         break
                     built = self._make(chunk, arenas)
-                    built.ticket = self.dataset._ticket(worker)
+                    built.ticket = self.dataset._acknowledgements.ticket(worker)
                     if not self._put(out, built):
                         return
         except BaseException as exc:  # handed to the training loop

@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, get_worker_info
 
 from hidden_state_reader.sample.placement import check_device
 from hidden_state_reader.training.acknowledgement import Ticket
@@ -64,7 +64,9 @@ class _CountingCollate:
     def __call__(self, items: Sequence[Any]) -> _Counted:
         samples = [item for item in items if not isinstance(item, Skipped)]
         batch = self.collate_fn(samples) if samples else None
-        return _Counted(len(items), batch, self.dataset._ticket())
+        info = get_worker_info()
+        consumer = 0 if info is None else info.id
+        return _Counted(len(items), batch, self.dataset._acknowledgements.ticket(consumer))
 
 
 class HiddenStateLoader(DataLoader[Any]):
@@ -149,14 +151,18 @@ class HiddenStateLoader(DataLoader[Any]):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         dataset = self.dataset
+        acknowledgements = dataset._acknowledgements
         # Before workers start (or resume) and read the cursor.
-        dataset._begin_pass(fresh_workers=not (self.persistent_workers and self.num_workers))
+        dataset._begin_pass()
+        acknowledgements.begin_pass(
+            fresh_workers=not (self.persistent_workers and self.num_workers)
+        )
         batches = self._batches()
         try:
             for positions, batch, ticket in batches:
                 dataset._advance(positions)
                 if batch is None:  # every sample skipped: nothing for the loop to train
-                    dataset._acknowledge(ticket)
+                    acknowledgements.acknowledge(ticket)
                     continue
                 self._handed_out = ticket
                 yield batch
@@ -164,7 +170,7 @@ class HiddenStateLoader(DataLoader[Any]):
         finally:
             batches.close()  # the workers or threads stop before the rest is given back
             self._handed_out = None
-            dataset._close_pass()
+            acknowledgements.close_pass()
         dataset._end_pass()
 
     def commit(self) -> None:
@@ -175,7 +181,7 @@ class HiddenStateLoader(DataLoader[Any]):
         when it stops early (``break``, an exception) or dies is delivered again.
         """
         ticket, self._handed_out = self._handed_out, None
-        self.dataset._acknowledge(ticket)
+        self.dataset._acknowledgements.acknowledge(ticket)
 
     def _batches(self) -> Generator[tuple[int, Any, Ticket | None], None, None]:
         """``(positions, batch, ticket)`` from the worker processes, or the feed's threads."""
