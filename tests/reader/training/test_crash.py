@@ -121,3 +121,18 @@ def test_static_delete_removes_a_batch_once_the_loop_is_past_it(hs_dir: Path) ->
         assert not any((hs_dir / n).exists() for names in seen[:-1] for n in names)
         assert all((hs_dir / name).exists() for name in seen[-1])
     assert len(seen) == 4 and not [p for p in hs_dir.iterdir() if p.suffix == ".safetensors"]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_claims_settled_by_the_training_process_stay_done(hs_dir: Path, persistent: bool) -> None:
+    """Workers let go of claims the training process marked done: none is given back."""
+    write_samples(hs_dir, 12, tokens=2)
+    ds = HiddenStateDataset(hs_dir, follow=True, idle_timeout=0.5)  # on_consumed="keep"
+    loader = HiddenStateLoader(ds, batch_size=4, num_workers=2, persistent_workers=persistent)
+    first = [name for batch in loader for name in batch_names(batch)]
+    assert sorted(first) == sorted(f"hs_{i}.safetensors" for i in range(12))
+    again = [name for batch in loader for name in batch_names(batch)]  # workers exited
+    assert again == []
+    claims = sorted((hs_dir / ".claims" / "default").glob("*.claim"))
+    assert len(claims) == 12
+    assert all(json.loads(claim.read_text())["state"] == "done" for claim in claims)
