@@ -169,6 +169,10 @@ class Acknowledgements:
         self.acks: Acks | None = None
         self._ledgers: dict[int, Ledger] = {}
 
+    def __getstate__(self) -> dict[str, object]:
+        """What a spawned worker gets: the shared numbers, not this process's ledgers."""
+        return {**self.__dict__, "_ledgers": {}}
+
     def activate(self, workers: int) -> None:
         """Record samples as consumed on acknowledgement; ``workers``: worker processes."""
         self.active = True
