@@ -9,13 +9,14 @@ yields each sample and records it as consumed.
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from contextlib import closing
 from typing import Any
 
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.options import ReaderOptions, takes_reader_options
-from hidden_state_reader.read.backend import Backend, Outcome
+from hidden_state_reader.read.backend import Backend, Outcome, Receipt
+from hidden_state_reader.read.claim_lifecycle import Ending, settle
 from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.read.directory import DirectoryBackend
 from hidden_state_reader.read.policy import ErrorPolicy
@@ -41,6 +42,43 @@ def open_backend(path: str, options: ReaderOptions, cancel: CancelToken) -> Back
 
         return StoreBackend(path, options, cancel)
     return DirectoryBackend(path, options, cancel)
+
+
+class Delivery:
+    """A sample handed out whose consumption is recorded later, when its user says so.
+
+    What ``HiddenStateReader.deferred`` hands to its ``defer`` callback with each sample
+    (``training.acknowledgement`` keeps them until the training loop is past them).
+    Exactly one of ``commit``, ``give_back`` and (after settling ``receipt`` elsewhere)
+    ``release`` is called.
+    """
+
+    __slots__ = ("_outcome", "_reader")
+
+    def __init__(self, reader: HiddenStateReader, outcome: Outcome) -> None:
+        self._reader = reader
+        self._outcome = outcome
+
+    @property
+    def name(self) -> str:
+        """The sample name."""
+        return self._outcome.name
+
+    def commit(self) -> None:
+        """Record the sample as consumed (``on_consumed``, claim settled), here."""
+        self._reader._commit(self._outcome)
+
+    def receipt(self) -> Receipt | None:
+        """What records it as consumed from another process, if the source has that."""
+        return self._reader._backend.receipt(self._outcome.name, self._outcome.claim)
+
+    def release(self) -> None:
+        """Its ``receipt`` was settled: let go of the claim."""
+        self._reader._backend.released(self._outcome.name, self._outcome.claim)
+
+    def give_back(self) -> None:
+        """Not used after all: return the claim so this or another reader delivers it."""
+        settle(self._outcome.claim, Ending.RETURNED)
 
 
 @takes_reader_options  # the signature and docs of every option, from ReaderOptions
@@ -108,12 +146,29 @@ class HiddenStateReader:
     def __iter__(self) -> Generator[Sample, None, None]:
         return self._consume(None, self.options.max_samples)
 
-    def in_order(self, names: Iterable[str]) -> Generator[tuple[str, Sample | None], None, None]:
+    def deferred(self, defer: Callable[[Delivery], None]) -> Generator[Sample, None, None]:
+        """Iterate, leaving each sample's consumption to ``defer``'s receiver.
+
+        As ``iter(reader)``, but a sample is not recorded as consumed when the next one is
+        asked for: ``defer`` gets its ``Delivery`` (before the sample is yielded), and
+        whoever keeps it commits, releases or gives it back. Its claim stays held
+        until then; a process that dies first releases it to the group.
+        """
+        return self._consume(None, self.options.max_samples, defer)
+
+    def in_order(
+        self, names: Iterable[str], defer: Callable[[Delivery], None] | None = None
+    ) -> Generator[tuple[str, Sample | None], None, None]:
         """Read ``names`` one after another, in this order; each waited for by itself.
 
         What the static ``HiddenStateDataset`` reads an epoch with: one reader for the
         whole pass, its exact order kept (a sample still being written holds up the ones
         after it, for at most ``lock_timeout``). ``max_samples`` does not apply.
+
+        Args:
+            names: The samples, in order.
+            defer: Receives each sample's ``Delivery`` (see ``deferred``); None records
+                a sample as consumed when the next one is asked for.
 
         Yields:
             ``(name, sample)`` for every name; ``sample`` is None when it was skipped
@@ -121,16 +176,22 @@ class HiddenStateReader:
         """
         for name in names:
             sample = None
-            with closing(self._consume([name], None)) as samples:
+            with closing(self._consume([name], None, defer)) as samples:
                 for sample in samples:
                     yield name, sample
             if sample is None:
                 yield name, None
 
     def _consume(
-        self, names: list[str] | None, max_samples: int | None
+        self,
+        names: list[str] | None,
+        max_samples: int | None,
+        defer: Callable[[Delivery], None] | None = None,
     ) -> Generator[Sample, None, None]:
-        """The consume stage over one pass of the backend: policy, yield, record."""
+        """The consume stage over one pass of the backend: policy, yield, record.
+
+        With ``defer``, recording is left to the receiver of each ``Delivery``.
+        """
         if self._closed or max_samples == 0:
             return
         policy = ErrorPolicy(
@@ -143,12 +204,16 @@ class HiddenStateReader:
                 if sample is None:
                     continue
                 yielded += 1
-                try:
+                if defer is not None:
+                    defer(Delivery(self, outcome))
                     yield sample
-                finally:
-                    # Reached when the caller asks for the next sample or stops
-                    # iterating: either way the sample was delivered.
-                    self._commit(outcome)
+                else:
+                    try:
+                        yield sample
+                    finally:
+                        # Reached when the caller asks for the next sample or stops
+                        # iterating: either way the sample was delivered.
+                        self._commit(outcome)
                 if max_samples is not None and yielded >= max_samples:
                     return
 
@@ -161,4 +226,3 @@ class HiddenStateReader:
             # (a half-recorded claim would hand the sample to another reader again).
             self._backend.consumed(outcome.name, outcome.claim)
             raise
-

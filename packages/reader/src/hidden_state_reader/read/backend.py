@@ -137,6 +137,19 @@ def rejected(
     return Outcome(OutcomeKind.REJECT, name, claim=claim, state=state, error=error)
 
 
+class Receipt(Protocol):
+    """What it takes to record a sample as consumed from another process (picklable).
+
+    A DataLoader worker reads a sample and holds its claim; the training process settles
+    the receipt once its loop has trained the sample (``training.acknowledgement``), and
+    the worker then lets go of the claim (``Backend.released``).
+    """
+
+    def settle(self) -> None:
+        """Keep, delete or move the sample and settle its claim, as ``consumed`` would."""
+        ...
+
+
 class Backend(Protocol):
     """Where a reader's samples come from (see the module docstring).
 
@@ -172,6 +185,14 @@ class Backend(Protocol):
 
         Must be repeatable: it is called again when a Ctrl-C cut the first call short.
         """
+        ...
+
+    def receipt(self, name: str, claim: HeldClaim | None) -> Receipt | None:
+        """A receipt that records the sample as consumed from any process, if there is one."""
+        ...
+
+    def released(self, name: str, claim: HeldClaim | None) -> None:
+        """The sample's receipt was settled elsewhere: let go of its claim, stop tracking it."""
         ...
 
     def close(self) -> None:

@@ -135,6 +135,33 @@ class Claim:
         if fd is not None:
             os.close(fd)
 
+    def release(self) -> None:
+        """Let go of a claim another process has settled by its path (``settle_claim_file``)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def settle_claim_file(path: str, gone: bool) -> None:
+    """Settle a claim another process of this reader holds: ``done`` (or removed if ``gone``).
+
+    The holder keeps its lock until it learns of this and calls ``Claim.release``, so no
+    other reader can take the claim in between: it finds the claim held, then finished.
+    Opening and closing the file here leaves the holder's ``flock`` alone.
+    """
+    if gone:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # the group's claims were reset by hand: nothing left to settle
+    try:
+        write_status(fd, _DONE)
+    finally:
+        os.close(fd)
+
 
 class ClaimStore:
     """Claims of one consumer group over one storage root.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Generator, Sequence
+from typing import NamedTuple
 
 from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
 from hidden_state_reader.format.listing import describe_empty
@@ -22,7 +23,7 @@ from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.access import check_modes
 from hidden_state_reader.read.backend import Outcome
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
-from hidden_state_reader.read.claims import ClaimStore
+from hidden_state_reader.read.claims import Claim, ClaimStore, settle_claim_file
 from hidden_state_reader.read.decision import Decider
 from hidden_state_reader.read.disposal import dispose, quarantine
 from hidden_state_reader.read.membership import Membership
@@ -164,13 +165,24 @@ class DirectoryBackend:
         """Keep, delete or move a delivered sample (``on_consumed``); settle its claim."""
         if claim is None and self.options.on_consumed == "keep":
             return  # nothing to do (asked after every sample)
-        try:
-            gone = dispose(self.root, name, self.options.on_consumed, self.done_dir)
-        except OSError as exc:
-            log.warning("cannot %s %s after use: %s", self.options.on_consumed, name, exc)
-            gone = False
+        gone = _disposed(self.root, name, self.options.on_consumed, self.done_dir)
         settle(claim, Ending.GONE if gone else Ending.CONSUMED)
         if gone:
+            self.forget(name)
+
+    def receipt(self, name: str, claim: HeldClaim | None) -> DirectoryReceipt | None:
+        """What ``consumed`` does, as a picklable record another process can settle."""
+        if claim is None and self.options.on_consumed == "keep":
+            return None
+        claim_path = claim.path if isinstance(claim, Claim) else None
+        return DirectoryReceipt(self.root, name, self.options.on_consumed, self.done_dir,
+                                claim_path)  # fmt: skip
+
+    def released(self, name: str, claim: HeldClaim | None) -> None:
+        """The receipt was settled by another process: close the claim, forget the name."""
+        if isinstance(claim, Claim):
+            claim.release()
+        if self.options.on_consumed != "keep":
             self.forget(name)
 
     def close(self) -> None:
@@ -207,3 +219,37 @@ def _warn_absent(root: str, names: Sequence[str]) -> None:
             root,
             shown,
         )
+
+
+class DirectoryReceipt(NamedTuple):
+    """``DirectoryBackend.consumed`` for a claim another process holds (``read.backend.Receipt``).
+
+    Attributes:
+        root: The storage directory.
+        name: The sample.
+        on_consumed: ``keep``, ``delete`` or ``move``.
+        done_dir: Where ``move`` puts it.
+        claim_path: The claim file, held by the process that read the sample (None
+            without claims).
+    """
+
+    root: str
+    name: str
+    on_consumed: str
+    done_dir: str
+    claim_path: str | None
+
+    def settle(self) -> None:
+        """Dispose of the sample, then settle its claim through the claim file's path."""
+        gone = _disposed(self.root, self.name, self.on_consumed, self.done_dir)
+        if self.claim_path is not None:
+            settle_claim_file(self.claim_path, gone)
+
+
+def _disposed(root: str, name: str, on_consumed: str, done_dir: str) -> bool:
+    """Apply ``on_consumed``; True if the files left the root (a failure is logged)."""
+    try:
+        return dispose(root, name, on_consumed, done_dir)
+    except OSError as exc:
+        log.warning("cannot %s %s after use: %s", on_consumed, name, exc)
+        return False

@@ -129,8 +129,8 @@ class StoreBackend:
 
         A pass over more than one sample runs in a read-ahead thread
         (``store.read_ahead``): the next sample is claimed, transferred and checked
-        while the caller uses this one. Claims and membership end with the pass, in the
-        caller's thread, once the last sample yielded has been consumed.
+        while the caller uses this one. Membership ends with the pass, in the caller's
+        thread; claims keep their leases until each is settled (``consumed``).
         """
         token = CancelToken()  # this pass's waits: ended by ``close`` or by the caller
         single = names is not None and len(names) == 1  # ``in_order``: nothing to overlap
@@ -160,7 +160,7 @@ class StoreBackend:
                     settle(decision.claim, Ending.RETURNED)
             self._passes.pop(token, None)
             if self._leases is not None:
-                self._leases.stop()
+                self._leases.stop_when_released()
             if self._membership is not None:
                 self._membership.leave()
 
@@ -211,6 +211,14 @@ class StoreBackend:
         settle(claim, Ending.CONSUMED)
         if self.options.on_consumed == "delete":
             self.client.remove(data_key(self.prefix, name))
+
+    def receipt(self, name: str, claim: HeldClaim | None) -> None:
+        """None: only this process's store client can settle a claim of this reader."""
+        return None
+
+    def released(self, name: str, claim: HeldClaim | None) -> None:
+        """Never called (no receipts); settles the sample as ``consumed`` does."""
+        self.consumed(name, claim)
 
     def close(self) -> None:
         """End every pass in progress: its waits and its read-ahead (safe from any thread)."""

@@ -106,6 +106,7 @@ class StoreClaims:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stop_when_released = False
         self._next_check = 0.0
 
     # -- owning -------------------------------------------------------------------
@@ -146,6 +147,7 @@ class StoreClaims:
             return False
         with self._lock:
             self._held[name] = [generation, 0]
+        self._stop_when_released = False
         self._given_back.pop(name, None)
         self._start_renewing()
         return True
@@ -172,8 +174,11 @@ class StoreClaims:
         """Stop renewing the claim of ``name`` (without marking it done) and drop its renewals."""
         with self._lock:
             held = self._held.pop(name, None)
+            idle = not self._held
         if held is None:
             return
+        if idle and self._stop_when_released:
+            self.stop()
         generation, renewals = held
         for k in range(1, renewals + 1):
             self.client.remove(renewal_key(self.prefix, self.group, name, generation, k))
@@ -211,6 +216,19 @@ class StoreClaims:
                 with self._lock:
                     if self._held.get(name, [None])[0] == generation:
                         self._held[name][1] = k
+
+    def stop_when_released(self) -> None:
+        """Stop renewing once no claim is held: now, or when the last one is released.
+
+        A pass ends while claims handed out to a training loop still wait for it to
+        acknowledge them (``training.acknowledgement``); they keep their leases until then.
+        """
+        with self._lock:
+            idle = not self._held
+        if idle:
+            self.stop()
+        else:
+            self._stop_when_released = True
 
     def stop(self) -> None:
         """Stop the renewal thread (held claims then expire after one lease)."""

@@ -37,6 +37,7 @@ from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.store.url import is_store_url, parse_store_url
+from hidden_state_reader.training.acknowledgement import Acknowledgements, Ledger
 from hidden_state_reader.training.cursor import Cursor
 from hidden_state_reader.training.dataset_modes import (
     FollowedSamples,
@@ -49,6 +50,7 @@ from hidden_state_reader.training.dataset_modes import (
 from hidden_state_reader.training.sharding import distributed_context
 
 STATE_VERSION = 1
+
 
 class HiddenStateDataset(IterableDataset[Sample]):
     """Hidden-state samples of a directory written by vLLM, for ``torch.utils.data``.
@@ -133,6 +135,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         )
         self._cursor = Cursor()
         self._bound = False  # set by HiddenStateLoader
+        # What says when a loader's loop is past a sample (inactive until bound).
+        self._acknowledgements = Acknowledgements()
 
     # -- what there is to read (static mode) -------------------------------------------
 
@@ -241,10 +245,12 @@ class HiddenStateDataset(IterableDataset[Sample]):
         if not self.follow:  # a followed stream has no epochs: keep counting
             self._cursor.next_epoch()
 
-    def _bind(self, batch_size: int) -> None:
-        """Called by ``HiddenStateLoader``: chunk by its batch size, let it count."""
+    def _bind(self, batch_size: int, workers: int) -> None:
+        """Called by ``HiddenStateLoader`` (``workers`` processes): chunk, count, acknowledge."""
         self.batch_size = _positive(batch_size, "batch_size")
         self._bound = True
+        if self.options.claim or self.options.on_consumed != "keep":
+            self._acknowledgements.activate(workers)
 
     # -- iteration ----------------------------------------------------------------------
 
@@ -263,13 +269,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         else:
             worker_id, num_workers = info.id, info.num_workers
             epoch, start = self._cursor.published()
-        items: Generator[tuple[int, Sample | Skipped], None, None]
-        if isinstance(self._mode, FollowedSamples):
-            items = self._mode.iterate(start, num_workers, self.stats)
-        else:
-            items = self._mode.iterate(
-                epoch, start, worker_id, num_workers, self.batch_size, self.stats
-            )
+        ledger = self._acknowledgements.start(worker_id, in_worker=info is not None)
+        items = _share(self, epoch, start, worker_id, num_workers, ledger)
         with closing(items):
             for position, item in items:
                 if counting:
@@ -277,6 +278,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
                 if isinstance(item, Skipped) and not self._bound:
                     continue  # only a loader counts a stand-in as a position
                 yield item
+                if ledger is not None:
+                    ledger.catch_up()  # before the next read
         if counting:
             self._end_pass()
 
@@ -288,12 +291,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
         Static mode deals chunks of ``batch_size`` positions round-robin, as to DataLoader
         workers; follow mode gives each its own claiming reader.
         """
-        epoch, start = self.epoch, self.consumed
-        if isinstance(self._mode, FollowedSamples):
-            return self._mode.iterate(start, num_workers, self.stats, reading)
-        return self._mode.iterate(
-            epoch, start, worker_id, num_workers, self.batch_size, self.stats, reading
-        )
+        ledger = self._acknowledgements.start(worker_id, in_worker=False)
+        return _share(self, self.epoch, self.consumed, worker_id, num_workers, ledger, reading)
 
     def __repr__(self) -> str:
         mode = "follow" if self.follow else f"{self.num_samples} samples"
@@ -301,6 +300,22 @@ class HiddenStateDataset(IterableDataset[Sample]):
             f"HiddenStateDataset({self.root!r}, {mode}, rank {self.rank}/{self.world_size}, "
             f"epoch {self.epoch}, consumed {self.consumed})"
         )
+
+
+def _share(
+    dataset: HiddenStateDataset, epoch: int, start: int, worker_id: int, num_workers: int,
+    ledger: Ledger | None, reading: Reading | None = None,
+) -> Generator[tuple[int, Sample | Skipped], None, None]:  # fmt: skip
+    """One consumer's share of a pass from ``start`` (see the modes' ``iterate``).
+
+    With a ``ledger``, each item's delivery is handed to it (``training.acknowledgement``).
+    """
+    mode, defer = dataset._mode, None if ledger is None else ledger.hand_out
+    if isinstance(mode, FollowedSamples):
+        return mode.iterate(start, num_workers, dataset.stats, reading, defer)
+    return mode.iterate(
+        epoch, start, worker_id, num_workers, dataset.batch_size, dataset.stats, reading, defer
+    )
 
 
 def _dataset_only_options(

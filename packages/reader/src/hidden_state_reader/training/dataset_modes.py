@@ -23,7 +23,7 @@ from hidden_state_reader.format.header import read_header
 from hidden_state_reader.format.listing import describe_empty
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.counters import ReaderStats
-from hidden_state_reader.reader import HiddenStateReader
+from hidden_state_reader.reader import Delivery, HiddenStateReader
 from hidden_state_reader.sample.health import count_states, scan_health
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.sharding import epoch_order, rank_share, rank_slice, worker_chunks
@@ -121,7 +121,7 @@ class StaticSamples:
 
     def iterate(
         self, epoch: int, start: int, worker_id: int, num_workers: int, batch_size: int,
-        stats: ReaderStats, reading: Reading | None = None,
+        stats: ReaderStats, reading: Reading | None = None, defer: Defer | None = None,
     ) -> Generator[tuple[int, Sample | Skipped], None, None]:  # fmt: skip
         """Read ``epoch`` from position ``start``, this worker's chunks only, in order.
 
@@ -133,6 +133,9 @@ class StaticSamples:
             batch_size: Positions per chunk.
             stats: The counters the reader adds to.
             reading: How to read, when not as ``self.options`` say (``Reading``).
+            defer: Receives every item's ``Delivery`` (None for a skipped position)
+                before it is yielded: its consumption is then left to the receiver
+                (``training.acknowledgement``). None: as the reader records it.
 
         Yields:
             ``(position, sample)``, or ``(position, Skipped(name))`` for a position whose
@@ -141,8 +144,11 @@ class StaticSamples:
         todo = list(enumerate(self.epoch_names(epoch)))[start:]
         mine = worker_chunks(todo, worker_id, num_workers, batch_size)
         reader = _open(self.root, self.options, stats, reading, names=[])
-        with closing(reader), closing(reader.in_order(name for _, name in mine)) as reads:
+        reads = reader.in_order((name for _, name in mine), defer)
+        with closing(reader), closing(reads):
             for (position, _), (name, sample) in zip(mine, reads, strict=True):
+                if sample is None and defer is not None:
+                    defer(None)
                 yield position, Skipped(name) if sample is None else sample
 
 
@@ -159,7 +165,12 @@ class FollowedSamples:
         self.options = options
 
     def iterate(
-        self, start: int, num_workers: int, stats: ReaderStats, reading: Reading | None = None
+        self,
+        start: int,
+        num_workers: int,
+        stats: ReaderStats,
+        reading: Reading | None = None,
+        defer: Defer | None = None,
     ) -> Generator[tuple[int, Sample], None, None]:
         """Follow the source until the reader stops (``idle_timeout``, ``max_samples``).
 
@@ -170,15 +181,21 @@ class FollowedSamples:
             num_workers: How many consumers follow at once (checked against ``claim``).
             stats: The counters the reader adds to.
             reading: How to read, when not as ``self.options`` say (``Reading``).
+            defer: Receives every sample's ``Delivery`` before it is yielded (see
+                ``StaticSamples.iterate``).
 
         Raises:
             ValueError: Several workers without claims (each would get every sample).
         """
         self.options.check_consumers(num_workers, "DataLoader workers")
         reader = _open(self.root, self.options, stats, reading)
-        # Closing the reader's iterator settles the sample last yielded.
-        with closing(reader), closing(iter(reader)) as samples:
+        # Closing the reader's iterator settles the sample last yielded (without defer).
+        stream = iter(reader) if defer is None else reader.deferred(defer)
+        with closing(reader), closing(stream) as samples:
             yield from enumerate(samples, start)
+
+
+Defer = Callable[[Delivery | None], None]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import torch
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.header import Meta
 from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.training.acknowledgement import Ticket
 from hidden_state_reader.training.batch_memory import TensorSpec, carve, layout
 from hidden_state_reader.training.collate import SCALES
 from hidden_state_reader.training.dataset_modes import Reading, Skipped
@@ -52,11 +53,12 @@ class _Failed:
 
 @dataclass
 class _Built:
-    """A batch on its way: how many positions it covers, the batch, its copy's event."""
+    """A batch on its way: positions it covers, the batch, its copy's event, its ticket."""
 
     positions: int
     batch: Any
     ready: torch.cuda.Event | None
+    ticket: Ticket | None = None
 
 
 class HostArenas:
@@ -140,7 +142,10 @@ class Placement:
 
 
 class DeviceFeed:
-    """Iterates ``(positions, batch)`` for one pass of a dataset, batches on the device.
+    """Iterates ``(positions, batch, ticket)`` for one pass of a dataset, batches on the device.
+
+    The ticket says which samples the batch holds, to acknowledge once the loop is past
+    it (``training.acknowledgement``; None when the dataset records nothing).
 
     Args:
         dataset: The dataset (its cursor says where the pass starts).
@@ -198,7 +203,7 @@ class DeviceFeed:
         ]
         self._workers: list[threading.Thread] = []
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
+    def __iter__(self) -> Iterator[tuple[int, Any, Ticket | None]]:
         self._workers = [
             threading.Thread(target=self._build, args=(i,), name=f"hidden-state-feed-{i}")
             for i in range(self.threads)
@@ -208,7 +213,7 @@ class DeviceFeed:
             worker.start()
         try:
             for built in self._arrivals():
-                yield built.positions, _delivered(built, self.device)
+                yield built.positions, _delivered(built, self.device), built.ticket
         finally:
             self.close()
 
@@ -257,7 +262,9 @@ class DeviceFeed:
                 for chunk in _chunks(items, self.batch_size, self._stop):
                     if self.drop_last and len(chunk) < self.batch_size:
                         break
-                    if not self._put(out, self._make(chunk, arenas)):
+                    built = self._make(chunk, arenas)
+                    built.ticket = self.dataset._acknowledgements.ticket(worker)
+                    if not self._put(out, built):
                         return
         except BaseException as exc:  # handed to the training loop
             self._put(out, _Failed(exc))

@@ -21,13 +21,14 @@ there too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, get_worker_info
 
 from hidden_state_reader.sample.placement import check_device
+from hidden_state_reader.training.acknowledgement import Ticket
 from hidden_state_reader.training.collate import pad_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.dataset_modes import Skipped
@@ -39,24 +40,33 @@ _FEED_ARGS = ("num_workers", "prefetch_factor", "pin_memory", "persistent_worker
 
 
 class _Counted(NamedTuple):
-    """A collated batch and the number of positions it covers.
+    """A collated batch, the number of positions it covers, and its ``Ticket``.
 
     A namedtuple, so the DataLoader's pin-memory thread pins the batch inside it.
     """
 
     positions: int
     batch: Any
+    ticket: Ticket | None
 
 
 class _CountingCollate:
-    """Drops ``Skipped`` stand-ins, collates the rest, and says how many positions it saw."""
+    """Drops ``Skipped`` stand-ins, collates the rest, says how many positions it saw.
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+    Runs where the batch is built (a worker process, or the training process): it also
+    takes the ticket of the items just read there.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], dataset: HiddenStateDataset) -> None:
         self.collate_fn = collate_fn
+        self.dataset = dataset
 
     def __call__(self, items: Sequence[Any]) -> _Counted:
         samples = [item for item in items if not isinstance(item, Skipped)]
-        return _Counted(len(items), self.collate_fn(samples) if samples else None)
+        batch = self.collate_fn(samples) if samples else None
+        info = get_worker_info()
+        consumer = 0 if info is None else info.id
+        return _Counted(len(items), batch, self.dataset._acknowledgements.ticket(consumer))
 
 
 class HiddenStateLoader(DataLoader[Any]):
@@ -128,30 +138,55 @@ class HiddenStateLoader(DataLoader[Any]):
         self._idle_arenas: list[list[HostArenas]] = []  # kept for the next pass
         if device is None:
             _check_device_workers(dataset, kwargs.get("num_workers", 0))
-        dataset._bind(batch_size)
+        dataset._bind(batch_size, 0 if device else kwargs.get("num_workers", 0) or 0)
         self.batch_collate_fn = collate_fn if collate_fn is not None else pad_collate
+        self._handed_out: Ticket | None = None  # the batch the loop has now
         super().__init__(
             dataset,
             batch_size=batch_size,
-            collate_fn=_CountingCollate(self.batch_collate_fn),
+            collate_fn=_CountingCollate(self.batch_collate_fn, dataset),
             drop_last=drop_last,
             **kwargs,
         )
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         dataset = self.dataset
-        dataset._begin_pass()  # before workers start (or resume) and read the cursor
-        for positions, batch in self._batches():
-            dataset._advance(positions)
-            if batch is not None:
+        acknowledgements = dataset._acknowledgements
+        # Before workers start (or resume) and read the cursor.
+        dataset._begin_pass()
+        acknowledgements.begin_pass(
+            fresh_workers=not (self.persistent_workers and self.num_workers)
+        )
+        batches = self._batches()
+        try:
+            for positions, batch, ticket in batches:
+                dataset._advance(positions)
+                if batch is None:  # every sample skipped: nothing for the loop to train
+                    acknowledgements.acknowledge(ticket)
+                    continue
+                self._handed_out = ticket
                 yield batch
+                self.commit()  # the loop asks for the next batch: it is past this one
+        finally:
+            batches.close()  # the workers or threads stop before the rest is given back
+            self._handed_out = None
+            acknowledgements.close_pass()
         dataset._end_pass()
 
-    def _batches(self) -> Iterator[tuple[int, Any]]:
-        """``(positions, batch)`` from the worker processes, or the device feed's threads."""
+    def commit(self) -> None:
+        """Record the samples of the batch the loop has now as consumed (e.g. at a checkpoint).
+
+        Without it, a batch's samples are recorded (``on_consumed``, claims settled) when
+        the loop asks for the next batch, or when the pass ends; a batch the loop holds
+        when it stops early (``break``, an exception) or dies is delivered again.
+        """
+        ticket, self._handed_out = self._handed_out, None
+        self.dataset._acknowledgements.acknowledge(ticket)
+
+    def _batches(self) -> Generator[tuple[int, Any, Ticket | None], None, None]:
+        """``(positions, batch, ticket)`` from the worker processes, or the feed's threads."""
         if self.device is None:
-            for counted in super().__iter__():
-                yield counted.positions, counted.batch
+            yield from super().__iter__()
             return
         arenas = self._idle_arenas.pop() if self._idle_arenas else None
         feed = DeviceFeed(

@@ -1,0 +1,245 @@
+"""Samples are recorded as consumed once the training loop is past them, not when read.
+
+``HiddenStateLoader`` reads ahead: DataLoader worker processes (or the device feed's
+builder threads) read samples and build batches while the loop trains. Recording a
+sample as consumed (``on_consumed`` keep / delete / move, its claim settled ``done``)
+when it is read would lose every batch built ahead if the training process dies. So a
+consumer (a worker process, a builder thread, or the training process itself) hands
+each sample's ``Delivery`` to its ``Ledger`` instead, numbered 1, 2, ... in read order.
+Every batch carries a ``Ticket``: its consumer and the number of its last item. When
+the loop asks for the next batch (or calls ``loader.commit()``, or the pass ends), the
+loader acknowledges the ticket of the batch it handed out last:
+
+* a consumer in the training process (builder thread, ``num_workers=0``): its ledger
+  commits the deliveries at once, in the loop's thread;
+* a worker process: the ticket carries a ``Receipt`` per sample (what ``consumed`` does,
+  picklable; the directory backend has them). The training process settles them
+  itself, at once: files deleted or moved, claim files marked ``done`` through their
+  path; then it publishes the ticket's number in shared memory (``Acks``). The worker,
+  which held each claim's lock all along, lets go of the claims it sees acknowledged,
+  before each read, from a watcher thread while it waits, and when it exits. A source
+  without receipts (the store) is settled by the worker the same way, when it sees the
+  acknowledgement.
+
+A claim is therefore never released before its sample is settled, and a training
+process that dies (its workers die with it: the watcher ends a worker whose parent is
+gone) leaves everything not yet acknowledged claimed by a dead process: the group takes
+it over. What was handed out but not acknowledged when a pass ends early (``break``, an
+exception) is given back the same way.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hidden_state_reader.read.backend import Receipt
+
+if TYPE_CHECKING:
+    from hidden_state_reader.reader import Delivery
+
+_WATCH_INTERVAL = 0.05  # seconds between a waiting worker's looks at its acknowledgements
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """What a batch says about the deliveries in it (a dataclass: pinning leaves it alone).
+
+    Attributes:
+        consumer: The worker (or builder thread) that read it.
+        last: The ledger number of its last item.
+        receipts: From a worker process: the receipts the training process settles for
+            it; None when the consumer runs in the training process.
+    """
+
+    consumer: int
+    last: int
+    receipts: Sequence[Receipt] | None
+
+
+class Ledger:
+    """One consumer's deliveries not yet settled, numbered in the order it read them.
+
+    Args:
+        acks: A worker process's acknowledgements (it hands out receipts for the
+            training process to settle); None for a consumer in the training process.
+        consumer: The consumer's number (its worker id or thread index).
+    """
+
+    def __init__(self, acks: Acks | None, consumer: int) -> None:
+        self.acks = acks
+        self.consumer = consumer
+        self.pid = os.getpid()  # a ledger copied into a forked worker is not the worker's
+        self.handed_out = 0
+        self._open: deque[tuple[int, Delivery, bool]] = deque()  # number, delivery, receipt sent
+        self._receipts: list[Receipt] = []
+        self._lock = threading.Lock()
+
+    def hand_out(self, delivery: Delivery | None) -> None:
+        """The consumer hands out its next item (None: a position skipped as unreadable)."""
+        with self._lock:
+            self.handed_out += 1
+            if delivery is None:
+                return
+            receipt = delivery.receipt() if self.acks is not None else None
+            if receipt is not None:
+                self._receipts.append(receipt)
+            self._open.append((self.handed_out, delivery, receipt is not None))
+
+    def ticket(self) -> Ticket:
+        """The ticket of the batch just built: everything handed out since the last one."""
+        with self._lock:
+            receipts, self._receipts = self._receipts, []
+            in_worker = self.acks is not None
+            return Ticket(self.consumer, self.handed_out, receipts if in_worker else None)
+
+    def settle_through(self, last: int) -> None:
+        """The training loop is past item ``last``: record it and those before as consumed."""
+        with self._lock:
+            while self._open and self._open[0][0] <= last:
+                _, delivery, receipt_sent = self._open[0]
+                if receipt_sent:
+                    delivery.release()  # the training process settled it
+                else:
+                    delivery.commit()
+                self._open.popleft()
+
+    def catch_up(self) -> None:
+        """In a worker process: settle what the training loop has acknowledged so far."""
+        if self.acks is not None:
+            self.settle_through(self.acks.of(self.consumer))
+
+    def give_back(self) -> None:
+        """Return every delivery not settled: the loop never got past it."""
+        with self._lock:
+            while self._open:
+                self._open[0][1].give_back()
+                self._open.popleft()
+
+    def finish(self) -> None:
+        """Catch up, then give back the rest (a worker's pass or process ends)."""
+        self.catch_up()
+        self.give_back()
+
+
+class Acks:
+    """The last item number the training loop acknowledged, per worker, in shared memory.
+
+    Made in the training process before the workers start; they read it.
+
+    Args:
+        workers: DataLoader worker processes.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._shared = torch.zeros(max(1, workers), dtype=torch.int64).share_memory_()
+
+    def acknowledge(self, ticket: Ticket) -> None:
+        """Settle the ticket's receipts here, then tell its worker it may let go."""
+        for receipt in ticket.receipts or ():
+            receipt.settle()
+        self._shared[ticket.consumer] = ticket.last
+
+    def of(self, consumer: int) -> int:
+        """The last number acknowledged to ``consumer``."""
+        return int(self._shared[consumer])
+
+    def reset(self) -> None:
+        """Fresh worker processes number from 1 again."""
+        self._shared.zero_()
+
+
+class Acknowledgements:
+    """A dataset's acknowledgements: the shared numbers, and this process's ledgers.
+
+    Inactive (every method does nothing) until a loader that records what its loop
+    consumed binds the dataset; kept by the dataset, so worker processes get a copy.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.acks: Acks | None = None
+        self._ledgers: dict[int, Ledger] = {}
+
+    def __getstate__(self) -> dict[str, object]:
+        """What a spawned worker gets: the shared numbers, not this process's ledgers."""
+        return {**self.__dict__, "_ledgers": {}}
+
+    def activate(self, workers: int) -> None:
+        """Record samples as consumed on acknowledgement; ``workers``: worker processes."""
+        self.active = True
+        self.acks = Acks(workers) if workers > 0 else None
+
+    def begin_pass(self, fresh_workers: bool) -> None:
+        """A pass starts; ``fresh_workers``: new worker processes, numbering from 1 again."""
+        if self.acks is not None and fresh_workers:
+            self.acks.reset()
+
+    def start(self, consumer: int, in_worker: bool) -> Ledger | None:
+        """The ledger ``consumer`` hands its items to this pass (None when inactive).
+
+        A worker process's ledger is watched (``watch_in_worker``); a persistent worker's
+        ledger first settles and gives back what its previous pass left.
+        """
+        if not self.active:
+            return None
+        ledger = self._ledgers.get(consumer)
+        if ledger is None or ledger.pid != os.getpid():  # not one copied into a fork
+            ledger = self._ledgers[consumer] = Ledger(self.acks if in_worker else None, consumer)
+            if ledger.acks is not None:
+                watch_in_worker(ledger)
+        ledger.finish()
+        return ledger
+
+    def ticket(self, consumer: int) -> Ticket | None:
+        """The ticket of the batch just built from ``consumer``'s items, in this process."""
+        ledger = self._ledgers.get(consumer)
+        if ledger is None or ledger.pid != os.getpid():
+            return None
+        return ledger.ticket()
+
+    def acknowledge(self, ticket: Ticket | None) -> None:
+        """The training loop is past the batch of ``ticket``: its samples are consumed."""
+        if ticket is None:
+            return
+        if ticket.receipts is not None:
+            assert self.acks is not None
+            self.acks.acknowledge(ticket)
+        else:
+            self._ledgers[ticket.consumer].settle_through(ticket.last)
+
+    def close_pass(self) -> None:
+        """A pass ended: consumers here give back what was not acknowledged."""
+        for ledger in self._ledgers.values():
+            if ledger.pid == os.getpid() and ledger.acks is None:
+                ledger.give_back()
+
+
+def watch_in_worker(ledger: Ledger) -> None:
+    """In a worker process: settle what is acknowledged while it waits, and at its exit.
+
+    A daemon thread looks at the acknowledgements every few milliseconds, and ends the
+    worker at once when the training process is gone (a worker blocked in a wait for
+    new samples would otherwise hold its claims until the wait ends). At a normal exit
+    (``multiprocessing`` finalizers) the worker settles what the loop acknowledged last
+    and gives back the rest.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(_WATCH_INTERVAL)
+            if os.getppid() != parent:
+                os._exit(1)  # the training process died: the kernel releases the claims
+            ledger.catch_up()
+
+    threading.Thread(target=watch, daemon=True, name="hidden-state-acks").start()
+    multiprocessing.util.Finalize(None, ledger.finish, exitpriority=10)
