@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import re
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from hidden_state_reader import (
     read_header,
 )
 from hidden_state_reader.format import WriterLock
+from hidden_state_reader.options import LoadOptions, ReaderOptions
 
 from samples import make_tensors, write_samples, write_vllm_style
 
@@ -184,6 +188,33 @@ def test_vanished_file_between_listing_and_reading_is_not_an_error(hs_dir: Path)
 def test_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
         HiddenStateReader(tmp_path / "does-not-exist")
+
+
+def test_reader_parameters_are_the_options_fields_names_types_and_defaults() -> None:
+    # ReaderOptions is what the backends read; the reader's typed keyword-only
+    # parameters must match its fields exactly, so the two cannot drift apart.
+    params = inspect.signature(HiddenStateReader).parameters
+    options = {n: p for n, p in params.items() if n != "path"}
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in options.values())
+    fields = {f.name: (f.type, f.default) for f in dataclasses.fields(ReaderOptions)}
+    assert {n: (p.annotation, p.default) for n, p in options.items()} == fields
+    # The reader's own options come first, then the LoadOptions ones (as help() shows).
+    loading = [f.name for f in dataclasses.fields(LoadOptions)]
+    assert list(options)[-len(loading) :] == loading
+    # Every option is documented in the reader's Args.
+    doc = HiddenStateReader.__doc__ or ""
+    args = doc.split("    Args:\n", 1)[1].split("\n\n", 1)[0]
+    documented = re.findall(r"^        (\w+): ", args, flags=re.MULTILINE)
+    assert documented == list(params)
+
+
+def test_unknown_and_bad_options_name_the_option(hs_dir: Path) -> None:
+    with pytest.raises(TypeError, match="colour"):
+        HiddenStateReader(hs_dir, colour="blue")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="on_error"):
+        HiddenStateReader(hs_dir, on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="claim_steal_after"):
+        HiddenStateReader(hs_dir, claim_steal_after=0)
 
 
 @pytest.mark.parametrize("mmap", [True, False])

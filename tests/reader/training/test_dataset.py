@@ -17,7 +17,6 @@ import torch
 from resume_contract import check_resume_contract
 from torch.utils.data import DataLoader
 
-from hidden_state_reader.reader import HiddenStateReader
 from hidden_state_reader.training.collate import pad_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.loader import HiddenStateLoader
@@ -317,15 +316,3 @@ def test_follow_mode_without_claims_refuses_several_consumers(hs_dir: Path) -> N
         batches._shutdown_workers()  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match="no length"):
         len(ds)
-
-
-def test_reader_options_mirror_the_readers_keyword_arguments() -> None:
-    import dataclasses
-    import inspect
-
-    from hidden_state_reader.options import ReaderOptions
-
-    params = inspect.signature(HiddenStateReader.__init__).parameters
-    expected = {n: p.default for n, p in params.items() if n not in ("self", "path")}
-    got = {f.name: f.default for f in dataclasses.fields(ReaderOptions)}
-    assert got == expected

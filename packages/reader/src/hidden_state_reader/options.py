@@ -1,21 +1,18 @@
 """The reader's options, defined once: ``LoadOptions`` (file -> tensors) and ``ReaderOptions``.
 
 ``ReaderOptions`` is every keyword option of ``HiddenStateReader`` as one typed value:
-the reader's signature and the option list in its docstring are built from it
-(``takes_reader_options``), ``HiddenStateDataset`` keeps its options as one,
-and each backend reads its settings from it. An unknown option fails with a
-``TypeError``, a bad value with a ``ValueError`` naming the option, when the options
-are made.
+the reader's keyword-only parameters build one (a test keeps their names, types and
+defaults equal to its fields), ``HiddenStateDataset`` keeps its options as one, and each
+backend reads its settings from it. An unknown option fails with a ``TypeError``, a bad
+value with a ``ValueError`` naming the option, when the options are made.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-import re
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from hidden_state_reader.sample.states import GRACE
 
@@ -81,34 +78,9 @@ class LoadOptions:
 class ReaderOptions(LoadOptions):
     """The keyword options of ``HiddenStateReader`` (and of ``HiddenStateDataset``).
 
-    The ``LoadOptions`` fields (layers, dtype, memory) are inherited.
-
-    Attributes:
-        follow: Keep following the source as new samples appear (like ``tail -f``).
-        idle_timeout: In follow mode, stop after this many seconds in which no sample
-            became ready (a sample still being written is no news).
-        max_samples: Stop after yielding this many samples.
-        claim: Coordinate with other readers (processes, ranks, hosts on a shared
-            filesystem) so each sample is yielded by exactly one of them.
-        claim_group: Independent consumer groups each see every sample once.
-        claim_steal_after: Following with ``claim=True``: seconds a sample may stay
-            unclaimed by the group member that owns it before another member takes it
-            (its owner died, left or is behind). See docs/scale-out.md.
-        on_consumed: ``"keep"`` files, ``"delete"`` them after use, or ``"move"`` them to
-            ``done_dir``.
-        done_dir: Target of ``on_consumed="move"`` (default ``<path>/done``).
-        on_error: ``"skip"`` bad samples with one warning each (counted in ``stats``), or
-            ``"raise"`` a ``SampleError`` subclass naming the file.
-        lock_timeout: Seconds to wait for one sample's writer (it never delays other
-            samples); None waits forever.
-        names: Read exactly these sample names (no directory scan): complete ones in this
-            order, each still being written when it is complete.
-        watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
-        rescan_interval: Safety rescan period in follow mode, seconds.
-        poll_interval: Rescan period with ``watch="poll"``, seconds.
-        orphan_grace: How long a released lock without data, or a lock-less file that
-            does not parse, may be young and still count as being written, seconds (the
-            same grace as the ``hidden-state`` commands, ``states.GRACE``).
+    One field per keyword-only parameter of ``HiddenStateReader.__init__``, same name,
+    type and default, documented in its ``Args``; the ``LoadOptions`` fields (layers,
+    dtype, memory) are inherited.
     """
 
     follow: bool = False
@@ -164,67 +136,3 @@ class ReaderOptions(LoadOptions):
                 f"follow mode with claim=False on {count} {what} would deliver every "
                 "sample to each of them; use claim=True (the default in follow mode)"
             )
-
-
-_ENTRY = re.compile(r"^        (\w+): ")
-
-
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """The ``Attributes:`` entries of ``cls``'s docstring, by name, as written there."""
-    docs: dict[str, str] = {}
-    section = (cls.__doc__ or "").split("    Attributes:\n", 1)[-1]
-    name = None
-    for line in section.splitlines():
-        match = _ENTRY.match(line)
-        if match:
-            name = match.group(1)
-            docs[name] = line
-        elif name is not None and line.startswith("            "):
-            docs[name] += "\n" + line
-        elif line.strip():
-            break
-    return docs
-
-
-def options_doc() -> str:
-    """The ``Args:`` entries of every reader option, in signature order (for docstrings)."""
-    docs = {**_attribute_docs(LoadOptions), **_attribute_docs(ReaderOptions)}
-    return "\n".join(docs[f.name] for f in _ordered_fields())
-
-
-def _ordered_fields() -> list[Any]:
-    """The reader's own options first, then the ``LoadOptions`` ones."""
-    loading = {f.name for f in fields(LoadOptions)}
-    every = fields(ReaderOptions)
-    return [f for f in every if f.name not in loading] + [f for f in every if f.name in loading]
-
-
-_T = TypeVar("_T", bound=type)
-
-
-def takes_reader_options(cls: _T) -> _T:
-    """Class decorator: ``cls.__init__(self, ..., **options)`` takes every reader option.
-
-    The signature (``inspect.signature``, ``help()``, IDEs that introspect) lists each
-    option with its type and default after the explicit parameters, and the line
-    ``OPTIONS`` in the class docstring becomes the options' ``Args:`` entries, so the
-    list has one home: ``ReaderOptions``.
-    """
-    init: Any = cls.__dict__["__init__"]
-    own = [
-        p
-        for p in inspect.signature(init).parameters.values()
-        if p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    options = [
-        inspect.Parameter(
-            f.name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=f.default if f.default is not MISSING else inspect.Parameter.empty,
-            annotation=f.type,
-        )
-        for f in _ordered_fields()
-    ]
-    init.__signature__ = inspect.Signature([*own, *options])
-    cls.__doc__ = (cls.__doc__ or "").replace("    OPTIONS\n", options_doc() + "\n")
-    return cls

@@ -9,19 +9,23 @@ yields each sample and records it as consumed.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import closing
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hidden_state_reader.format.flockwait import CancelToken
-from hidden_state_reader.options import ReaderOptions, takes_reader_options
+from hidden_state_reader.options import OnConsumed, OnError, ReaderOptions, Watch
 from hidden_state_reader.read.backend import Backend, Outcome, Receipt
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
 from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.read.directory import DirectoryBackend
 from hidden_state_reader.read.policy import ErrorPolicy
 from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.sample.states import GRACE
 from hidden_state_reader.store.url import is_store_url
+
+if TYPE_CHECKING:
+    import torch
 
 
 def open_backend(path: str, options: ReaderOptions, cancel: CancelToken) -> Backend:
@@ -81,7 +85,6 @@ class Delivery:
         settle(self._outcome.claim, Ending.RETURNED)
 
 
-@takes_reader_options  # the signature and docs of every option, from ReaderOptions
 class HiddenStateReader:
     """Iterate over hidden-state samples in a directory written by vLLM.
 
@@ -95,7 +98,45 @@ class HiddenStateReader:
     Args:
         path: The storage directory (vLLM's ``shared_storage_path``), or a
             ``mooncake://HOST:PORT/PREFIX`` store URL (``store.backend``).
-    OPTIONS
+        follow: Keep following the source as new samples appear (like ``tail -f``).
+        idle_timeout: In follow mode, stop after this many seconds in which no sample
+            became ready (a sample still being written is no news).
+        max_samples: Stop after yielding this many samples.
+        claim: Coordinate with other readers (processes, ranks, hosts on a shared
+            filesystem) so each sample is yielded by exactly one of them.
+        claim_group: Independent consumer groups each see every sample once.
+        claim_steal_after: Following with ``claim=True``: seconds a sample may stay
+            unclaimed by the group member that owns it before another member takes it
+            (its owner died, left or is behind). See docs/scale-out.md.
+        on_consumed: ``"keep"`` files, ``"delete"`` them after use, or ``"move"`` them to
+            ``done_dir``.
+        done_dir: Target of ``on_consumed="move"`` (default ``<path>/done``).
+        on_error: ``"skip"`` bad samples with one warning each (counted in ``stats``), or
+            ``"raise"`` a ``SampleError`` subclass naming the file.
+        lock_timeout: Seconds to wait for one sample's writer (it never delays other
+            samples); None waits forever.
+        names: Read exactly these sample names (no directory scan): complete ones in this
+            order, each still being written when it is complete.
+        watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
+        rescan_interval: Safety rescan period in follow mode, seconds.
+        poll_interval: Rescan period with ``watch="poll"``, seconds.
+        orphan_grace: How long a released lock without data, or a lock-less file that
+            does not parse, may be young and still count as being written, seconds (the
+            same grace as the ``hidden-state`` commands, ``states.GRACE``).
+        layers: Keep only these positions of the layer axis (e.g. ``[-1]`` for the last).
+        layer_ids: Keep only these captured layer ids (needs the writer's ``layer_ids``
+            metadata).
+        dtype: Convert hidden states to this dtype.
+        pin_memory: Read into page-locked memory (faster host-to-GPU copies).
+        verify_checksum: Check the writer's CRC32 when the file has one (a second pass
+            over every byte, so off by default; see ``LoadOptions``).
+        mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them; turn off
+            if your writer rewrites published files in place (``LoadOptions``).
+        raw_fp8: Give fp8 files as stored (float8_e4m3fn plus
+            ``Sample.hidden_states_scales``) instead of dequantizing them on the CPU
+            (``LoadOptions``).
+        device: Put the sample's tensors on this torch device, fp8 files crossing as fp8
+            and dequantized there (``LoadOptions``); None (the default): the CPU.
 
     Attributes:
         root: ``path`` as given.
@@ -110,9 +151,60 @@ class HiddenStateReader:
             on a directory (or done folder) this process cannot write.
     """
 
-    def __init__(self, path: str | os.PathLike[str], **options: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        follow: bool = False,
+        idle_timeout: float | None = None,
+        max_samples: int | None = None,
+        claim: bool = False,
+        claim_group: str = "default",
+        claim_steal_after: float = 2.0,
+        on_consumed: OnConsumed = "keep",
+        done_dir: str | os.PathLike[str] | None = None,
+        on_error: OnError = "skip",
+        lock_timeout: float | None = 600.0,
+        names: Sequence[str] | None = None,
+        watch: Watch = "auto",
+        rescan_interval: float = 30.0,
+        poll_interval: float = 1.0,
+        orphan_grace: float = GRACE,
+        layers: Sequence[int] | None = None,
+        layer_ids: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        pin_memory: bool = False,
+        verify_checksum: bool = False,
+        mmap: bool = True,
+        raw_fp8: bool = False,
+        device: str | torch.device | None = None,
+    ) -> None:
         self.root = os.fspath(path)
-        self.options = ReaderOptions(**options)
+        self.options = ReaderOptions(
+            follow=follow,
+            idle_timeout=idle_timeout,
+            max_samples=max_samples,
+            claim=claim,
+            claim_group=claim_group,
+            claim_steal_after=claim_steal_after,
+            on_consumed=on_consumed,
+            done_dir=done_dir,
+            on_error=on_error,
+            lock_timeout=lock_timeout,
+            names=names,
+            watch=watch,
+            rescan_interval=rescan_interval,
+            poll_interval=poll_interval,
+            orphan_grace=orphan_grace,
+            layers=layers,
+            layer_ids=layer_ids,
+            dtype=dtype,
+            pin_memory=pin_memory,
+            verify_checksum=verify_checksum,
+            mmap=mmap,
+            raw_fp8=raw_fp8,
+            device=device,
+        )
         self._cancel = CancelToken()
         self._backend = open_backend(self.root, self.options, self._cancel)
         self._closed = False
