@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +74,65 @@ def test_lazy_names_resolve() -> None:
         assert getattr(hidden_state_reader, name) is not None
     with pytest.raises(AttributeError):
         _ = hidden_state_reader.no_such_name  # type: ignore[attr-defined]
+
+
+# The public API; a change to it is deliberate, so it is written out here once more.
+PUBLIC = [
+    "CorruptSampleError",
+    "FailedSampleError",
+    "HiddenStateDataset",
+    "HiddenStateError",
+    "HiddenStateLoader",
+    "HiddenStateReader",
+    "IncompleteSampleError",
+    "LoadOptions",
+    "LockTimeoutError",
+    "PackCollate",
+    "PadCollate",
+    "PathOutsideRootError",
+    "ReaderStats",
+    "Sample",
+    "SampleError",
+    "StaleLockError",
+    "WaitCancelledError",
+    "__version__",
+    "distributed_context",
+    "load_sample",
+    "pack_collate",
+    "pad_collate",
+    "read_header",
+    "write_sample",
+]
+
+
+def test_public_names_are_listed_once_and_type_checkers_see_the_same() -> None:
+    import ast
+    import importlib
+
+    import hidden_state_reader
+
+    assert hidden_state_reader.__all__ == PUBLIC
+    exports = hidden_state_reader._EXPORTS
+    for module, names in exports.items():
+        for name in names:
+            assert getattr(importlib.import_module(module), name) is getattr(
+                hidden_state_reader, name
+            )
+    # The imports under ``if TYPE_CHECKING:`` are exactly _EXPORTS, each an explicit
+    # re-export (``X as X``) so strict type checkers let users import it.
+    tree = ast.parse(Path(hidden_state_reader.__file__).read_text())
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    seen: dict[str, list[str]] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names:
+            assert alias.asname == alias.name, f"{alias.name} is not re-exported"
+            seen.setdefault(node.module, []).append(alias.name)
+    assert seen == {module: list(names) for module, names in exports.items()}
 
 
 LAZY = """
