@@ -30,7 +30,7 @@ from hidden_state_reader.format.store_keys import CommitRecord, data_key, done_k
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
-from hidden_state_reader.read.ownership import Ownership
+from hidden_state_reader.read.ownership import Ownership, Route
 from hidden_state_reader.store.claims import StoreClaims
 from hidden_state_reader.store.client import StoreClient
 from hidden_state_reader.store.fetch import Fetched, fetch, load
@@ -297,7 +297,8 @@ class StoreBackend:
         if not membership.joined:
             membership.join()
             self._ownership = Ownership(membership.members, membership.me,
-                                        self.options.claim_steal_after)  # fmt: skip
+                                        self.options.claim_steal_after,
+                                        others_wait=False)  # fmt: skip
         membership.watch_neighbour()
 
     def _route(self, entry: Entry) -> Entry | Outcome | None:
@@ -305,14 +306,15 @@ class StoreBackend:
         ownership = self._ownership
         if ownership is None:
             return entry
-        ranking = ownership.ranking(entry.name)
-        if not ranking or ranking[0] == ownership.me:
-            return entry
-        if ownership.me not in ranking:
+        now = time.monotonic()
+        turn = ownership.route(entry.name, now, since=now)  # each record is announced once
+        if turn.route is Route.LEAVE:
             return Outcome(OutcomeKind.OWNED_ELSEWHERE, entry.name)
-        turn = time.monotonic() + ranking.index(ownership.me) * ownership.steal_after
+        if turn.rank == 0:
+            return entry  # its owner claims it at once
+        # A stand-in looks when its turn comes (``_due``), even a turn due at once.
         self._order += 1
-        heapq.heappush(self._deferred, (turn, self._order, entry))
+        heapq.heappush(self._deferred, (turn.at, self._order, entry))
         return None
 
     def _due(self) -> Iterator[Entry | Outcome]:
