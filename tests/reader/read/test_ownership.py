@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hidden_state_reader.read.ownership import STAND_INS, Ownership, Ring
+from hidden_state_reader.read.ownership import (
+    STAND_INS,
+    Ownership,
+    Ring,
+    Route,
+    Turn,
+    TurnSchedule,
+)
 
 MEMBERS = [f"host-{i}:{1000 + i}:abcd{i:04x}" for i in range(16)]
 NAMES = [f"hs_{i}.safetensors" for i in range(20_000)]
@@ -63,3 +70,73 @@ def test_a_turn_counts_from_the_first_sight_and_restarts_when_the_data_appears()
 def test_alone_a_member_owns_everything() -> None:
     ownership = Ownership(lambda: ["me"], "me", steal_after=1.0)
     assert all(ownership.owns(n) and ownership.turn(n) == 0.0 for n in NAMES[:100])
+
+
+class FakeClock:
+    """A clock the test moves by hand (no real time passes)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_schedule_routes_owner_now_stand_ins_later_by_rank() -> None:
+    ranking = ["owner", "first", "second"]
+    at = {m: TurnSchedule(m, steal_after=2.0).route(ranking, since=10.0, now=10.0) for m in ranking}
+    assert at["owner"] == Turn(Route.NOW, 10.0, 0)
+    assert at["first"] == Turn(Route.LATER, 12.0, 1)
+    assert at["second"] == Turn(Route.LATER, 14.0, 2)
+    # The turn comes once the clock reaches it; it counts from ``since``, not ``now``.
+    assert TurnSchedule("first", 2.0).route(ranking, since=10.0, now=11.9).route is Route.LATER
+    assert TurnSchedule("first", 2.0).route(ranking, since=10.0, now=12.0) == Turn(
+        Route.NOW, 12.0, 1
+    )
+    assert TurnSchedule("first", 2.0).route(ranking, since=10.0, now=11.5).wait(11.5) == 0.5
+
+
+def test_the_schedule_gives_others_a_last_turn_or_leaves_them_out() -> None:
+    ranking = ["owner", "first", "second"]
+    directory = TurnSchedule("other", 2.0, others_wait=True)
+    store = TurnSchedule("other", 2.0, others_wait=False)
+    assert directory.route(ranking, since=0.0, now=0.0) == Turn(Route.LATER, 6.0, 3)
+    assert directory.route(ranking, since=0.0, now=6.0) == Turn(Route.NOW, 6.0, 3)
+    assert store.route(ranking, since=0.0, now=100.0).route is Route.LEAVE
+    # Alone (or before any member is listed), a member owns everything.
+    assert store.route([], since=0.0, now=5.0) == Turn(Route.NOW, 5.0, 0)
+    assert store.route(["other"], since=0.0, now=5.0) == Turn(Route.NOW, 5.0, 0)
+
+
+def test_ownership_on_a_fake_clock_counts_turns_from_the_first_sight() -> None:
+    members = MEMBERS[:4]
+    name = NAMES[1]
+    ranking = Ring(members).ranking(name, STAND_INS + 1)
+    clock = FakeClock(100.0)
+    second = Ownership(lambda: members, ranking[2], steal_after=1.0, clock=clock)
+    assert second.route(name) == Turn(Route.LATER, 102.0, 2)
+    clock.now = 101.5
+    assert second.turn(name) == 0.5  # still from the first sight at 100
+    clock.now = 102.0
+    assert second.route(name).route is Route.NOW
+    assert second.first_look_at_data(name) is True  # its data seen only now: owners first
+    assert second.route(name) == Turn(Route.LATER, 104.0, 2)
+    # An explicit start (the store's: each record is announced once) is not remembered.
+    second.forget(name)
+    assert second.route(name, 200.0, since=200.0) == Turn(Route.LATER, 202.0, 2)
+    assert second.route(name, 300.0) == Turn(Route.LATER, 302.0, 2)
+
+
+def test_the_store_and_the_directory_route_through_one_schedule() -> None:
+    members = MEMBERS[:8]
+    clock = FakeClock(0.0)
+    for name in NAMES[:50]:
+        ranking = Ring(members).ranking(name, STAND_INS + 1)
+        for me in members:
+            directory = Ownership(lambda: members, me, 2.0, clock=clock)
+            store = Ownership(lambda: members, me, 2.0, others_wait=False, clock=clock)
+            a, b = directory.route(name, since=0.0), store.route(name, since=0.0)
+            if me in ranking:
+                assert a == b == Turn(a.route, 2.0 * ranking.index(me), ranking.index(me))
+            else:
+                assert (a.route, a.at, b.route) == (Route.LATER, 6.0, Route.LEAVE)

@@ -14,28 +14,7 @@ Two backends implement the protocol: ``read.directory.DirectoryBackend`` (sample
 a shared directory) and ``store.backend.StoreBackend`` (a Mooncake Store). This module
 imports neither; ``reader.open_backend`` picks one for a path.
 
-The kinds of ``Outcome``:
-
-==================  ===========================================================
-``YIELD``           hand ``sample`` to the caller (then settle ``claim``)
-``PENDING``         a writer holds the lock: wait for its release
-``RECHECK``         no writer holds a lock but the sample may still be coming (a
-                    young lock without data, a lock-less file still growing): look
-                    again in ``delay`` seconds, or sooner when the files change
-``REJECT``          unusable: ``state`` says why, ``error`` names the sample
-``VANISHED``        consumed or removed meanwhile
-``CLAIMED``         another reader of the group has it: look again in ``delay``
-``DONE_ELSEWHERE``  another reader of the group consumed it
-``TIMED_OUT``       its writer did not finish within ``lock_timeout``; ``error``
-                    says so
-``DEFERRED``        another member of the group owns it: look again in ``delay``,
-                    when this reader's turn comes (``read.ownership``)
-``OWNED_ELSEWHERE`` another member of the group owns it and has taken it (``gone``:
-                    its files are gone too)
-==================  ===========================================================
-
-``PENDING``, ``RECHECK`` and ``DEFERRED`` stay inside a backend (they are waited for); the reader
-sees every other kind.
+The kinds of ``Outcome`` are listed at ``OutcomeKind``.
 """
 
 from __future__ import annotations
@@ -57,7 +36,29 @@ from hidden_state_reader.sample.states import SampleState, Verdict
 
 
 class OutcomeKind(enum.Enum):
-    """What the caller does next with a sample (see the module docstring)."""
+    """What the caller does next with a sample.
+
+    ==================  ===========================================================
+    ``YIELD``           hand ``sample`` to the caller (then settle ``claim``)
+    ``PENDING``         a writer holds the lock: wait for its release
+    ``RECHECK``         no writer holds a lock but the sample may still be coming (a
+                        young lock without data, a lock-less file still growing): look
+                        again in ``delay`` seconds, or sooner when the files change
+    ``REJECT``          unusable: ``state`` says why, ``error`` names the sample
+    ``VANISHED``        consumed or removed meanwhile
+    ``CLAIMED``         another reader of the group has it: look again in ``delay``
+    ``DONE_ELSEWHERE``  another reader of the group consumed it
+    ``TIMED_OUT``       its writer did not finish within ``lock_timeout``; ``error``
+                        says so
+    ``DEFERRED``        another member of the group owns it: look again in ``delay``,
+                        when this reader's turn comes (``read.ownership``)
+    ``OWNED_ELSEWHERE`` another member of the group owns it and has taken it (``gone``:
+                        its files are gone too)
+    ==================  ===========================================================
+
+    ``PENDING``, ``RECHECK`` and ``DEFERRED`` stay inside a backend (they are waited for);
+    the reader sees every other kind.
+    """
 
     YIELD = "yield"
     PENDING = "pending"

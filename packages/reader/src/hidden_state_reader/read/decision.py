@@ -35,7 +35,6 @@ from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
 from hidden_state_reader.read.claims import Claim, ClaimResult, ClaimStore
-from hidden_state_reader.read.inotify import Inotify
 from hidden_state_reader.read.membership import Membership
 from hidden_state_reader.read.ownership import Ownership
 from hidden_state_reader.sample.load import MMAP_MIN_BYTES, load_fd, load_published
@@ -116,13 +115,17 @@ class Decider:
         self.ownership.ring()  # rebuilt here when the members changed
         changed = self.membership.changes != self._changes_seen
         self._changes_seen = self.membership.changes
-        if changed:
-            # Alone, every event is this reader's own: read each at once. In a group,
-            # most are about other members' samples: read them in batches.
-            size = len(self.membership.members())
-            per_member, most = GROUP_BATCH_WINDOW
-            Inotify.set_batch_window(0.0 if size < 2 else min(most, per_member * size))
         return changed
+
+    def event_batch_window(self) -> float:
+        """Seconds this reader's watch may let events gather (``GROUP_BATCH_WINDOW``).
+
+        Alone, every event is this reader's own: read each at once. In a group, most are
+        about other members' samples: read them in batches.
+        """
+        size = 0 if self.membership is None else len(self.membership.members())
+        per_member, most = GROUP_BATCH_WINDOW
+        return 0.0 if size < 2 else min(most, per_member * size)
 
     def decide(self, name: str, wait: float = 0.0, cancel: CancelToken | None = None) -> Outcome:
         """Decide about one sample; wait at most ``wait`` seconds for its writer.

@@ -76,7 +76,8 @@ class Inotify:
         if fd < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
-        cls._fd, cls._pid, cls._sinks = fd, os.getpid(), {}
+        cls._fd, cls._pid, cls._sinks, cls._windows = fd, os.getpid(), {}, {}
+        cls._batch_window = 0.0
         thread = threading.Thread(target=cls._run, args=(fd,), name="hidden-state-inotify")
         thread.daemon = True
         with threads_ignore_signals():
@@ -94,6 +95,7 @@ class Inotify:
                 err = ctypes.get_errno()
                 raise OSError(err, f"cannot watch {root}: {os.strerror(err)}")
             cls._sinks.setdefault(wd, set()).add(sink)
+            cls._batch_window = cls._shortest_window()  # a new watch starts without one
             return wd, sink
 
     @classmethod
@@ -103,32 +105,50 @@ class Inotify:
         with cls._lock:
             if cls._pid != os.getpid() or cls._fd is None:
                 return
+            cls._windows.pop(handle, None)
             sinks = cls._sinks.get(wd)
-            if sinks is None:
-                return
-            sinks.discard(sink)
-            if not sinks:
-                del cls._sinks[wd]
-                ctypes.CDLL(None, use_errno=True).inotify_rm_watch(cls._fd, wd)
+            if sinks is not None:
+                sinks.discard(sink)
+                if not sinks:
+                    del cls._sinks[wd]
+                    ctypes.CDLL(None, use_errno=True).inotify_rm_watch(cls._fd, wd)
+            cls._batch_window = cls._shortest_window()
 
-    batch_window = 0.0
-    """Seconds the reader thread lets events gather after a read before the next one.
-
-    0 reads each event as it comes (lowest latency). A follower in a consumer group sets
-    it (``set_batch_window``): every member's watch receives every sample's events, most
-    about samples other members own, and a thread woken once per window instead of once
-    per event costs a fraction of the CPU, at most this much later per event.
-    """
+    _windows: dict[Handle, float] = {}
+    _batch_window = 0.0  # the smallest window of the live watches: the reader thread's
 
     @classmethod
-    def set_batch_window(cls, seconds: float) -> None:
-        """Let events gather up to ``seconds`` between reads (0: read each at once)."""
-        cls.batch_window = max(0.0, float(seconds))
+    def set_batch_window(cls, handle: Handle, seconds: float) -> None:
+        """Let the events of one watch gather up to ``seconds`` (0: deliver each at once).
+
+        A follower in a consumer group sets its own watch's window: every member's watch
+        receives every sample's events, most about samples other members own, and a
+        thread woken once per window instead of once per event costs a fraction of the
+        CPU. Each watch keeps its own window: the shared reader thread waits only as long
+        as the most impatient live watch allows, so a watch's events are never held
+        longer than its window (a watch with 0 gets each event at once).
+        """
+        with cls._lock:
+            if handle[0] in cls._sinks and handle[1] in cls._sinks[handle[0]]:
+                cls._windows[handle] = max(0.0, float(seconds))
+            cls._batch_window = cls._shortest_window()
+
+    @classmethod
+    def batch_window(cls, handle: Handle) -> float:
+        """The window of one watch (0 unless ``set_batch_window`` was called for it)."""
+        with cls._lock:
+            return cls._windows.get(handle, 0.0)
+
+    @classmethod
+    def _shortest_window(cls) -> float:
+        """The reader thread's wait between reads: 0 if any live watch has no window."""
+        live = [(wd, sink) for wd, sinks in cls._sinks.items() for sink in sinks]
+        return min((cls._windows.get(h, 0.0) for h in live), default=0.0)
 
     @classmethod
     def _run(cls, fd: int) -> None:
         while True:
-            window = cls.batch_window
+            window = cls._batch_window
             if window:
                 time.sleep(window)  # let the events of this window gather: one read
             try:
@@ -155,6 +175,7 @@ class Inotify:
                     continue
                 if mask & _IN_IGNORED:
                     cls._sinks.pop(wd, None)  # the directory is gone
+                    cls._batch_window = cls._shortest_window()
                     continue
                 if mask & _IN_ISDIR or not length:
                     continue

@@ -15,14 +15,19 @@ dead, gone or behind: work stealing), after reaping owners that died, so that th
 moves on for every later sample too. Member lists can differ for up to the membership's
 refresh period while readers join and leave: two readers may then both try a sample (the
 claim decides), or neither at once (the stand-in takes it): never none, never two.
+
+The turn rule itself is ``TurnSchedule.route``, pure (no clock, no files): both backends
+(directory and store) route their samples through it.
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 import hashlib
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 VNODES = 128
 """Points per member on the ring (the spread of shares shrinks as 1/sqrt(VNODES))."""
@@ -65,6 +70,76 @@ class Ring:
         return out
 
 
+class Route(enum.Enum):
+    """What a member does with a sample: act ``NOW``, ``LATER`` (when its turn comes), ``LEAVE``."""
+
+    NOW = "now"
+    LATER = "later"
+    LEAVE = "leave"
+
+
+class Turn(NamedTuple):
+    """A member's turn on one sample.
+
+    Attributes:
+        route: Act now, later, or leave the sample to the others.
+        at: The time (of the clock ``now`` was read from) the turn comes; ``now`` for
+            ``NOW``, ``inf`` for ``LEAVE``.
+        rank: 0 for the owner, ``k`` for the ``k``-th stand-in, the ranking's length for
+            any other member. A stand-in whose turn came looks before it claims.
+    """
+
+    route: Route
+    at: float
+    rank: int = 0
+
+    def wait(self, now: float) -> float:
+        """Seconds from ``now`` until the turn (0 when it has come)."""
+        return max(0.0, self.at - now)
+
+
+class TurnSchedule:
+    """The turn rule of a consumer group: when one member acts on a sample.
+
+    Pure: the answer depends only on the arguments, so every member computes the same
+    rule, and tests run it with any clock. The owner (rank 0) acts at once; the stand-in
+    of rank ``k`` at ``since + k * steal_after``; a member outside the ranking either has
+    one last turn after all stand-ins (``others_wait=True``: the directory backend, where
+    every member sees every sample again on rescans) or leaves the sample
+    (``others_wait=False``: the store backend, where a dead claimer's lease is taken over
+    instead).
+
+    Args:
+        me: This member's name.
+        steal_after: Seconds between one rank's turn and the next.
+        others_wait: Whether members outside the ranking get a last turn.
+    """
+
+    def __init__(self, me: str, steal_after: float, *, others_wait: bool = True) -> None:
+        self.me = me
+        self.steal_after = steal_after
+        self.others_wait = others_wait
+
+    def route(self, ranking: Sequence[str], since: float, now: float) -> Turn:
+        """This member's turn on a sample with ``ranking``, whose turns started ``since``.
+
+        Args:
+            ranking: The sample's owner and stand-ins, in turn order (``Ring.ranking``).
+            since: When the turns started (the sample was first seen, or seen again).
+            now: The current time, of the same clock as ``since``.
+        """
+        if not ranking or ranking[0] == self.me:
+            return Turn(Route.NOW, now)
+        if self.me in ranking:
+            rank = ranking.index(self.me)
+        elif self.others_wait:
+            rank = len(ranking)
+        else:
+            return Turn(Route.LEAVE, float("inf"), len(ranking))
+        at = since + rank * self.steal_after
+        return Turn(Route.NOW, now, rank) if at <= now else Turn(Route.LATER, at, rank)
+
+
 class Ownership:
     """One member's view of which samples are its own and when it stands in for others.
 
@@ -72,12 +147,25 @@ class Ownership:
         members: Returns the group's current members (``Membership.members``).
         me: This member's name.
         steal_after: Seconds a stand-in of rank 1 waits before acting.
+        others_wait: Whether members outside a sample's ranking get a last turn
+            (``TurnSchedule``).
+        clock: Returns the current time in seconds (``time.monotonic``; tests pass a fake).
     """
 
-    def __init__(self, members: Callable[[], Sequence[str]], me: str, steal_after: float) -> None:
+    def __init__(
+        self,
+        members: Callable[[], Sequence[str]],
+        me: str,
+        steal_after: float,
+        *,
+        others_wait: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._members = members
         self.me = me
         self.steal_after = steal_after
+        self.schedule = TurnSchedule(me, steal_after, others_wait=others_wait)
+        self._clock = clock
         self._ring = Ring([me])
         self._first_seen: dict[str, float] = {}
         self._seen_data: set[str] = set()
@@ -93,15 +181,25 @@ class Ownership:
         """The owner of ``name`` and its stand-ins, in turn order."""
         return self.ring().ranking(name, STAND_INS + 1)
 
+    def route(self, name: str, now: float | None = None, *, since: float | None = None) -> Turn:
+        """This member's turn on ``name`` (``TurnSchedule.route``).
+
+        Args:
+            name: The sample name.
+            now: The current time (default: the clock's).
+            since: When the turns started; default: when this member first routed
+                ``name`` (remembered until ``forget`` or ``again_later``).
+        """
+        now = self._clock() if now is None else now
+        ranking = self.ranking(name)
+        if since is None and ranking and ranking[0] != self.me:
+            since = self._first_seen.setdefault(name, now)
+        return self.schedule.route(ranking, now if since is None else since, now)
+
     def turn(self, name: str, now: float | None = None) -> float:
         """Seconds until this member may act on ``name``: 0 now (always 0 for its owner)."""
-        ranking = self.ranking(name)
-        if not ranking or ranking[0] == self.me:
-            return 0.0
-        rank = ranking.index(self.me) if self.me in ranking else len(ranking)
-        now = time.monotonic() if now is None else now
-        first = self._first_seen.setdefault(name, now)
-        return max(0.0, first + rank * self.steal_after - now)
+        now = self._clock() if now is None else now
+        return self.route(name, now).wait(now)
 
     def owns(self, name: str) -> bool:
         """Whether this member is the owner of ``name``."""
@@ -120,7 +218,7 @@ class Ownership:
 
     def again_later(self, name: str, now: float | None = None) -> None:
         """Start ``name``'s turns afresh (its data appeared only now: owners go first)."""
-        self._first_seen[name] = time.monotonic() if now is None else now
+        self._first_seen[name] = self._clock() if now is None else now
 
     def first_look_at_data(self, name: str) -> bool:
         """True the first time a stand-in's turn finds ``name``'s data (then it waits again).

@@ -105,6 +105,14 @@ class _EventSource:
             return False
         return True
 
+    def set_batch_window(self, seconds: float) -> None:
+        """Let this source's events gather up to ``seconds`` (``Inotify.set_batch_window``).
+
+        This watch's own setting: other sources in the process keep theirs.
+        """
+        if self._watch is not None:
+            Inotify.set_batch_window(self._watch, seconds)
+
     def take(self) -> tuple[list[str], set[str]]:
         """New names (in order of appearance) and known names touched since the last call."""
         if self._events.empty() and not self._fresh and not self._touched:

@@ -80,6 +80,7 @@ class CompletionStream:
 
     def _gather(self) -> None:
         if self.decider.group_changed() and isinstance(self.source, FollowSource):
+            self.source.set_batch_window(self.decider.event_batch_window())
             # Members joined, left or died: a sample left to one that is gone has a new
             # owner now, who must hear of it again.
             self._enqueue(self.source.present())

@@ -13,54 +13,37 @@ for a directory. See ``docs/scale-out.md``.
 
 from __future__ import annotations
 
-import heapq
 import os
 import socket
 import time
 import uuid
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from typing import NamedTuple
 
 from hidden_state_reader.errors import (
     LockTimeoutError,
     WaitCancelledError,
 )
 from hidden_state_reader.format.flockwait import CancelToken
-from hidden_state_reader.format.store_keys import CommitRecord, data_key, done_key, failed_key
+from hidden_state_reader.format.store_keys import data_key, failed_key
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
-from hidden_state_reader.read.ownership import Ownership
 from hidden_state_reader.store.claims import StoreClaims
 from hidden_state_reader.store.client import StoreClient
 from hidden_state_reader.store.fetch import Fetched, fetch, load
 from hidden_state_reader.store.follow import CommitLog
 from hidden_state_reader.store.membership import StoreMembership
 from hidden_state_reader.store.read_ahead import ReadAhead, Room
+from hidden_state_reader.store.turns import Entry, GroupTurns
 from hidden_state_reader.store.url import parse_store_url, store_url
 
 _POLL_MIN = 0.002
 # While records keep coming (one within _STREAMING s), the log is polled at least every
-# _POLL_STREAMING s: the sample's discovery is part of its latency (the transfer of a
-# 32 MiB sample takes about 20 ms here). Measured cost of an idle following reader
-# polling every 10 ms: 4% of a core, and 1.2% of the master's (0.7% / 0.6% at 100 ms).
+# _POLL_STREAMING s: the sample's discovery is part of its latency. What idle polling
+# costs: docs/scale-out.md, "Finding new samples".
 _POLL_STREAMING = 0.01
 _STREAMING = 1.0
 _READ_AHEAD = 1  # samples claimed and read ahead of the one the caller is using
-
-
-class Entry(NamedTuple):
-    """A sample the store announced: by a commit record, or found by name.
-
-    Attributes:
-        name: The sample name.
-        ok: False when the producer recorded a failure instead of the sample.
-        record: Its commit record (size and CRC to check), when known.
-    """
-
-    name: str
-    ok: bool
-    record: CommitRecord | None = None
 
 
 class StoreBackend:
@@ -104,17 +87,14 @@ class StoreBackend:
                 settings.claim_lease,
                 takes_over=options.names is None,
             )
-        # A follower of a group is a member of it while it follows (``store.membership``):
-        # each announced sample is claimed by its owner, looked at by two stand-ins when
-        # their turn comes and left alone by everyone else (``read.ownership``).
-        self._membership = (
-            StoreMembership(self.client, options.claim_group, token, settings.claim_lease)
-            if options.claim and options.follow and options.names is None
-            else None
-        )
-        self._ownership: Ownership | None = None
-        self._deferred: list[tuple[float, int, Entry]] = []  # (turn, order, entry)
-        self._order = 0
+        # A follower of a group is a member of it while it follows: its samples are
+        # routed by the group's turns (``store.turns``).
+        self._turns: GroupTurns | None = None
+        if options.claim and options.follow and options.names is None:
+            group = options.claim_group
+            membership = StoreMembership(self.client, group, token, settings.claim_lease)
+            self._turns = GroupTurns(self.client, self.prefix, group, membership,
+                                     options.claim_steal_after)  # fmt: skip
         # Passes in progress: their cancel tokens and read-aheads (``close`` stops both).
         self._passes: dict[CancelToken, ReadAhead[Outcome | Fetched] | None] = {}
 
@@ -161,8 +141,8 @@ class StoreBackend:
             self._passes.pop(token, None)
             if self._leases is not None:
                 self._leases.stop_when_released()
-            if self._membership is not None:
-                self._membership.leave()
+            if self._turns is not None:
+                self._turns.leave()
 
     def _decisions(
         self, names: Sequence[str] | None, token: CancelToken, room: Room
@@ -234,16 +214,20 @@ class StoreBackend:
         last_news, delay = time.monotonic(), _POLL_MIN
         idle_timeout = self.options.idle_timeout
         while not token.cancelled:
-            self._keep_membership()
+            turns = self._turns
+            if turns is not None:
+                turns.keep_membership()
             records = cursor.poll()
             for _key, record in records:
-                routed = self._route(Entry(record.name, record.ok, record))
+                entry = Entry(record.name, record.ok, record)
+                routed = entry if turns is None else turns.route(entry)
                 if routed is not None:
                     yield routed
-            yield from self._due()
-            for entry in self._leases.takeovers() if self._leases is not None else ():
-                assert isinstance(entry, Entry)
-                yield entry
+            if turns is not None:
+                yield from turns.due()
+            for taken in self._leases.takeovers() if self._leases is not None else ():
+                assert isinstance(taken, Entry)
+                yield taken
             if records:
                 last_news, delay = time.monotonic(), _POLL_MIN
                 continue
@@ -252,7 +236,7 @@ class StoreBackend:
             # Before stopping, wait until every claim seen held is done or proven alive,
             # and every sample this reader stands in for has had its turn.
             settled = self._leases is None or self._leases.settled()
-            if stop and settled and not self._deferred:
+            if stop and settled and not (turns is not None and turns.waiting):
                 return
             token.sleep(delay)
             cap = _POLL_STREAMING if idle < _STREAMING else self._poll_max
@@ -286,53 +270,6 @@ class StoreBackend:
             "(the request has not finished, or its producer died before publishing it)",
         )
         return Outcome(OutcomeKind.TIMED_OUT, name, error=error)
-
-    # -- ownership in a group ---------------------------------------------------------
-
-    def _keep_membership(self) -> None:
-        """Join (again, if taken for dead) and watch the neighbour member."""
-        membership = self._membership
-        if membership is None:
-            return
-        if not membership.joined:
-            membership.join()
-            self._ownership = Ownership(membership.members, membership.me,
-                                        self.options.claim_steal_after)  # fmt: skip
-        membership.watch_neighbour()
-
-    def _route(self, entry: Entry) -> Entry | Outcome | None:
-        """An announced sample: this reader's to claim now, later (None), or not at all."""
-        ownership = self._ownership
-        if ownership is None:
-            return entry
-        ranking = ownership.ranking(entry.name)
-        if not ranking or ranking[0] == ownership.me:
-            return entry
-        if ownership.me not in ranking:
-            return Outcome(OutcomeKind.OWNED_ELSEWHERE, entry.name)
-        turn = time.monotonic() + ranking.index(ownership.me) * ownership.steal_after
-        self._order += 1
-        heapq.heappush(self._deferred, (turn, self._order, entry))
-        return None
-
-    def _due(self) -> Iterator[Entry | Outcome]:
-        """Stand-in turns that came: one ``batch_is_exist`` for all of them."""
-        now, due = time.monotonic(), []
-        while self._deferred and self._deferred[0][0] <= now:
-            due.append(heapq.heappop(self._deferred)[2])
-        if not due:
-            return
-        group = self.options.claim_group
-        probe = [k for e in due for k in (done_key(self.prefix, group, e.name),
-                                          data_key(self.prefix, e.name))]  # fmt: skip
-        found = self.client.exists(probe)
-        assert self._ownership is not None
-        for i, entry in enumerate(due):
-            done, data = found[2 * i], found[2 * i + 1]
-            if done or (entry.ok and not data):
-                yield Outcome(OutcomeKind.OWNED_ELSEWHERE, entry.name)  # its owner took it
-            else:
-                yield entry  # unclaimed, or its claim dies with its owner: claim it here
 
     # -- one entry --------------------------------------------------------------------
 

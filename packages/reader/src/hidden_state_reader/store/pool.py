@@ -2,10 +2,9 @@
 
 A sample read from the store lands with ``get_into`` in memory registered with the
 transfer engine, and its tensors view that memory (no copy). Registering costs (RDMA pins
-the pages) and fresh memory costs page faults while the transfer writes it (measured on
-the 2-core benchmark machine, 32 MiB over loopback TCP: 1.6 GB/s into memory used
-before, 0.65-0.78 GB/s into fresh memory), so a reader registers one arena, once, and
-lends ranges of it.
+the pages) and fresh memory costs page faults while the transfer writes it
+(docs/scale-out.md, "How a reader reads a sample"), so a reader registers one arena,
+once, and lends ranges of it.
 
 A range is lent as a ``_Lease``: a tiny object that exports the range to numpy
 (``__array_interface__``). numpy keeps it as the ``base`` of the array and of every view
