@@ -148,17 +148,22 @@ def export_speculators(
                 f"{src}: no sample could be exported ({skipped_summary(result)}); "
                 "DST was not created"
             )
-        with open(os.path.join(staging, SUMMARY), "w", encoding="utf-8") as f:
-            json.dump(result.as_dict(), f, indent=2)
-            f.write("\n")
-        if os.path.isdir(dst):
-            os.rmdir(dst)  # checked empty; a file put there since makes this fail loudly
-        os.rename(staging, dst)
+        _move_into_place(staging, dst, result)
     except BaseException:
         # Only names are removed: the hard links' source files keep their data.
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return result
+
+
+def _move_into_place(staging: str, dst: str, result: ExportResult) -> None:
+    """Write the summary into ``staging``, then rename it to ``dst`` (empty or absent)."""
+    with open(os.path.join(staging, SUMMARY), "w", encoding="utf-8") as f:
+        json.dump(result.as_dict(), f, indent=2)
+        f.write("\n")
+    if os.path.isdir(dst):
+        os.rmdir(dst)  # checked empty; a file put there since makes this fail loudly
+    os.rename(staging, dst)
 
 
 def skipped_summary(result: ExportResult) -> str:
