@@ -70,7 +70,7 @@ def has_nonfinite(tensor: torch.Tensor) -> bool:
     """Whether a CPU tensor holds NaN or +-inf.
 
     For bf16/fp16/fp32 this works on the raw bits with two reductions and no temporary
-    (``torch.isfinite`` on bf16 runs at a fraction of a GB/s on CPUs).
+    (``torch.isfinite`` on bf16 is slow on CPUs).
     """
     import torch
 
