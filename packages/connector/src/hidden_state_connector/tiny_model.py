@@ -88,10 +88,6 @@ def build_tiny_model(
             (``pip install "hidden-state-connector[demo]"``).
         ValueError: Unknown ``arch``.
     """
-    import torch
-
-    from hidden_state_connector.tiny_archs import TinySize, tiny_config
-
     path = Path(directory)
     recipe = {
         "num_layers": num_layers,
@@ -106,6 +102,19 @@ def build_tiny_model(
     if stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return path
     path.mkdir(parents=True, exist_ok=True)
+    _save_random_model(path, arch, num_layers, hidden_size, num_heads, dtype, seed)
+    stamp.write_text(json.dumps(recipe))
+    return path
+
+
+def _save_random_model(
+    path: Path, arch: str, num_layers: int, hidden_size: int, num_heads: int, dtype: str, seed: int
+) -> None:
+    """Save a randomly initialised ``arch`` model and the byte-level tokenizer into ``path``."""
+    import torch
+
+    from hidden_state_connector.tiny_archs import TinySize, tiny_config
+
     tokenizer = _byte_level_tokenizer()
     size = TinySize(
         vocab_size=BYTE_VOCAB + len(SPECIAL_TOKENS),
@@ -121,5 +130,3 @@ def build_tiny_model(
     model = model_class(config).to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)  # type: ignore[attr-defined]
-    stamp.write_text(json.dumps(recipe))
-    return path

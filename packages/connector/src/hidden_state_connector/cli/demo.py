@@ -46,14 +46,14 @@ examples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options."""
-    from hidden_state_connector.demo.options import (
-        DEFAULT_CACHE_DIR,
-        DEFAULT_NUM_PROMPTS,
-        DEFAULT_OUT,
-        DemoOptions,
-    )
+    _add_model_and_data_arguments(parser)
+    _add_serving_and_training_arguments(parser)
 
-    d = DemoOptions()
+
+def _add_model_and_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's model, layers, prompts and output folder."""
+    from hidden_state_connector.demo.options import DEFAULT_NUM_PROMPTS, DEFAULT_OUT
+
     parser.add_argument(
         "--model",
         help="local Hugging Face model directory (default: the built-in tiny random Llama)",
@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the consumed hidden-state files in OUT/hs instead of deleting them "
         "(OUT/hs is emptied when a run starts)",
     )
+
+
+def _add_serving_and_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's server, training loop and output options, and vLLM's further arguments."""
+    from hidden_state_connector.demo.options import DEFAULT_CACHE_DIR, DemoOptions
+
+    d = DemoOptions()
     parser.add_argument("--port", type=positive_int, help="server port (default: a free port)")
     parser.add_argument(
         "--concurrency",

@@ -100,6 +100,12 @@ examples:
 def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
     """All options of ``extract`` (shared by the subcommand and ``python -m``)."""
     add_arguments(parser)  # model, --out, --layers, --include-last
+    _add_input_and_generation_arguments(parser)
+    _add_engine_and_run_arguments(parser)
+
+
+def _add_input_and_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """``extract``'s prompts (``--input``, ``--split``) and what vLLM generates from them."""
     parser.add_argument(
         "--input",
         "-i",
@@ -135,6 +141,10 @@ def add_extract_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="vLLM max_model_len; longer prompts are recorded as failed (default: the model's)",
     )
+
+
+def _add_engine_and_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """``extract``'s engine settings, retries, storage and progress / lock-timeout options."""
     parser.add_argument("--dtype", default="auto", help="vLLM dtype (default auto)")
     parser.add_argument(
         "--limit", type=positive_int, metavar="N", help="only the first N input records"

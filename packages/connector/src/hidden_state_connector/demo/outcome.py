@@ -27,7 +27,7 @@ def collect(s: DemoSummary, producer: Producer, trainer: Trainer, estimate: floa
         s: The summary to fill.
         producer: The finished producer.
         trainer: The finished trainer.
-        estimate: Bytes per token to assume if the trainer measured none.
+        estimate: Bytes per token to assume if the trainer recorded none.
     """
     s.produced, s.failed_requests, s.tokens_produced = (
         producer.produced,

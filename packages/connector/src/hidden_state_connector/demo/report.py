@@ -56,9 +56,9 @@ class DemoSummary:
         optimizer_steps: Optimizer steps taken.
         initial_loss: Loss on the first batch, before any update.
         final_loss: Loss of the last three batches (weighted by their tokens), each
-            measured before training on it.
+            computed before training on it.
         server_exit_code: The server's exit status after shutdown.
-        batch_losses: ``[optimizer step, samples consumed, loss]`` of each batch, measured
+        batch_losses: ``[optimizer step, samples consumed, loss]`` of each batch, computed
             before training on it (step counts from 1).
         step_losses: Loss of every optimizer step.
         errors: First error messages seen (requests, trainer, server).

@@ -27,7 +27,7 @@ class TrainerConfig:
 
     Attributes:
         batch_size: Samples per batch.
-        steps_per_batch: Optimizer steps on each batch (the first one's loss is measured
+        steps_per_batch: Optimizer steps on each batch (the first one's loss is computed
             on data the head has never seen).
         lr: Adam learning rate.
         device: Torch device for the head.

@@ -6,9 +6,8 @@ facade vLLM instantiates is ``hidden_state_connector.connector``; behind it:
 * ``scheduler_side`` / ``worker_side``: the two halves (names files and orders saves /
   locks files and turns orders into save jobs), and ``metadata``, what the scheduler half
   tells the worker half each step.
-* ``handoff/``: finish-time save orders that cannot wait for the next step's metadata,
-  to a worker in the same process (``same_process``) or over a local socket
-  (``socket_channel``).
+* ``handoff/``: finish-time save orders that cannot wait for the next step's metadata
+  (``same_process``, ``socket_channel``).
 * ``write/``: the write path, from the paged cache to a published file: ``target`` (a
   request's pinned directory and lock), ``job`` (one sample's state), ``pipeline`` (slabs,
   writer threads, back-pressure, shutdown), ``gather`` (cache chunks into host slabs),
@@ -21,9 +20,6 @@ facade vLLM instantiates is ``hidden_state_connector.connector``; behind it:
   differs between vLLM releases) and ``architecture`` (which models the installed vLLM
   can capture).
 
-Only the facade and ``metrics`` need vLLM to be importable. ``compat`` imports vLLM
-inside its functions only, and ``metadata`` is plain dataclasses (the facade registers
-its class with vLLM's empty ``KVConnectorMetadata`` ABC), so every module here imports,
-and can be unit-tested, without vLLM and without loading an installed one. Nothing is
-imported here.
+Only the facade and ``metrics`` need vLLM to be importable, so every module here can be
+unit-tested without vLLM. Nothing is imported here.
 """

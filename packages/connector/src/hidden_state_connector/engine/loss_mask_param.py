@@ -58,8 +58,8 @@ def requested_mask(
 def _from_list(mask: Any, num_prompt: int, include_output: bool) -> Parsed:
     if not isinstance(mask, list):
         return None, f"{MASK_PARAM} must be a list of 0/1, got {type(mask).__name__}"
-    # This runs on the scheduler's thread: bytes() checks a long list in C (1 ms for
-    # 128k entries, a Python loop takes 60). It takes ints and bools (JSON true/false)
+    # This runs on the scheduler's thread: bytes() checks a long list in C, far faster
+    # than a Python loop (docs/connector.md). It takes ints and bools (JSON true/false)
     # only; anything else, or a byte other than 0/1, is then found in Python.
     try:
         packed = bytes(mask)

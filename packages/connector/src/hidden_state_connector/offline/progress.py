@@ -1,4 +1,4 @@
-"""The progress line (samples/s, tokens/s, MB/s, ETA) and the final throughput figures."""
+"""The progress line (samples, tokens and bytes per second, ETA) and the final throughput."""
 
 from __future__ import annotations
 

@@ -5,24 +5,8 @@ Built-in subcommands: ``ls``, ``stats`` (``cli.listing``), ``inspect`` (``cli.in
 (``cli.export``), ``store-master`` and ``store-host`` (``cli.store``).
 
 Plugins: another installed distribution adds subcommands through the entry-point group
-``hidden_state.cli``. Each entry point names a callable ``register(subparsers) -> None``
-that adds its subcommand(s) to the ``argparse`` subparsers object and sets the handler::
-
-    # pyproject.toml
-    [project.entry-points."hidden_state.cli"]
-    serve = "my_package.cli:register"
-
-    # my_package/cli.py
-    def register(subparsers):
-        p = subparsers.add_parser("serve", help="...", description="...")
-        p.add_argument("--port", type=int, default=8000)
-        p.set_defaults(handler=run)  # run(args: argparse.Namespace) -> int | None
-
-``hidden_state_reader.cli.toolkit.add_command`` does the same with the house style
-(description, examples epilog, handler). A handler returns the exit status (None means
-0) and raises ``hidden_state_reader.cli.toolkit.CliError`` for bad input (one line, exit
-status 2). A plugin that fails to import or register is skipped, so a broken plugin
-never breaks the built-in commands; run ``hidden-state -v ...`` to see why.
+``hidden_state.cli`` (the contract: ``load_plugins``); a broken plugin is skipped, never
+breaking the built-in commands (``hidden-state -v ...`` says why).
 
 Exit status: 0 success, 1 problems found (``verify``) or a runtime failure, 2 bad usage
 or bad input, 130 interrupted.
@@ -81,6 +65,25 @@ exit status: 0 ok, 1 problems found or runtime failure, 2 bad usage or input.
 
 def load_plugins(subparsers: Any, group: str = PLUGIN_GROUP) -> list[str]:
     """Let every installed ``hidden_state.cli`` plugin add its subcommands.
+
+    Each entry point of ``group`` names a callable ``register(subparsers) -> None``
+    that adds its subcommand(s) to the ``argparse`` subparsers object and sets the handler::
+
+        # pyproject.toml
+        [project.entry-points."hidden_state.cli"]
+        serve = "my_package.cli:register"
+
+        # my_package/cli.py
+        def register(subparsers):
+            p = subparsers.add_parser("serve", help="...", description="...")
+            p.add_argument("--port", type=int, default=8000)
+            p.set_defaults(handler=run)  # run(args: argparse.Namespace) -> int | None
+
+    ``hidden_state_reader.cli.toolkit.add_command`` does the same with the house style
+    (description, examples epilog, handler). A handler returns the exit status (None means
+    0) and raises ``hidden_state_reader.cli.toolkit.CliError`` for bad input (one line, exit
+    status 2). A plugin that fails to import or register is skipped, so a broken plugin
+    never breaks the built-in commands; run ``hidden-state -v ...`` to see why.
 
     Args:
         subparsers: The ``argparse`` subparsers object to add to.

@@ -67,6 +67,12 @@ hidden-state tail /nfs/hs --watch poll          # writers on other hosts (NFS/Lu
         handler=run_tail,
     )
     p.add_argument("directory", metavar="DIR", help="the hidden-state directory")
+    _add_following_arguments(p)
+    _add_watch_and_output_arguments(p)
+
+
+def _add_following_arguments(p: argparse.ArgumentParser) -> None:
+    """``tail``'s when-to-stop and claim options."""
     p.add_argument(
         "--idle-timeout",
         type=non_negative_float,
@@ -95,6 +101,10 @@ hidden-state tail /nfs/hs --watch poll          # writers on other hosts (NFS/Lu
         metavar="S",
         help="longest wait for one sample's writer before it is skipped for now",
     )
+
+
+def _add_watch_and_output_arguments(p: argparse.ArgumentParser) -> None:
+    """``tail``'s watching, checking and output options."""
     p.add_argument(
         "--watch",
         choices=WATCH_MODES,

@@ -66,6 +66,12 @@ _CLEANABLE = (SampleState.STALE, SampleState.FAILED, SampleState.ORPHAN_TEMP)
 
 def register(subparsers: Any) -> None:
     """Add ``verify`` and ``clean``."""
+    _register_verify(subparsers)
+    _register_clean(subparsers)
+
+
+def _register_verify(subparsers: Any) -> None:
+    """Add ``verify``."""
     p = add_command(
         subparsers,
         "verify",
@@ -112,6 +118,9 @@ hidden-state verify /data/hs --json > report.json
     add_grace_argument(p, GRACE)
     add_progress_argument(p)
 
+
+def _register_clean(subparsers: Any) -> None:
+    """Add ``clean``."""
     p = add_command(
         subparsers,
         "clean",
@@ -195,6 +204,31 @@ def run_verify(args: argparse.Namespace) -> int:
             }
         )
         return rc
+    _print_verify_report(
+        root,
+        samples,
+        temps,
+        problems,
+        undecided,
+        crc,
+        require_checksums=args.require_checksums,
+        missing_crc=missing_crc,
+    )
+    return rc
+
+
+def _print_verify_report(
+    root: str,
+    samples: list[SampleHealth],
+    temps: list[SampleHealth],
+    problems: list[SampleHealth],
+    undecided: list[SampleHealth],
+    crc: dict[str, Any] | None,
+    *,
+    require_checksums: bool,
+    missing_crc: bool,
+) -> None:
+    """``verify``'s text report: the problem table, then the summary lines."""
     if problems:
         rows = [[r.state.value, r.name, r.reason] for r in problems]
         print(format_table(["PROBLEM", "NAME", "REASON"], rows))
@@ -210,7 +244,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(
             f"{crc['missing']} of {crc['checked']} files have no CRC32: corruption there "
             "cannot be detected"
-            + (" (--require-checksums: a problem)" if args.require_checksums else "")
+            + (" (--require-checksums: a problem)" if require_checksums else "")
         )
     for r in undecided[:5]:
         print(f"pending {r.name}: {r.reason}")
@@ -225,7 +259,6 @@ def run_verify(args: argparse.Namespace) -> int:
         print("no other problems found")
     else:
         print("no problems found")
-    return rc
 
 
 def _checksum_report(samples: list[SampleHealth]) -> dict[str, Any]:

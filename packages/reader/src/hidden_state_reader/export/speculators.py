@@ -12,25 +12,11 @@ exactly that from a hidden-state directory::
     DST/export.jsonl           one line per row: row -> source file, mask, placement
     DST/export.json            the summary, with every skipped sample and why
 
-Rules:
-
-* Order: the samples of SRC in natural name order (``hs_2`` before ``hs_10``), the
-  order every ``hidden-state`` command lists them in; row *i* is the *i*-th exported.
-* Only complete samples: each is read under the reader's shared lock and validated
-  (header, sizes, tensors) before it is exported. A sample whose writer still holds its
-  lock is waited for up to ``wait`` seconds (all such waits together), then skipped and
-  reported; so are failed, corrupt, truncated, empty and unsupervised ones. The export
-  is a snapshot: run it again (into a new DST) to include samples written since.
-* SRC is never modified. DST must not exist or be empty; the export is built in a hidden
-  sibling folder and renamed to DST at the end, so DST never holds a partial export.
-* All samples must share one layer axis (count, width, dtype, layer ids), with at least
-  two layers: speculators uses the last as the verifier's final hidden state and the
-  others as the auxiliary layers (``--target-layer-ids``).
-* The last captured layer must be the model's last (layer id ``num_hidden_layers``, the
-  last decoder layer's output before the final norm): a capture without it is refused
-  (``MissingLastLayerError``, nothing is written) unless ``allow_missing_last_layer``.
-  Files that do not record the model's layer count (older writers, vLLM's own
-  connector) cannot be checked: the result carries one warning with their count.
+The rules (which samples, in which order, loss masks, links or copies, the layer axis
+and the verifier-layer check) are in docs/training.md, "How do I train a drafter with
+speculators?". In short: only complete, validated samples sharing one layer axis of at
+least two layers, in natural name order; SRC is never modified; DST appears complete or
+not at all.
 """
 
 from __future__ import annotations
@@ -148,17 +134,22 @@ def export_speculators(
                 f"{src}: no sample could be exported ({skipped_summary(result)}); "
                 "DST was not created"
             )
-        with open(os.path.join(staging, SUMMARY), "w", encoding="utf-8") as f:
-            json.dump(result.as_dict(), f, indent=2)
-            f.write("\n")
-        if os.path.isdir(dst):
-            os.rmdir(dst)  # checked empty; a file put there since makes this fail loudly
-        os.rename(staging, dst)
+        _move_into_place(staging, dst, result)
     except BaseException:
         # Only names are removed: the hard links' source files keep their data.
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return result
+
+
+def _move_into_place(staging: str, dst: str, result: ExportResult) -> None:
+    """Write the summary into ``staging``, then rename it to ``dst`` (empty or absent)."""
+    with open(os.path.join(staging, SUMMARY), "w", encoding="utf-8") as f:
+        json.dump(result.as_dict(), f, indent=2)
+        f.write("\n")
+    if os.path.isdir(dst):
+        os.rmdir(dst)  # checked empty; a file put there since makes this fail loudly
+    os.rename(staging, dst)
 
 
 def skipped_summary(result: ExportResult) -> str:

@@ -2,14 +2,13 @@
 
 Every CRC-32 of the format goes through ``crc32``: the writer's (``format.publish``), a
 check of a file (``verify_checksum=True``, ``verify --checksums``) and the store
-reader's, which checks every sample. The standard library's ``zlib.crc32`` runs at about
-4 GB/s on the benchmark machine (a third of a 32 MiB store sample's read time); the same
-CRC-32 is computed with carry-less multiplication by zlib-ng (``pip install zlib-ng``:
-30-40 GB/s there), ISA-L (``pip install isal``: about 30 GB/s), or the system's libdeflate
-(``libdeflate.so.0``, present wherever libtiff is; called through ``ctypes``, which
-releases the GIL: about 14 GB/s). The first of these that loads is used, in that order,
-else ``zlib``'s; every one gives the same value (``tests/reader/format/test_crc.py``).
-None is a declared dependency: each is an optional speed-up (docs/dependencies.md).
+reader's, which checks every sample. The standard library's ``zlib.crc32`` is slow next
+to the same CRC-32 computed with carry-less multiplication by zlib-ng (``pip install
+zlib-ng``), ISA-L (``pip install isal``), or the system's libdeflate (``libdeflate.so.0``,
+present wherever libtiff is; called through ``ctypes``, which releases the GIL). The first
+of these that loads is used, in that order, else ``zlib``'s; every one gives the same
+value (``tests/reader/format/test_crc.py``). None is a declared dependency: each is an
+optional speed-up (docs/dependencies.md says how fast each is).
 
 Which one is chosen on first use, not at import (importing this module loads nothing).
 """

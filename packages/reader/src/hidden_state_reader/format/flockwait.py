@@ -9,8 +9,7 @@ a sleep end early is a signal, so a wait with a deadline works like this:
 * a short-lived timer thread sends a real-time signal (``WAKE_SIGNAL``) to that thread
   when the deadline passes, or when ``CancelToken.cancel()`` is called; the no-op
   handler installed for it makes ``flock`` return ``EINTR`` instead of restarting;
-* the timer thread ends as soon as the wait ends, and no file descriptor is created
-  here, so a timed-out wait leaves nothing behind.
+* the timer thread ends with the wait and no descriptor is created: nothing is left.
 
 Importing this module changes nothing in the process. The handler is installed on first
 need, and only the main thread can install one: by the first wait that blocks on the main
@@ -21,9 +20,8 @@ in an application that owns the signal, falls back to short non-blocking retries
 exponential back-off (and tries the installation again at its next wait on the main
 thread).
 
-This module belongs to the format because the format's reader-side lock
-(``lockfile.SharedLock``) is built on it; it depends on nothing else of the package but
-``errors``.
+It is part of the format because ``lockfile.SharedLock`` is built on it (needs only
+``errors``).
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def dequantize(
     Works on any device: move both tensors to the GPU first to dequantize there (half
     the host-to-device bytes of bf16). On the CPU the result is computed by the native
     lookup-table kernel, or torch passes where it is not built (``format.fp8_cpu``), bit
-    for bit the same and 10-30x faster than torch's float8 conversion; large results go
+    for bit the same and much faster than torch's float8 conversion; large results go
     into recycled huge-page-advised memory (``format.hostmem``).
 
     Args:

@@ -9,31 +9,12 @@ Two implementations, bit for bit the same as the definition (``reference``: torc
   VBMI, one at a time elsewhere; the GIL is released meanwhile. bfloat16, float16 (the
   model dtype of fp16 models, and of most quantized ones in vLLM) and float32 results.
   The tables are built 16 or 8 results at a time where the CPU has AVX-512 or AVX2 +
-  F16C (``LEVELS``). Measured on the benchmark machine (one core, 8B-shaped rows of
-  4096): 13-16 GB/s with VBMI, 7-8 GB/s with the scalar lookup (5-7 in portable C), for
-  bfloat16 and float16 alike, against 0.9-1.4 GB/s for the torch passes;
+  F16C (``LEVELS``);
 * torch passes (other result dtypes, or where the extension is not built): torch converts
-  float8 on CPUs one element at a time (0.4-0.8 GB/s of bf16 there), so this path is four
-  vectorised passes over chunks that stay in cache, by bit manipulation (below).
+  float8 on CPUs one element at a time, so this path is four vectorised passes over
+  chunks that stay in cache, by bit manipulation (``torch_passes_into`` says why exact).
 
-The torch passes' chunks are smaller than torch's parallel grain (32,768 elements), so
-each pass runs on the calling thread: torch's intra-op threads (OpenMP) meet at a barrier
-after every pass, and on a machine whose cores are busy with other processes (a
-trainer's, the engine's) a barrier waits for a descheduled thread; measured there, 2
-threads ran 10-30x slower than one. Parallelism comes from more reader processes or
-DataLoader workers (or, for the native kernel, threads: it releases the GIL).
-
-Why the torch passes are exact: an e4m3fn byte ``s eeee mmm``, sign-extended to 16 bits,
-shifted left by 7 and with bit 14 cleared, is the float16 ``s 0eeee mmm0000000``: the
-code's value times 2**-8 for every finite code, subnormals included (float16's exponent
-bias is 15 = 7 + 8 and its 10 mantissa bits hold e4m3's 3). float16 -> float32 is exact,
-and so is ``scale * 256`` (a power of two; finite for every scale below 2**119), so
-``half * (scale * 256)`` is the exact product ``value * scale`` rounded once to float32:
-bit for bit the reference ``fp8.float() * scale``, then one rounding to the target dtype.
-The two NaN codes (0x7f, 0xff) would read as +-480; two byte reductions per chunk find
-them and those elements are set to NaN. Samples whose scales are not all below 2**119 (no
-writer of this format makes one: a scale is at most float32's maximum / 448) take the
-reference path.
+How fast each is, and which to use when: docs/reader.md, "How do I read fp8 samples?".
 """
 
 from __future__ import annotations
@@ -174,7 +155,26 @@ def _code_values() -> torch.Tensor:
 
 
 def torch_passes_into(fp8: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``dequantize_into`` by torch passes over cache-sized chunks (any float ``out``)."""
+    """``dequantize_into`` by torch passes over cache-sized chunks (any float ``out``).
+
+    Why exact: an e4m3fn byte ``s eeee mmm``, sign-extended to 16 bits, shifted left by 7
+    and with bit 14 cleared, is the float16 ``s 0eeee mmm0000000``: the code's value times
+    2**-8 for every finite code, subnormals included (float16's exponent bias is 15 = 7 + 8
+    and its 10 mantissa bits hold e4m3's 3). float16 -> float32 is exact, and so is
+    ``scale * 256`` (a power of two; finite for every scale below 2**119), so
+    ``half * (scale * 256)`` is the exact product ``value * scale`` rounded once to
+    float32: bit for bit the reference ``fp8.float() * scale``, then one rounding to the
+    target dtype. The two NaN codes (0x7f, 0xff) would read as +-480; two byte reductions
+    per chunk find them and those elements are set to NaN. Samples whose scales are not
+    all below 2**119 (no writer of this format makes one: a scale is at most float32's
+    maximum / 448) take the reference path.
+
+    The chunks are smaller than torch's parallel grain (32,768 elements), so each pass
+    runs on the calling thread: torch's intra-op threads meet at a barrier after every
+    pass, which on a machine whose cores are busy with other processes waits for a
+    descheduled thread (docs/reader.md). Parallelism comes from more reader processes or
+    DataLoader workers.
+    """
     import torch
 
     if fp8.dim() == 0 or fp8.numel() == 0 or scales.dim() == 0 or scales.shape[-1] != 1:

@@ -1,20 +1,17 @@
 """Host memory for large tensors: huge-page-advised, and recycled once no tensor uses it.
 
 A tensor written into fresh memory pays for its pages the first time it is touched: one
-page fault per 4 KiB page (on the benchmark machine, a VM, filling a new 32 MiB tensor
-runs at 2-4 GB/s, slower than dequantizing fp8 into it). So:
+page fault per 4 KiB page, slower than dequantizing fp8 into it (figures: docs/reader.md,
+"How do I read fp8 samples?"). So:
 
 * mappings are kept in a small per-process cache (``CACHE_BYTES`` in all, in
   power-of-two size classes) and handed out again once no tensor views them any more:
   a reader that makes one sample after another writes into pages that are already
   there, and pays for fresh pages once per buffer, not once per sample;
 * they are advised with ``MADV_HUGEPAGE`` (Linux's default transparent-huge-page mode,
-  ``madvise``, honours it; elsewhere it is ignored): writing and then reading a 32 MiB
-  result in 2 MiB pages took 3.6-4.2 ms of CPU against 5.0-5.5 ms in 4 KiB pages (fewer
-  TLB misses), measured on recycled buffers. The price is paid once per buffer: with no
-  free 2 MiB page at hand the kernel compacts memory on the first fault (measured in a
-  fresh reader process beside a page cache full of samples: 87-112 ms of kernel time
-  for each of its first two 32 MiB buffers, 13-20 ms without the advice).
+  ``madvise``, honours it; elsewhere it is ignored): results in 2 MiB pages are written
+  and read with fewer TLB misses. The price is paid once per buffer: with no free 2 MiB
+  page at hand the kernel compacts memory on the first fault.
 
 A mapping is known to be unused when nothing but the cache refers to it: every tensor
 made from it (``torch.frombuffer``) holds a reference through its storage, views and

@@ -70,7 +70,7 @@ def has_nonfinite(tensor: torch.Tensor) -> bool:
     """Whether a CPU tensor holds NaN or +-inf.
 
     For bf16/fp16/fp32 this works on the raw bits with two reductions and no temporary
-    (``torch.isfinite`` on bf16 runs at a fraction of a GB/s on CPUs).
+    (``torch.isfinite`` on bf16 is slow on CPUs).
     """
     import torch
 
@@ -98,6 +98,40 @@ def _initial_metadata(
     if checksum:
         meta[Meta.CRC32] = "0" * 8
     return meta
+
+
+def _check_storage(final_path: str, hidden_dtype: torch.dtype, storage: str) -> None:
+    """Reject an unknown ``storage`` and fp8 passed as the model's dtype."""
+    import torch
+
+    fp8.check_storage(storage, "storage")
+    if hidden_dtype == torch.float8_e4m3fn:
+        raise ValueError(
+            f"{final_path}: pass the model's dtype as hidden_dtype and storage='fp8_e4m3' "
+            "(fp8 hidden states need their scales)"
+        )
+
+
+def _cpu_token_ids(
+    token_ids: torch.Tensor, hidden_shape: tuple[int, int, int], final_path: str
+) -> torch.Tensor:
+    """``token_ids`` as a flat CPU int64 tensor, one per hidden-state row (else ValueError)."""
+    import torch
+
+    tokens = token_ids.detach().to("cpu", torch.int64).reshape(-1)
+    if tokens.shape[0] != hidden_shape[0]:
+        raise ValueError(
+            f"{final_path}: {tokens.shape[0]} token ids for {hidden_shape[0]} hidden states"
+        )
+    return tokens
+
+
+def _directory_fd(final_path: str, dir_fd: int | None) -> int:
+    """A descriptor of the directory ``final_path`` is published in (a copy of ``dir_fd``)."""
+    if dir_fd is not None:
+        return os.dup(dir_fd)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    return os.open(os.path.dirname(final_path) or ".", flags)
 
 
 class SampleFileWriter:
@@ -143,12 +177,7 @@ class SampleFileWriter:
     ) -> None:
         import torch
 
-        fp8.check_storage(storage, "storage")
-        if hidden_dtype == torch.float8_e4m3fn:
-            raise ValueError(
-                f"{final_path}: pass the model's dtype as hidden_dtype and storage='fp8_e4m3' "
-                "(fp8 hidden states need their scales)"
-            )
+        _check_storage(final_path, hidden_dtype, storage)
         self.final_path = final_path
         self.lock = lock
         self._fsync = fsync
@@ -161,12 +190,7 @@ class SampleFileWriter:
             nonfinite=record_nonfinite,
         )
         self._crc: int | None = 0 if checksum else None
-        self._tokens = token_ids.detach().to("cpu", torch.int64).reshape(-1)
-        if self._tokens.shape[0] != hidden_shape[0]:
-            raise ValueError(
-                f"{final_path}: {self._tokens.shape[0]} token ids for {hidden_shape[0]} "
-                "hidden states"
-            )
+        self._tokens = _cpu_token_ids(token_ids, hidden_shape, final_path)
         self._tensors = {
             TOKEN_IDS: (torch.int64, (hidden_shape[0],)),
             HIDDEN_STATES: (hidden_dtype, tuple(hidden_shape)),
@@ -206,13 +230,7 @@ class SampleFileWriter:
         # Every later step goes through the directory's descriptor, so a directory that is
         # renamed meanwhile still gets its complete file, and a failure still removes the
         # temp file (paths would point elsewhere).
-        self._dir_fd: int | None = (
-            os.dup(dir_fd)
-            if dir_fd is not None
-            else os.open(
-                os.path.dirname(final_path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-            )
-        )
+        self._dir_fd: int | None = _directory_fd(final_path, dir_fd)
         self._name = os.path.basename(final_path)
         self._tmp_name = os.path.basename(self.tmp_path)
         try:

@@ -89,7 +89,7 @@ def _large_file(fd: int, header: SampleHeader, options: LoadOptions, path: str) 
     """A large file's bytes: mapped, else its data section read with one call.
 
     A mapping avoids copying into fresh memory, whose page faults dominate reading large
-    files from the page cache (measured 10x on the benchmark machine). It is private
+    files from the page cache (docs/reader.md). It is private
     (copy-on-write), so the tensors are writable and never change the file, and it stays
     valid after the file is deleted. But pages not yet touched are read from the file
     later: a file rewritten in place would change (or, shortened, crash with SIGBUS) a

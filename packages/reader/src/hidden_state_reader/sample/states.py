@@ -10,28 +10,7 @@ parse, may be young and still count as work in progress. It is not needed where 
 writer is known to be gone (its lock records a process of this host that no longer
 runs: ``format.lockfile.check_writer``): such a lock is stale at once.
 
-States (``SampleState``):
-
-``ready``
-    A complete, valid sample with at least one token whose writer is done (or that
-    never had a lock).
-``pending``
-    Being written: the lock is held, or the files changed less than the grace period ago
-    and no lock says otherwise (vLLM's connector creates its lock file a moment before
-    it locks it; a lock-less writer may still be appending).
-``failed``
-    The writer gave up and said why in the lock file; there is no data file.
-``stale``
-    A released lock whose data file never appeared, whose writer is known to be gone
-    or that is older than the grace period.
-``incomplete``
-    The data file is shorter than its header promises and no writer is at work.
-``corrupt``
-    The data file is not a valid sample, or it cannot be read at all.
-``empty``
-    A valid file with zero tokens: nothing to train on, readers skip it.
-``orphan_temp``
-    A temporary file no writer owns any more (see ``health.check_temp``).
+The states are listed in ``SampleState``.
 """
 
 from __future__ import annotations
@@ -49,7 +28,29 @@ leftover. The reader (``orphan_grace``) and every command use this same default.
 
 
 class SampleState(str, enum.Enum):
-    """The state of one sample (or temporary file). The value is the printable name."""
+    """The state of one sample (or temporary file). The value is the printable name.
+
+    ``ready``
+        A complete, valid sample with at least one token whose writer is done (or that
+        never had a lock).
+    ``pending``
+        Being written: the lock is held, or the files changed less than the grace period ago
+        and no lock says otherwise (vLLM's connector creates its lock file a moment before
+        it locks it; a lock-less writer may still be appending).
+    ``failed``
+        The writer gave up and said why in the lock file; there is no data file.
+    ``stale``
+        A released lock whose data file never appeared, whose writer is known to be gone
+        or that is older than the grace period.
+    ``incomplete``
+        The data file is shorter than its header promises and no writer is at work.
+    ``corrupt``
+        The data file is not a valid sample, or it cannot be read at all.
+    ``empty``
+        A valid file with zero tokens: nothing to train on, readers skip it.
+    ``orphan_temp``
+        A temporary file no writer owns any more (see ``health.check_temp``).
+    """
 
     READY = "ready"
     PENDING = "pending"

@@ -8,20 +8,10 @@ consumer (a worker process, a builder thread, or the training process itself) ha
 each sample's ``Delivery`` to its ``Ledger`` instead, numbered 1, 2, ... in read order.
 Every batch carries a ``Ticket``: its consumer and the number of its last item. When
 the loop asks for the next batch (or calls ``loader.commit()``, or the pass ends), the
-loader acknowledges the ticket of the batch it handed out last:
+loader acknowledges the ticket of the batch it handed out last (how, per kind of
+consumer: ``Acknowledgements``).
 
-* a consumer in the training process (builder thread, ``num_workers=0``): its ledger
-  commits the deliveries at once, in the loop's thread;
-* a worker process: the ticket carries a ``Receipt`` per sample (what ``consumed`` does,
-  picklable; the directory backend has them). The training process settles them
-  itself, at once: files deleted or moved, claim files marked ``done`` through their
-  path; then it publishes the ticket's number in shared memory (``Acks``). The worker,
-  which held each claim's lock all along, lets go of the claims it sees acknowledged,
-  before each read, from a watcher thread while it waits, and when it exits. A source
-  without receipts (the store) is settled by the worker the same way, when it sees the
-  acknowledgement.
-
-A claim is therefore never released before its sample is settled, and a training
+A claim is never released before its sample is settled, and a training
 process that dies (its workers die with it: the watcher ends a worker whose parent is
 gone) leaves everything not yet acknowledged claimed by a dead process: the group takes
 it over. What was handed out but not acknowledged when a pass ends early (``break``, an
@@ -162,6 +152,18 @@ class Acknowledgements:
 
     Inactive (every method does nothing) until a loader that records what its loop
     consumed binds the dataset; kept by the dataset, so worker processes get a copy.
+    An acknowledged ticket is settled by its consumer's kind:
+
+    * a consumer in the training process (builder thread, ``num_workers=0``): its ledger
+      commits the deliveries at once, in the loop's thread;
+    * a worker process: the ticket carries a ``Receipt`` per sample (what ``consumed`` does,
+      picklable; the directory backend has them). The training process settles them
+      itself, at once: files deleted or moved, claim files marked ``done`` through their
+      path; then it publishes the ticket's number in shared memory (``Acks``). The worker,
+      which held each claim's lock all along, lets go of the claims it sees acknowledged,
+      before each read, from a watcher thread while it waits, and when it exits. A source
+      without receipts (the store) is settled by the worker the same way, when it sees the
+      acknowledgement.
     """
 
     def __init__(self) -> None:

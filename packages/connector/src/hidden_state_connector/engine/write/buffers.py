@@ -2,7 +2,7 @@
 
 Every slab holds one gather chunk. The pool allocates slabs lazily up to its byte
 budget and then only reuses them, so host memory is bounded and, on CUDA, no pinned
-memory is allocated per request (``cudaHostAlloc`` costs ~30 ms per 64 MiB; a reused
+memory is allocated per request (``cudaHostAlloc`` is slow, docs/connector.md; a reused
 slab costs nothing).
 """
 

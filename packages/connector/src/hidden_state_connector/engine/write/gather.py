@@ -162,7 +162,7 @@ class Extractor:
         if self._cpu_view is not None:
             # One strided copy per block: the cache view is permuted (vLLM's layouts keep
             # layers outside tokens), and np.take over such a view copies element by
-            # element (measured 0.4-0.6 GB/s with numpy 2.3, against 11 GB/s this way).
+            # element, many times slower (docs/connector.md, "What happens to one request").
             out = host.view(self._raw_dtype).numpy()
             cache = self._cpu_view
             for i, block in enumerate(wanted):

@@ -5,17 +5,14 @@ Flow of one sample:
 1. ``submit``: a ``SaveJob`` (the request's blocks, token ids, lock) joins a FIFO.
 2. Its chunks are copied into free host slabs right away, strictly in submission order
    (all of a job's chunks before any of the next job's), as long as slabs are free: on
-   submission (the engine's thread, so a step's samples are gathered together, right
-   after the forward pass that computed them), and whenever a writer thread returns a
-   slab. No further engine step is needed (an idle or in-process engine takes none).
-   Copies made from a writer thread are safe because the job's KV blocks stay held
-   until ``finished`` reports it; on CUDA they run on the connector's stream, which
-   waited for the model's stream when the job was submitted.
-3. A writer thread takes the job (``JobState.WRITING``, in the same order), creates the temp
-   file, writes the header and token ids, then writes the chunks as they arrive.
-   Strict order keeps this deadlock-free with a bounded pool: every job ahead of the one
-   being copied holds all the slabs it will ever need, so the writers always finish
-   them and return slabs.
+   submission (the engine's thread, right after the forward pass), and whenever a writer
+   thread returns a slab, so no further engine step is needed. Copies from a writer
+   thread are safe: the job's KV blocks stay held until ``finished`` reports it; on CUDA
+   they run on the connector's stream, which waited for the model's stream at submission.
+3. A writer thread takes the job (``JobState.WRITING``, in the same order), creates the
+   temp file, writes the header and token ids, then the chunks as they arrive. Strict
+   order keeps this deadlock-free with a bounded pool: every job ahead of the one being
+   copied holds all the slabs it will ever need, so the writers finish them.
 4. The writer thread writes each chunk and returns its slab; at the end it publishes
    the file atomically and releases the lock.
 5. ``finished`` reports a job once all its device-to-host copies are complete: its KV
@@ -32,7 +29,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.buffers import Slab, SlabPool
@@ -52,6 +49,39 @@ def _fail_unstarted(job: SaveJob, stats: WriteStats, reason: str, *, dropped: bo
     job.end_chunks()
     stats.failure(job.req_id, job.path, reason, dropped=dropped)
     job.finished.set()
+
+
+def _file_options(
+    extractor: Extractor,
+    layer_ids: Sequence[int] | None,
+    checksum: bool,
+    check_nonfinite: bool,
+    fsync: bool,
+) -> FileOptions:
+    """How every file is written, with the all-zero row guard over the captured layers."""
+    layout = extractor.layout
+    zero_rows = ZeroRowCheck(
+        layer_ids or range(1, layout.num_layers + 1),
+        extractor.stored_itemsize,
+        layout.hidden_size,
+    )
+    return FileOptions(checksum, check_nonfinite, fsync, zero_rows)
+
+
+def _start_writer_threads(run: Callable[[], None], count: int) -> list[threading.Thread]:
+    """Start ``count`` daemon threads running ``run``, with SIGTERM/SIGINT left to the caller.
+
+    vLLM's worker shuts down from its SIGTERM/SIGINT handler: those stay with the
+    engine's thread.
+    """
+    threads = [
+        threading.Thread(target=run, name=f"hidden-state-writer-{i}", daemon=True)
+        for i in range(count)
+    ]
+    with threads_ignore_signals():
+        for t in threads:
+            t.start()
+    return threads
 
 
 class WritePipeline:
@@ -90,13 +120,7 @@ class WritePipeline:
         self.pool.preallocate()
         self.when_full = when_full
         self.max_queued_bytes = max_queued_bytes
-        layout = extractor.layout
-        zero_rows = ZeroRowCheck(
-            layer_ids or range(1, layout.num_layers + 1),
-            extractor.stored_itemsize,
-            layout.hidden_size,
-        )
-        self.file_options = FileOptions(checksum, check_nonfinite, fsync, zero_rows)
+        self.file_options = _file_options(extractor, layer_ids, checksum, check_nonfinite, fsync)
         self.stats = stats
         self.trace = StageTrace()
         self._jobs: deque[SaveJob] = deque()  # submitted, not yet fully produced
@@ -107,15 +131,7 @@ class WritePipeline:
         self._cond = threading.Condition(threading.RLock())
         self._queued_bytes = 0
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._run, name=f"hidden-state-writer-{i}", daemon=True)
-            for i in range(num_threads)
-        ]
-        # vLLM's worker shuts down from its SIGTERM/SIGINT handler: keep those for the
-        # engine's thread.
-        with threads_ignore_signals():
-            for t in self._threads:
-                t.start()
+        self._threads = _start_writer_threads(self._run, num_threads)
 
     # -- engine-thread side ----------------------------------------------------------
 
