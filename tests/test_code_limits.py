@@ -26,29 +26,9 @@ MAX_MODULE_DOCSTRING_LINES = 25
 MAX_MEASURED_FIGURES = 5
 MEASURED_FIGURE = re.compile(r"GB/s|MB/s|GiB/s|\bmeasured\b|\bH200\b|\d ?(?:ms|µs)\b", re.I)
 
-# Issue 31 brings these files within the limits on other branches (the read/ and store/
-# packages, the reader's options, facade and public names). Once those branches are
-# merged, the lead empties this set: every file is then held to every limit.
-PENDING_ISSUE_31 = {
-    "packages/reader/src/hidden_state_reader/__init__.py",
-    "packages/reader/src/hidden_state_reader/options.py",
-    "packages/reader/src/hidden_state_reader/reader.py",
-    *(
-        str(path.relative_to(ROOT))
-        for folder in ("read", "store")
-        for path in (ROOT / "packages/reader/src/hidden_state_reader" / folder).rglob("*.py")
-    ),
-}
-
-
 def checked_sources() -> list[tuple[str, str]]:
     """``(path relative to the repository, source)`` of every module held to the limits."""
-    out = []
-    for path in SOURCES:
-        name = str(path.relative_to(ROOT))
-        if name not in PENDING_ISSUE_31:
-            out.append((name, path.read_text(encoding="utf-8")))
-    return out
+    return [(str(path.relative_to(ROOT)), path.read_text(encoding="utf-8")) for path in SOURCES]
 
 
 def lines_of(node: ast.stmt | ast.expr) -> int:
