@@ -115,6 +115,9 @@ class StoreCluster:
         self.master = self._daemon("master", [
             _binary("mooncake_master"), "--rpc_address=127.0.0.1", f"--rpc_port={MASTER_PORT}",
             "--rpc_thread_num=4",
+            # Not the default admin/metrics port (9003): a master that tests/mooncake/
+            # test_launchers.py starts in this namespace with the defaults needs it.
+            "--metrics_port=9013",
         ])  # fmt: skip
         self.host = self._daemon("segment_host", [
             _binary("mooncake_client"), f"--global_segment_size={segment}",
