@@ -16,7 +16,6 @@ measurements).
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,8 +36,6 @@ from hidden_state_reader.training.dataset_modes import Reading, Skipped
 if TYPE_CHECKING:
     from hidden_state_reader.reader import HiddenStateReader
     from hidden_state_reader.training.dataset import HiddenStateDataset
-
-log = logging.getLogger(__name__)
 
 _DONE = object()
 _PUT_WAIT = 0.1  # seconds between looks at the stop flag while a queue is full
@@ -117,11 +114,18 @@ class Placement:
         self.dtype = dtype
         self.cuda = device.type == "cuda"
 
-    def place(self, batch: Any, samples: Sequence[Sample]) -> tuple[Any, torch.cuda.Event | None]:
-        """The batch on the device, and the event its copies end with (None off CUDA)."""
-        if not self.cuda:
+    def place(
+        self, batch: Any, samples: Sequence[Sample], stream: torch.cuda.Stream | None
+    ) -> tuple[Any, torch.cuda.Event | None]:
+        """The batch on the device, and the event its copies end with (None off CUDA).
+
+        Args:
+            batch: The built batch.
+            samples: Its samples (their writers' ``model_dtype`` for fp8).
+            stream: The builder thread's copy stream (CUDA only).
+        """
+        if stream is None:
             return self._finish(_to(batch, self.device), samples), None
-        stream = _thread_stream(self.device)
         with torch.cuda.stream(stream):
             moved = self._finish(_to(batch, self.device), samples)
             event = torch.cuda.Event()
@@ -256,13 +260,14 @@ class DeviceFeed:
         """One builder thread: read, collate, place; everything it makes goes to its queue."""
         out = self._queues[worker if len(self._queues) > 1 else 0]
         arenas = None if self.arenas is None else self.arenas[worker]
+        stream = torch.cuda.Stream(self.device) if self.placement.cuda else None
         try:
             items = self.dataset._worker_items(worker, self.threads, self._reading)
             with closing(items):
                 for chunk in _chunks(items, self.batch_size, self._stop):
                     if self.drop_last and len(chunk) < self.batch_size:
                         break
-                    built = self._make(chunk, arenas)
+                    built = self._make(chunk, arenas, stream)
                     built.ticket = self.dataset._acknowledgements.ticket(worker)
                     if not self._put(out, built):
                         return
@@ -271,7 +276,12 @@ class DeviceFeed:
         finally:
             self._put(out, _DONE)
 
-    def _make(self, chunk: list[Sample | Skipped], arenas: HostArenas | None) -> _Built:
+    def _make(
+        self,
+        chunk: list[Sample | Skipped],
+        arenas: HostArenas | None,
+        stream: torch.cuda.Stream | None,
+    ) -> _Built:
         samples = [item for item in chunk if not isinstance(item, Skipped)]
         if not samples:
             return _Built(len(chunk), None, None)
@@ -279,7 +289,7 @@ class DeviceFeed:
             batch = self.collate_fn(samples, allocate=arenas.allocate)
         else:
             batch = self.collate_fn(samples)
-        moved, event = self.placement.place(batch, samples)
+        moved, event = self.placement.place(batch, samples, stream)
         if arenas is not None:
             arenas.copied(event)
         return _Built(len(chunk), moved, event)
@@ -347,20 +357,6 @@ def _delivered(built: _Built, device: torch.device) -> Any:
                 # Memory made on the builder's stream and freed after use on this one.
                 tensor.record_stream(current)
     return built.batch
-
-
-_STREAMS = threading.local()
-
-
-def _thread_stream(device: torch.device) -> torch.cuda.Stream:
-    """This thread's copy stream on ``device`` (made once per thread and device)."""
-    streams = getattr(_STREAMS, "by_device", None)
-    if streams is None:
-        streams = _STREAMS.by_device = {}
-    stream = streams.get(device)
-    if stream is None:
-        stream = streams[device] = torch.cuda.Stream(device)
-    return stream
 
 
 def _model_dtype(samples: Sequence[Sample]) -> torch.dtype:
