@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hidden_state_reader.format.fp8 import SCALES
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.batch_memory import (
     Allocate,
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 _FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
-SCALES = "hidden_states_scales"
 
 
 class _Item:

@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hidden_state_reader.format import fp8
+from hidden_state_reader.format.fp8 import SCALES
 from hidden_state_reader.format.header import Meta
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.acknowledgement import Ticket
 from hidden_state_reader.training.batch_memory import TensorSpec, carve, layout
-from hidden_state_reader.training.collate import SCALES
 from hidden_state_reader.training.dataset_modes import Reading, Skipped
 
 if TYPE_CHECKING:
