@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -71,9 +70,8 @@ def test_pipeline_parallel_is_refused_by_vllm_at_once(
     script.write_text(
         SCRIPT.read_text().replace("tensor_parallel_size=tp", "pipeline_parallel_size=tp")
     )
-    started = time.monotonic()
-    done = _run(str(script), str(tiny_model_fp32), str(tmp_path / "hs"), "2", timeout=120)
+    # Refused within a minute, or the run times out and the test fails.
+    done = _run(str(script), str(tiny_model_fp32), str(tmp_path / "hs"), "2", timeout=60)
     assert done.returncode != 0
     assert "Pipeline parallelism is not supported for this model" in done.stdout + done.stderr
-    assert time.monotonic() - started < 60
     assert not (tmp_path / "hs").exists()

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -77,16 +76,14 @@ def _model_folder(root: Path, name: str, config: dict[str, object]) -> Path:
     return folder
 
 
-def _hidden_state(*args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    started = time.monotonic()
-    proc = subprocess.run(
+def _hidden_state(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "hidden_state_reader.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
     )
-    return proc, time.monotonic() - started
 
 
 DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 512}
@@ -101,18 +98,17 @@ def test_launchers_refuse_before_starting_vllm(tmp_path: Path, command: str) -> 
     extra = ["--dry-run"] if command == "serve" else ["--input", str(prompts)]
     for model, words in [(gemma, "Gemma3ForCausalLM"), (deepseek, "multi-head latent")]:
         out = tmp_path / f"hs-{model.name}"
-        proc, seconds = _hidden_state(command, str(model), "--out", str(out), *extra)
+        proc = _hidden_state(command, str(model), "--out", str(out), *extra)
         assert proc.returncode == 2, (proc.stdout, proc.stderr)
         assert f"hidden-state {command}: " in proc.stderr and words in proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()
-        assert seconds < 60  # vLLM never started (it alone takes longer to import here)
 
 
 def test_mla_turned_off_in_vllm_is_not_refused(tmp_path: Path) -> None:
     deepseek = _model_folder(tmp_path, "deepseek", DEEPSEEK)
     out = str(tmp_path / "hs")
-    proc, _ = _hidden_state("serve", str(deepseek), "--out", out, "--dry-run")
+    proc = _hidden_state("serve", str(deepseek), "--out", out, "--dry-run")
     assert proc.returncode == 2 and "multi-head latent" in proc.stderr
-    proc, _ = _hidden_state("serve", str(deepseek), "--out", out, "--dry-run", VLLM_MLA_DISABLE="1")
+    proc = _hidden_state("serve", str(deepseek), "--out", out, "--dry-run", VLLM_MLA_DISABLE="1")
     assert proc.returncode == 0, proc.stderr
     assert str(deepseek) in proc.stdout  # the command printed (vllm serve, or its module)
