@@ -297,7 +297,12 @@ class HiddenStateReader:
                     continue
                 yielded += 1
                 if defer is not None:
-                    defer(Delivery(self, outcome))
+                    delivery = Delivery(self, outcome)
+                    try:
+                        defer(delivery)
+                    except BaseException:
+                        delivery.give_back()  # never left holding a claim nobody records
+                        raise
                     yield sample
                 else:
                     try:

@@ -175,8 +175,8 @@ class WriterFate(enum.Enum):
     RUNNING = "running"
     """It ran on this host and is still running."""
     GONE = "gone"
-    """It ran on this host and is gone (exited, killed, its pid reused, or the host
-    restarted since): it will never publish the sample."""
+    """It ran on this host and is gone (exited, killed, or its pid reused): it will never
+    publish the sample."""
     ELSEWHERE = "elsewhere"
     """It ran on another host (or in another PID namespace): it cannot be checked here."""
     UNKNOWN = "unknown"
@@ -196,7 +196,8 @@ def check_writer(status: LockStatus | None) -> WriterCheck:
 
     On the writer's own host (same boot id and PID namespace) its pid is looked up in
     ``/proc``: gone, a zombie, or a process with another start time means the writer is
-    gone. The same host name with another boot id means the host has restarted since.
+    gone. Another boot id is another host (or this one before a restart: host names are
+    no proof, containers on several nodes share them), so the grace period decides.
     """
     detail = status.detail if status is not None else {}
     pid, host = detail.get("pid"), detail.get("host")
@@ -204,11 +205,7 @@ def check_writer(status: LockStatus | None) -> WriterCheck:
     if not (isinstance(pid, int) and isinstance(boot, str) and isinstance(ticks, int)):
         why = "the lock does not record its writer's process (an older writer, or vLLM's)"
         return WriterCheck(WriterFate.UNKNOWN, why)
-    my_boot = _boot_id()
-    if boot != my_boot:
-        if my_boot is not None and host == socket.gethostname():
-            why = f"its writer (pid {pid}) ran on this host before it last restarted"
-            return WriterCheck(WriterFate.GONE, why)
+    if boot != _boot_id():
         return WriterCheck(
             WriterFate.ELSEWHERE, f"its writer (pid {pid}) ran on host {host}: not checkable here"
         )

@@ -179,10 +179,16 @@ class DirectoryBackend:
                                 claim_path)  # fmt: skip
 
     def released(self, name: str, claim: HeldClaim | None) -> None:
-        """The receipt was settled by another process: close the claim, forget the name."""
+        """The receipt was settled by another process: close the claim, forget the name.
+
+        Forgotten only if the file left the directory, as ``consumed`` does: a delete or
+        move that failed there leaves a file that must not look new.
+        """
         if isinstance(claim, Claim):
             claim.release()
-        if self.options.on_consumed != "keep":
+        if self.options.on_consumed != "keep" and not os.path.lexists(
+            os.path.join(self.root, name)
+        ):
             self.forget(name)
 
     def close(self) -> None:

@@ -197,8 +197,7 @@ class StoreBackend:
         return None
 
     def released(self, name: str, claim: HeldClaim | None) -> None:
-        """Never called (no receipts); settles the sample as ``consumed`` does."""
-        self.consumed(name, claim)
+        """Nothing to do: with no receipts, no other process ever settles a sample here."""
 
     def close(self) -> None:
         """End every pass in progress: its waits and its read-ahead (safe from any thread)."""

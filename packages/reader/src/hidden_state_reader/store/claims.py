@@ -107,6 +107,9 @@ class StoreClaims:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop_when_released = False
+        # Starting and stopping the renewal thread (and the decision to) happen under it;
+        # the renewal loop itself only takes ``_lock``, so joining it here is safe.
+        self._life = threading.RLock()
         self._next_check = 0.0
 
     # -- owning -------------------------------------------------------------------
@@ -145,11 +148,12 @@ class StoreClaims:
             return False
         if self._is_done(name):  # finished by the previous owner (or this reader) after all
             return False
-        with self._lock:
-            self._held[name] = [generation, 0]
-        self._stop_when_released = False
-        self._given_back.pop(name, None)
-        self._start_renewing()
+        with self._life:  # a release deciding to stop the renewals cannot come between
+            with self._lock:
+                self._held[name] = [generation, 0]
+            self._stop_when_released = False
+            self._given_back.pop(name, None)
+            self._start_renewing()
         return True
 
     def finish(self, name: str) -> None:
@@ -172,13 +176,14 @@ class StoreClaims:
 
     def release(self, name: str) -> None:
         """Stop renewing the claim of ``name`` (without marking it done) and drop its renewals."""
-        with self._lock:
-            held = self._held.pop(name, None)
-            idle = not self._held
-        if held is None:
-            return
-        if idle and self._stop_when_released:
-            self.stop()
+        with self._life:
+            with self._lock:
+                held = self._held.pop(name, None)
+                idle = not self._held
+            if held is None:
+                return
+            if idle and self._stop_when_released:
+                self.stop()
         generation, renewals = held
         for k in range(1, renewals + 1):
             self.client.remove(renewal_key(self.prefix, self.group, name, generation, k))
@@ -223,20 +228,22 @@ class StoreClaims:
         A pass ends while claims handed out to a training loop still wait for it to
         acknowledge them (``training.acknowledgement``); they keep their leases until then.
         """
-        with self._lock:
-            idle = not self._held
-        if idle:
-            self.stop()
-        else:
-            self._stop_when_released = True
+        with self._life:
+            with self._lock:
+                idle = not self._held
+            if idle:
+                self.stop()
+            else:
+                self._stop_when_released = True
 
     def stop(self) -> None:
         """Stop the renewal thread (held claims then expire after one lease)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._stop.clear()
+        with self._life:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            self._stop.clear()
 
     # -- watching -----------------------------------------------------------------
 
