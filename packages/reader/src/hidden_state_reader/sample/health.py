@@ -268,8 +268,10 @@ def _check_sample(
         st = None
     data_mtime = st.st_mtime if st is not None else None
     status = read_status(lock_file) if lock is not LockState.ABSENT else None
-    # Only a free lock without data asks whether its writer still runs (a /proc look-up).
-    writer = check_writer(status) if st is None and lock is LockState.FREE else None
+    # Only a free lock without data, not failed, asks whether its writer still runs (a
+    # /proc look-up); a failed one says what happened itself.
+    unknown = st is None and lock is LockState.FREE and not (status is not None and status.failed)
+    writer = check_writer(status) if unknown else None
     header: SampleHeader | None = None
     problem: SampleError | None = None
     if st is not None and lock is not LockState.HELD:
