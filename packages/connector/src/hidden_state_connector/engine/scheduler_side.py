@@ -280,7 +280,6 @@ class SchedulerSide:
                 result[ERROR_PARAM] = tracked.failure
             return True, result
         order = self._finish_order(request, tracked, block_ids)
-        order.tags = tracked.tags
         if order.failure:
             result[ERROR_PARAM] = order.failure
         self._deliver(order)
@@ -324,4 +323,5 @@ class SchedulerSide:
             len(prompt),
             failure,
             loss_mask=None if failure else mask,
+            tags=tracked.tags,
         )
