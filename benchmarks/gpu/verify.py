@@ -1,0 +1,386 @@
+"""The GPU correctness sweep: every published row right, nothing answered and silently missing.
+
+    bash benchmarks/gpu/run.sh verify            # the sweep, one device call (< 9 minutes)
+    python benchmarks/gpu/verify.py --configs pc=on,graphs=off,storage=bf16,sleep=on
+    python benchmarks/gpu/verify.py one --config pc=off,graphs=on,storage=fp8 --requests 128
+
+Each configuration starts its own engine (a child process) with the tiny random Llama in
+bf16 (built locally), chunked prefill (``max_num_batched_tokens=512``, prompts of 17-1,500
+tokens, some sharing a prefix with an earlier prompt so the prefix cache hits), and the
+connector with small host buffers (copies still in flight when a batch returns). Per
+round one batch: half the requests store their generated tokens
+(``include_output_tokens``), half only the prompt; ``max_tokens`` 1-64; greedy and sampled
+decoding (sampled drafts get rejected, greedy ones on a random model are often accepted).
+With ``sleep=on`` every round is followed by ``llm.sleep()`` / ``llm.wake_up()``.
+
+Then every answered request is accounted for: published (read back, CRC checked, token
+ids equal to the prompt plus the generated tokens that were fed back, every row of every
+captured layer within tolerance of HF transformers' float32 hidden states), a client
+error (``hidden_states_error`` in the response), or missing. A missing sample whose lock
+records a failure is visible to the operator (``hidden-state verify``); one without is a
+silent failure. One JSON line per configuration (``kind: "gpu_verify"``) after ``RESULT ``,
+appended to ``--jsonl``. Exit status 1 when any row is wrong or any sample silently missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LAYERS = [1, 2, 4]  # the tiny model has 4 layers; 4 is the last one, before the final norm
+SWEEP = [
+    "pc=on,graphs=off,storage=bf16,sleep=on",
+    "pc=off,graphs=off,storage=fp8,sleep=off",
+    "pc=on,graphs=on,storage=fp8,sleep=off",
+    "pc=off,graphs=on,storage=bf16,sleep=on",
+]
+# A row is wrong beyond these relative errors (per token, per layer) against HF float32:
+# bf16 engine arithmetic, plus fp8's rounding (2**-4 per element) when stored as fp8.
+ROW_TOL = {"bf16": 0.06, "fp8": 0.12}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One engine configuration of the sweep."""
+
+    prefix_caching: bool
+    graphs: bool
+    storage: str  # "bf16" (the model's dtype) or "fp8"
+    sleep: bool
+    async_scheduling: bool | None = None  # None: vLLM's default
+
+    @classmethod
+    def parse(cls, text: str) -> Config:
+        """``pc=on,graphs=off,storage=bf16,sleep=on[,async=off]``."""
+        fields = dict(part.split("=", 1) for part in text.split(",") if part)
+        flag = {"on": True, "off": False}
+        unknown = set(fields) - {"pc", "graphs", "storage", "sleep", "async"}
+        if unknown or fields.get("storage", "bf16") not in ROW_TOL:
+            raise SystemExit(f"bad --config {text!r}: keys pc, graphs, storage(bf16|fp8), sleep")
+        return cls(
+            prefix_caching=flag[fields.get("pc", "on")],
+            graphs=flag[fields.get("graphs", "off")],
+            storage=fields.get("storage", "bf16"),
+            sleep=flag[fields.get("sleep", "off")],
+            async_scheduling=flag[fields["async"]] if "async" in fields else None,
+        )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="example: python benchmarks/gpu/verify.py --jsonl /tmp/out/results.jsonl",
+    )
+    parser.add_argument("mode", nargs="?", default="sweep", choices=["sweep", "one"])
+    parser.add_argument("--configs", default=";".join(SWEEP), help="';'-separated configs")
+    parser.add_argument("--config", default=SWEEP[0], help="the configuration (mode one)")
+    parser.add_argument("--requests", type=int, default=128, help="requests per configuration")
+    parser.add_argument("--rounds", type=int, default=2, help="batches per configuration")
+    parser.add_argument("--parallel", type=int, default=2, help="engines at once (sweep)")
+    parser.add_argument("--timeout", type=float, default=400, help="seconds per configuration")
+    parser.add_argument("--work", default="/tmp/hs-verify", help="where the tiny model is built")
+    parser.add_argument("--jsonl", default="", help="append the RESULT lines here")
+    parser.add_argument("--label", default="", help="recorded in each row (e.g. the code's state)")
+    parser.add_argument(
+        "--connector-module",
+        default="hidden_state_connector.connector",
+        help="module holding HiddenStateConnector (a subclass of it, for diagnostics)",
+    )
+    return parser.parse_args()
+
+
+def make_engine(model_dir: Path, out: str, cfg: Config, module: str) -> Any:
+    """The tiny bf16 model with the configuration's switches and small prefill chunks."""
+    import torch
+    from vllm import LLM
+
+    from hidden_state_connector.server import kv_transfer_config, speculative_config
+
+    settings: dict[str, Any] = {
+        "chunk_bytes": 65536,  # small chunks and buffers: copies outlive generate()
+        "host_buffer_bytes": 1 << 20,
+        "checksum": True,
+        "stats_interval": 0,
+    }
+    if cfg.storage == "fp8":
+        settings["storage_dtype"] = "fp8_e4m3"
+    extra: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.25)
+    else:  # a smoke run of this script on vLLM's CPU build
+        extra.update(kv_cache_memory_bytes=1 << 30)
+    if cfg.async_scheduling is not None:
+        extra["async_scheduling"] = cfg.async_scheduling
+    return LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        max_model_len=4096,
+        enforce_eager=not cfg.graphs,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=cfg.prefix_caching,
+        max_num_batched_tokens=512,
+        enable_sleep_mode=cfg.sleep,
+        seed=0,
+        speculative_config=speculative_config(LAYERS),
+        kv_transfer_config={
+            **kv_transfer_config(out, settings),
+            "kv_connector_module_path": module,
+        },
+        **extra,
+    )
+
+
+def make_requests(round_no: int, count: int, earlier: list[list[int]]) -> tuple[list, list]:
+    """Prompts (a quarter extend an earlier prompt's prefix) and their sampling params.
+
+    Odd indices store their generated tokens; every third request samples (temperature 1).
+    """
+    import torch
+    from vllm import SamplingParams
+
+    gen = torch.Generator().manual_seed(1000 + round_no)
+    prompts, params = [], []
+    for i in range(count):
+        n = int(torch.randint(17, 1500, (1,), generator=gen))
+        prompt = torch.randint(0, 250, (n,), generator=gen).tolist()
+        if earlier and i % 4 == 3:  # reuse 64-400 tokens of an earlier prompt: a cache hit
+            base = earlier[int(torch.randint(0, len(earlier), (1,), generator=gen))]
+            keep = min(len(base), int(torch.randint(64, 400, (1,), generator=gen)))
+            prompt = base[:keep] + prompt[: max(1, n - keep)]
+        prompts.append(prompt)
+        transfer: dict[str, Any] = {"metadata": {"round": str(round_no), "index": str(i)}}
+        if i % 2 == 1:
+            transfer["include_output_tokens"] = True
+        sampled = i % 3 == 2
+        params.append(
+            SamplingParams(
+                max_tokens=int(torch.randint(1, 65, (1,), generator=gen)),
+                temperature=1.0 if sampled else 0.0,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args={"kv_transfer_params": transfer},
+            )
+        )
+        earlier.append(prompt)
+    return prompts, params
+
+
+def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
+    """Start the engine, run the rounds, account for every answered request."""
+    import torch
+
+    from hidden_state_connector.engine import compat
+    from hidden_state_connector.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(Path(args.work) / "tiny-bfloat16", dtype="bfloat16")
+    out = tempfile.mkdtemp(prefix="hs-verify-", dir="/tmp")
+    started = time.monotonic()
+    llm = make_engine(model_dir, out, cfg, args.connector_module)
+    start_s = time.monotonic() - started
+    outs: list[Any] = []
+    earlier: list[list[int]] = []
+    per_round = max(1, args.requests // args.rounds)
+    notes: list[str] = []
+    for round_no in range(args.rounds):
+        prompts, params = make_requests(round_no, per_round, earlier)
+        batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs += batch
+        if cfg.sleep:
+            try:
+                llm.sleep(level=1)  # right after generate(): copies may be in flight
+                llm.wake_up()
+            except RuntimeError as exc:
+                notes.append(f"round {round_no}: sleep/wake raised {exc}")
+    gen_s = time.monotonic() - started - start_s
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    account = account_for(outs, out, model_dir, ROW_TOL[cfg.storage])
+    # Odd indices of each round asked for their generated tokens (make_requests).
+    account["with_generated_tokens"] = sum(
+        1
+        for i, o in enumerate(outs)
+        if (i % per_round) % 2 == 1 and len(o.outputs[0].token_ids) > 1
+    )
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "kind": "gpu_verify",
+        "label": args.label,
+        "vllm": compat.vllm_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "prefix_caching": cfg.prefix_caching,
+        "graphs": cfg.graphs,
+        "storage_dtype": "fp8_e4m3" if cfg.storage == "fp8" else "bfloat16",
+        "sleep": cfg.sleep,
+        "async_scheduling": cfg.async_scheduling,
+        "max_num_batched_tokens": 512,
+        "row_tolerance": ROW_TOL[cfg.storage],
+        **account,
+        "notes": notes,
+        "engine_start_s": round(start_s, 1),
+        "generate_s": round(gen_s, 1),
+    }
+
+
+def account_for(outs: list[Any], out: str, model_dir: Path, row_tol: float) -> dict[str, Any]:
+    """Published, client errors, missing (visible or silent), wrong rows vs HF."""
+    from hidden_state_reader import HiddenStateReader
+    from hidden_state_reader.format.lockfile import read_status
+
+    params = [o.kv_transfer_params or {} for o in outs]
+    errors = [p.get("hidden_states_error") for p in params]
+    paths = [p.get("hidden_states_path", "") for p in params]
+    names = [os.path.basename(p) for p in paths if p]
+    read = HiddenStateReader(
+        out, names=names, on_error="skip", verify_checksum=True, lock_timeout=120
+    )
+    by_name = {os.path.basename(s.path): s for s in read}
+    published, missing_visible, silent, client_errors = [], [], [], 0
+    for o, path, error in zip(outs, paths, errors, strict=True):
+        name = os.path.basename(path)
+        if error:
+            client_errors += 1
+        elif name in by_name:
+            published.append((o, by_name[name]))
+        elif read_status(path + ".lock").failed:
+            missing_visible.append(f"{name}: {read_status(path + '.lock').reason}")
+        else:
+            silent.append(name)
+    wrong, worst, rows_checked, details = compare_rows(model_dir, published, row_tol)
+    return {
+        "answered": len(outs),
+        "published": len(published),
+        "client_errors": client_errors,
+        "client_error_examples": sorted({e for e in errors if e})[:5],
+        "missing": len(missing_visible) + len(silent),
+        "missing_visible": missing_visible[:10],
+        "silent": len(silent),
+        "silent_examples": silent[:10],
+        "wrong": wrong,
+        "rows_checked": rows_checked,
+        "worst_row_rel_err": worst,
+        "wrong_examples": details[:10],
+    }
+
+
+def compare_rows(
+    model_dir: Path, published: list[tuple[Any, Any]], row_tol: float
+) -> tuple[int, float, int, list[str]]:
+    """Each published sample's tokens and every row of every layer against HF float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    last: dict[str, torch.Tensor] = {}
+    hf.model.layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("x", o[0] if isinstance(o, tuple) else o)
+    )
+    wrong, worst, rows, details = 0, 0.0, 0, []
+    for o, s in published:
+        generated = list(o.outputs[0].token_ids)
+        stores_output = len(s.token_ids) > len(o.prompt_token_ids)
+        expect = list(o.prompt_token_ids) + (generated[:-1] if stores_output else [])
+        got_ids = s.token_ids.tolist()
+        if got_ids != expect:
+            wrong += 1
+            details.append(
+                f"{os.path.basename(s.path)}: {len(got_ids)} token ids, want {len(expect)}"
+            )
+            continue
+        with torch.no_grad():
+            ref = hf(s.token_ids[None].to(device), output_hidden_states=True)
+        bad: list[str] = []
+        for pos, lid in enumerate(s.layer_ids or []):
+            exp = last["x"][0] if lid == len(hf.model.layers) else ref.hidden_states[lid][0]
+            got = s.hidden_states[:, pos].float().to(device)
+            err = (got - exp).norm(dim=-1) / exp.norm(dim=-1).clamp_min(1e-6)
+            rows += int(err.numel())
+            worst = max(worst, float(err.max()))
+            for t in torch.nonzero(err > row_tol).flatten().tolist()[:3]:
+                zero = bool((got[t] == 0).all())
+                bad.append(
+                    f"token {t} (prompt {len(o.prompt_token_ids)}) layer {lid}: "
+                    f"{float(err[t]):.3f}{' zero' if zero else ''}"
+                )
+        if bad:
+            wrong += 1
+            details.append(f"{os.path.basename(s.path)}: " + "; ".join(bad[:4]))
+    return wrong, worst, rows, details
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """Each configuration in a child process, ``--parallel`` at a time; RESULT lines out."""
+    configs = [c for c in args.configs.split(";") if c]
+    failed = False
+    running: list[tuple[str, subprocess.Popen[str], float]] = []
+    pending = list(configs)
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            cfg = pending.pop(0)
+            cmd = [
+                sys.executable,
+                __file__,
+                "one",
+                "--config",
+                cfg,
+                "--requests",
+                str(args.requests),
+                "--rounds",
+                str(args.rounds),
+                "--work",
+                args.work,
+                "--connector-module",
+                args.connector_module,
+                "--label",
+                args.label,
+            ]
+            child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+            running.append((cfg, child, time.monotonic()))
+        cfg, child, t0 = running.pop(0)
+        try:
+            stdout, _ = child.communicate(timeout=max(1.0, args.timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            stdout, _ = child.communicate()
+            print(f"config {cfg}: timed out after {args.timeout:.0f} s", flush=True)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        if child.returncode != 0 or not lines:
+            failed = True
+        for line in lines:
+            print(line, flush=True)
+            if args.jsonl:
+                with open(args.jsonl, "a") as f:
+                    f.write(line[7:] + "\n")
+        if not lines:
+            print(f"config {cfg}: no result (exit {child.returncode})", flush=True)
+    return 1 if failed else 0
+
+
+def main() -> int:
+    args = parse_args()
+    if args.mode == "sweep":
+        return sweep(args)
+    # The engine core starts after this process used torch on the CPU (the tiny model):
+    # spawn it rather than fork (a forked engine core once hung in an OpenMP barrier).
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    result = run_config(Config.parse(args.config), args)
+    print("RESULT " + json.dumps(result), flush=True)
+    bad = (
+        result["wrong"]
+        or result["silent"]
+        or result["published"] + result["client_errors"] + (result["missing"]) != result["answered"]
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
