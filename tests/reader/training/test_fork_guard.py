@@ -13,6 +13,8 @@ import gc
 import json
 import os
 import select
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -180,3 +182,18 @@ def test_forked_dataloader_workers_run_after_device_passes(hs_dir: Path) -> None
         worker_init_fn=lambda _: gc.collect(),
     )
     assert sorted(int(i) for batch in plain for i in batch) == list(range(64))
+
+
+def test_the_gpu_checks_dry_run_passes_on_the_cpu() -> None:
+    repo = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, str(repo / "benchmarks/gpu/fork_check.py"), "--device", "cpu",
+         "--samples", "16"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert result["ok"] and set(result["phases"]) == {
+        "as_reported", "loader_dropped", "batch_in_cycle"
+    }  # fmt: skip
