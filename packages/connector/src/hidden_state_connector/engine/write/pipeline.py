@@ -153,20 +153,26 @@ class WritePipeline:
             )
             closed = self._closed
             if not full and not closed:
+                # Order the copy stream after the job's data BEFORE the job becomes
+                # visible: a writer thread returning a slab produces the chunks of any
+                # job in the list, and a chunk copied before this wait can read rows the
+                # model has not written yet (docs/connector.md, "Copies wait for the
+                # rows they read").
+                if engine_thread:
+                    self.extractor.begin_step()
+                else:
+                    self.extractor.begin_off_thread()
                 self._queued_bytes += job.nbytes
                 self._jobs.append(job)
+                # Writers take jobs in the list's order (the pool's deadlock freedom
+                # rests on it), also when two threads submit at once.
+                self._queue.put(job)
+                self._produce_ready()
         if closed or full:
             reason = "connector is shutting down" if closed else "writer queue full (dropped)"
             _fail_unstarted(job, self.stats, reason, dropped=full)
             return
-        self._queue.put(job)
         self.stats.queued(len(self._unreported))
-        with self._cond:
-            if engine_thread:
-                self.extractor.begin_step()
-            else:
-                self.extractor.begin_off_thread()
-            self._produce_ready()
 
     def submit_failed(self, job: SaveJob, reason: str) -> None:
         """Register a job that fails before any work (it is still reported finished)."""
