@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from samples import make_tensors
 
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import Meta, write_sample
 from hidden_state_reader.format.consumed import CONSUMED_DIR, record_path
 from hidden_state_reader.read.consumed_keys import is_consumed, read_record
+
+from samples import make_tensors
 
 
 def _keyed(root: Path, key: str, index: int = 0) -> Path:
