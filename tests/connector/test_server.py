@@ -206,13 +206,16 @@ def test_a_key_retried_after_a_deleting_trainer_took_it_is_not_written_again(
     out = Path(server.options.out_dir)
     keys = [f"rl-consumed.row-{i}" for i in range(5)]
     names = {f"{k}.safetensors" for k in keys}
+    list(HiddenStateReader(out, on_consumed="delete"))  # earlier tests' samples
     trainer = HiddenStateReader(
         out, follow=True, claim=True, on_consumed="delete", idle_timeout=120, max_samples=5
     )
     got: list[str] = []
-    consumer = threading.Thread(
-        target=lambda: got.extend(os.path.basename(s.path) for s in trainer)
-    )
+
+    def train() -> None:
+        got.extend(os.path.basename(s.path) for s in trainer)
+
+    consumer = threading.Thread(target=train)
     consumer.start()
     first = [_keyed(server, k, i) for i, k in enumerate(keys)]
     consumer.join(timeout=180)
