@@ -6,8 +6,11 @@ import http.client
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,6 +180,94 @@ def test_write_failure_fails_the_sample_and_the_server_keeps_serving(server: Vll
     )
     assert len(samples) == 1 and samples[0].num_tokens == 20
     shutil.rmtree(out / ".claims", ignore_errors=True)
+
+
+def _keyed(server: VllmServer, key: str, seed: int, tokens: int = 40) -> dict[str, Any]:
+    prompt = [(k * 7 + seed) % 250 for k in range(tokens)]
+    result = complete(server.url, "tiny", prompt, idempotency_key=key)
+    params: dict[str, Any] = result["kv_transfer_params"]
+    assert "hidden_states_error" not in params, params
+    return params
+
+
+def _clean_consumed_keys(out: Path) -> None:
+    """``hidden-state clean`` forgetting every consumed key at once."""
+    args = ["clean", str(out), "--consumed-keys-older-than", "0"]
+    run = subprocess.run([sys.executable, "-m", "hidden_state_reader.cli.main", *args],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "consumed-key record" in run.stdout
+
+
+def test_a_key_retried_after_a_deleting_trainer_took_it_is_not_written_again(
+    server: VllmServer,
+) -> None:
+    """The RL case: follow + claim + delete trainer, then the clients retry every key."""
+    out = Path(server.options.out_dir)
+    keys = [f"rl-consumed.row-{i}" for i in range(5)]
+    names = {f"{k}.safetensors" for k in keys}
+    list(HiddenStateReader(out, on_consumed="delete"))  # earlier tests' samples
+    trainer = HiddenStateReader(
+        out, follow=True, claim=True, on_consumed="delete", idle_timeout=120, max_samples=5
+    )
+    got: list[str] = []
+
+    def train() -> None:
+        got.extend(os.path.basename(s.path) for s in trainer)
+
+    consumer = threading.Thread(target=train)
+    consumer.start()
+    first = [_keyed(server, k, i) for i, k in enumerate(keys)]
+    consumer.join(timeout=180)
+    assert not consumer.is_alive() and set(got) == names and len(got) == 5
+    assert all("hidden_states_existed" not in p for p in first)
+    # Every client retries (its connection broke after the server answered).
+    again = [_keyed(server, k, i) for i, k in enumerate(keys)]
+    assert [p.get("hidden_states_existed") for p in again] == [True] * 5
+    assert not names & set(os.listdir(out)), "nothing written again"
+    assert names <= set(os.listdir(out / ".consumed"))
+    # Once the records are cleaned (the retention has passed), a retry writes again.
+    _clean_consumed_keys(out)
+    later = _keyed(server, keys[0], 0)
+    assert "hidden_states_existed" not in later
+    [sample] = HiddenStateReader(out, names=[f"{keys[0]}.safetensors"], on_consumed="delete")
+    assert sample.metadata["idempotency_key"] == keys[0] and sample.num_tokens == 40
+    _clean_consumed_keys(out)
+
+
+def test_concurrent_attempts_of_one_key_are_trained_once(server: VllmServer) -> None:
+    """Attempts of a key in flight at once, a deleting trainer reading meanwhile."""
+    out = Path(server.options.out_dir)
+    keys = [f"in-flight.row-{i}" for i in range(4)]
+    trainer = HiddenStateReader(
+        out, follow=True, claim=True, on_consumed="delete", idle_timeout=300
+    )
+    got: list[str] = []
+
+    def train() -> None:
+        got.extend(os.path.basename(s.path) for s in trainer if "in-flight" in s.path)
+
+    consumer = threading.Thread(target=train)
+    consumer.start()
+    attempts = [threading.Thread(target=_keyed, args=(server, k, i, 300))
+                for i, k in enumerate(keys) for _attempt in range(4)]  # fmt: skip
+    for t in attempts:
+        t.start()
+    for t in attempts:
+        t.join(timeout=300)
+    for k in keys:  # every attempt's write is over: wait out their locks
+        lock = SharedLock.acquire(str(out / f"{k}.safetensors"), timeout=120)
+        assert lock is not None
+        lock.release()
+    trainer.close()
+    consumer.join(timeout=60)
+    assert not consumer.is_alive()
+    # What the follower had not reached yet: a second trainer of the group drains it.
+    rest = HiddenStateReader(out, claim=True, on_consumed="delete")
+    got += [os.path.basename(s.path) for s in rest if "in-flight" in s.path]
+    assert sorted(got) == sorted(f"{k}.safetensors" for k in keys), "each key exactly once"
+    assert not [n for n in os.listdir(out) if n.startswith("in-flight")]
+    _clean_consumed_keys(out)
 
 
 def test_stop_drains_writes_and_leaves_no_partial_or_temp_files(server: VllmServer) -> None:

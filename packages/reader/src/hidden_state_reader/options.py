@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from hidden_state_reader.format.consumed import DEFAULT_RETENTION, check_retention
 from hidden_state_reader.sample.states import GRACE
 
 if TYPE_CHECKING:
@@ -98,9 +99,11 @@ class ReaderOptions(LoadOptions):
     rescan_interval: float = 30.0
     poll_interval: float = 1.0
     orphan_grace: float = GRACE
+    consumed_key_retention: float = DEFAULT_RETENTION
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_retention(self.consumed_key_retention)
         for option, value, allowed in (
             ("on_consumed", self.on_consumed, ON_CONSUMED),
             ("on_error", self.on_error, ON_ERROR),

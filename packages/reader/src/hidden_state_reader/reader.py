@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import closing
 from typing import TYPE_CHECKING
 
+from hidden_state_reader.format.consumed import DEFAULT_RETENTION
 from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.options import OnConsumed, OnError, ReaderOptions, Watch
 from hidden_state_reader.read.backend import Backend, Outcome, Receipt
@@ -123,6 +124,9 @@ class HiddenStateReader:
         orphan_grace: How long a released lock without data, or a lock-less file that
             does not parse, may be young and still count as being written, seconds (the
             same grace as the ``hidden-state`` commands, ``states.GRACE``).
+        consumed_key_retention: Seconds a sample named by an idempotency key is
+            remembered after ``on_consumed`` deleted or moved it (7 days; 0: not at all):
+            a retry of its key writes nothing meanwhile (docs/connector.md).
         layers: Keep only these positions of the layer axis (e.g. ``[-1]`` for the last).
         layer_ids: Keep only these captured layer ids (needs the writer's ``layer_ids``
             metadata).
@@ -170,6 +174,7 @@ class HiddenStateReader:
         rescan_interval: float = 30.0,
         poll_interval: float = 1.0,
         orphan_grace: float = GRACE,
+        consumed_key_retention: float = DEFAULT_RETENTION,
         layers: Sequence[int] | None = None,
         layer_ids: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
@@ -196,6 +201,7 @@ class HiddenStateReader:
             rescan_interval=rescan_interval,
             poll_interval=poll_interval,
             orphan_grace=orphan_grace,
+            consumed_key_retention=consumed_key_retention,
             layers=layers,
             layer_ids=layer_ids,
             dtype=dtype,

@@ -11,23 +11,31 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from hidden_state_reader.format import check_tags, keyed_sample_name
+from hidden_state_reader.format import Meta, check_tags, keyed_sample_name
+from hidden_state_reader.read.consumed_keys import is_consumed
 
 TAGS_PARAM = "metadata"
 """``kv_transfer_params`` entry: string tags stored in the sample's ``__metadata__``."""
 KEY_PARAM = "idempotency_key"
 """``kv_transfer_params`` entry: names the sample, so a retried request makes no second one."""
 EXISTED_PARAM = "hidden_states_existed"
-"""Response entry: True when the keyed sample was already complete (nothing was written)."""
+"""Response entry: True when the keyed sample was complete already, or consumed within
+its retention (nothing was written)."""
 
 
 def requested_tags(params: Mapping[str, Any]) -> tuple[dict[str, str] | None, str | None]:
-    """The request's tags: ``(tags or None, None)``, or ``(None, problem)`` when refused."""
-    if params.get(TAGS_PARAM) is None:
-        return None, None
-    tags, problem = check_tags(params[TAGS_PARAM], TAGS_PARAM)
-    if problem is not None:
-        return None, problem
+    """The request's tags: ``(tags or None, None)``, or ``(None, problem)`` when refused.
+
+    A request with an idempotency key (checked before) also gets the key, under
+    ``Meta.IDEMPOTENCY_KEY``: the consumer that removes the sample records it as consumed.
+    """
+    tags: dict[str, str] = {}
+    if params.get(TAGS_PARAM) is not None:
+        tags, problem = check_tags(params[TAGS_PARAM], TAGS_PARAM)
+        if problem is not None:
+            return None, problem
+    if isinstance(params.get(KEY_PARAM), str):
+        tags[Meta.IDEMPOTENCY_KEY] = params[KEY_PARAM]
     return tags or None, None
 
 
@@ -52,5 +60,10 @@ def keyed_path(
 
 
 def sample_exists(path: str) -> bool:
-    """Whether a complete sample is published at ``path`` (only complete files get the name)."""
-    return os.path.isfile(path)
+    """Whether the keyed sample at ``path`` is written: published, or consumed since.
+
+    Only complete files get the name; a consumer that deleted or moved the sample left
+    a record of its key (``hidden_state_reader.read.consumed_keys``) that counts until
+    it expires.
+    """
+    return os.path.isfile(path) or is_consumed(os.path.dirname(path), os.path.basename(path))

@@ -224,7 +224,7 @@ class SchedulerSide:
         elif keyed is not None and sample_exists(keyed):
             # A retry of a request whose sample is complete: answer with it, write nothing.
             tracked.found = True
-            log.info("request %s: %s is complete already (idempotency key)", step.req_id, keyed)
+            log.info("request %s: %s is written already (idempotency key)", step.req_id, keyed)
         return tracked
 
     def _written_without_key(self, path: str) -> bool:

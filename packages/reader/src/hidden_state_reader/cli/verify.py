@@ -34,6 +34,7 @@ from hidden_state_reader.cli.common import (
     print_json,
     require_dir,
 )
+from hidden_state_reader.cli.consumed_clean import add_consumed_argument, expire_consumed_keys
 from hidden_state_reader.cli.table import format_table
 from hidden_state_reader.cli.toolkit import EXIT_OK, add_command, format_bytes, non_negative_float
 from hidden_state_reader.format.header import Meta
@@ -63,7 +64,6 @@ _DEAD_WRITER_LOCK = "stale lock (writer gone)"
 _CLEANABLE = (SampleState.STALE, SampleState.FAILED, SampleState.ORPHAN_TEMP)
 
 
-
 def register(subparsers: Any) -> None:
     """Add ``verify`` and ``clean``."""
     _register_verify(subparsers)
@@ -82,11 +82,10 @@ def _register_verify(subparsers: Any) -> None:
         "data), orphan temporary files.\nSamples still being written (pending) are not "
         "problems.\n\n"
         "With --checksums every sample's data is read and its CRC32 checked; files without "
-        "one are\ncounted (\"N of M files have no CRC32\"): corruption there cannot be "
+        'one are\ncounted ("N of M files have no CRC32"): corruption there cannot be '
         "detected.\n\n"
         "exit status:\n  0  no problems\n  1  problems found (with --require-checksums: "
-        "also a file without a CRC32)\n  2  bad usage (e.g. no such directory)\n"
-        + EMPTY_EXIT_RULE,
+        "also a file without a CRC32)\n  2  bad usage (e.g. no such directory)\n" + EMPTY_EXIT_RULE,
         examples="""
 hidden-state verify /data/hs
 hidden-state verify /data/hs --checksums          # also read all data and check CRC32s
@@ -166,6 +165,7 @@ hidden-state clean /data/hs --grace 0 --json  # --grace is --older-than
         "outcome, detail for each file considered)",
     )
     add_progress_argument(p)
+    add_consumed_argument(p)
 
 
 # -- verify --------------------------------------------------------------------------
@@ -509,6 +509,10 @@ def run_clean(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         progress=Progress.for_args(args, f"scanning {root}"),
     )
+    records = expire_consumed_keys(
+        root, older_than=args.consumed_keys_older_than, dry_run=args.dry_run
+    )
+    plan += [Removal(*record) for record in records]
     errors = [p for p in plan if p.outcome == "error"]
     removed = [p for p in plan if p.outcome in ("removed", "would remove")]
     rc = EXIT_PROBLEMS if errors else EXIT_OK

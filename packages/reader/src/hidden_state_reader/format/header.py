@@ -74,6 +74,9 @@ class Meta:
     VLLM_VERSION = "vllm_version"  # the vLLM that computed the hidden states
     # JSON list of the entries that are a client's tags (``tags.py``), each under its key.
     TAG_KEYS = "tag_keys"
+    # The client's idempotency key of a sample it names (``idempotency.py``): a consumer
+    # that removes the sample records the key as consumed (``consumed.py``).
+    IDEMPOTENCY_KEY = "idempotency_key"
 
 
 @dataclass(frozen=True)

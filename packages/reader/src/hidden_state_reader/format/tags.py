@@ -71,10 +71,15 @@ def _kind(value: object) -> str:
 
 
 def tag_metadata(tags: Mapping[str, str] | None) -> dict[str, str]:
-    """The ``__metadata__`` entries that record checked tags ({} for none)."""
+    """The ``__metadata__`` entries that record checked tags ({} for none).
+
+    Entries under one of the format's own keys (``RESERVED_KEYS``: the connector adds
+    ``Meta.IDEMPOTENCY_KEY`` itself, a client cannot) are recorded but not listed as tags.
+    """
     if not tags:
         return {}
-    return {**tags, Meta.TAG_KEYS: json.dumps(sorted(tags))}
+    listed = sorted(k for k in tags if k not in RESERVED_KEYS)
+    return {**tags, Meta.TAG_KEYS: json.dumps(listed)} if listed else dict(tags)
 
 
 def sample_tags(metadata: Mapping[str, str]) -> dict[str, str]:

@@ -21,9 +21,10 @@ from hidden_state_reader.format.lockfile import SharedLock
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.access import check_modes
-from hidden_state_reader.read.backend import Outcome
+from hidden_state_reader.read.backend import Outcome, OutcomeKind
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
 from hidden_state_reader.read.claims import Claim, ClaimStore, settle_claim_file
+from hidden_state_reader.read.consumed_keys import drops_copy, record_consumed, sample_key
 from hidden_state_reader.read.decision import Decider
 from hidden_state_reader.read.disposal import dispose, quarantine
 from hidden_state_reader.read.membership import Membership
@@ -76,6 +77,10 @@ class DirectoryBackend:
         )
         self.source: SnapshotSource | FollowSource | None = None
         self._stream: CompletionStream | None = None
+        # Keyed samples yielded and not yet consumed: their keys are recorded when they
+        # are deleted or moved (``consumed_keys``), for ``consumed_key_retention``.
+        self._remembers_keys = options.on_consumed != "keep" and options.consumed_key_retention > 0
+        self._keyed: set[str] = set()
 
     def _open_stream(self, names: Sequence[str] | None) -> CompletionStream:
         options = self.options
@@ -133,7 +138,11 @@ class DirectoryBackend:
         """Decided samples of the directory (or of ``names``), in completion order."""
         stream = self._open_stream(names)
         try:
-            yield from stream
+            for outcome in stream:
+                keyed = self._remembers_keys and outcome.kind is OutcomeKind.YIELD
+                if keyed and self._is_consumed_copy(outcome):
+                    continue
+                yield outcome
         finally:
             stream.source.close()
             if self.membership is not None:
@@ -141,6 +150,34 @@ class DirectoryBackend:
             held = stream.waiting.held_names()
             if held and not self._cancel.cancelled:
                 log.info("%s: stopped with %d sample(s) still being written", self.root, len(held))
+
+    def _is_consumed_copy(self, outcome: Outcome) -> bool:
+        """Drop a copy of a key consumed already (True); else note a keyed sample.
+
+        A retry of a key that was in flight when the key's first sample was consumed
+        publishes a second copy after it: the consumers remove it unread.
+        """
+        assert outcome.sample is not None
+        metadata = outcome.sample.metadata
+        if sample_key(metadata) is None:
+            return False
+        if not drops_copy(self.root, outcome.name, metadata):
+            self._keyed.add(outcome.name)
+            return False
+        log.info("%s: its idempotency key was consumed already; removing this copy unread",
+                 outcome.name)  # fmt: skip
+        gone = _disposed(self.root, outcome.name, "delete", self.done_dir)
+        settle(outcome.claim, Ending.GONE if gone else Ending.CONSUMED)
+        if gone:
+            self.forget(outcome.name)
+        return True
+
+    def _retention(self, name: str) -> float | None:
+        """Seconds to remember the key of ``name`` once consumed (None: not keyed)."""
+        if name not in self._keyed:
+            return None
+        self._keyed.discard(name)
+        return self.options.consumed_key_retention
 
     def pending(self) -> list[str]:
         """Samples whose writer held the lock at the last look."""
@@ -165,7 +202,9 @@ class DirectoryBackend:
         """Keep, delete or move a delivered sample (``on_consumed``); settle its claim."""
         if claim is None and self.options.on_consumed == "keep":
             return  # nothing to do (asked after every sample)
-        gone = _disposed(self.root, name, self.options.on_consumed, self.done_dir)
+        gone = _disposed(
+            self.root, name, self.options.on_consumed, self.done_dir, self._retention(name)
+        )
         settle(claim, Ending.GONE if gone else Ending.CONSUMED)
         if gone:
             self.forget(name)
@@ -176,7 +215,7 @@ class DirectoryBackend:
             return None
         claim_path = claim.path if isinstance(claim, Claim) else None
         return DirectoryReceipt(self.root, name, self.options.on_consumed, self.done_dir,
-                                claim_path)  # fmt: skip
+                                claim_path, self._retention(name))  # fmt: skip
 
     def released(self, name: str, claim: HeldClaim | None) -> None:
         """The receipt was settled by another process: close the claim, forget the name.
@@ -237,6 +276,8 @@ class DirectoryReceipt(NamedTuple):
         done_dir: Where ``move`` puts it.
         claim_path: The claim file, held by the process that read the sample (None
             without claims).
+        key_retention: Seconds to remember the sample's idempotency key (None: it has
+            none, or none is remembered).
     """
 
     root: str
@@ -244,17 +285,26 @@ class DirectoryReceipt(NamedTuple):
     on_consumed: str
     done_dir: str
     claim_path: str | None
+    key_retention: float | None = None
 
     def settle(self) -> None:
         """Dispose of the sample, then settle its claim through the claim file's path."""
-        gone = _disposed(self.root, self.name, self.on_consumed, self.done_dir)
+        gone = _disposed(self.root, self.name, self.on_consumed, self.done_dir, self.key_retention)
         if self.claim_path is not None:
             settle_claim_file(self.claim_path, gone)
 
 
-def _disposed(root: str, name: str, on_consumed: str, done_dir: str) -> bool:
-    """Apply ``on_consumed``; True if the files left the root (a failure is logged)."""
+def _disposed(
+    root: str, name: str, on_consumed: str, done_dir: str, key_retention: float | None = None
+) -> bool:
+    """Apply ``on_consumed``; True if the files left the root (a failure is logged).
+
+    With ``key_retention`` the sample's key is recorded as consumed first: a sample
+    whose record cannot be written stays (else a retry would write it again).
+    """
     try:
+        if key_retention is not None and on_consumed != "keep":
+            record_consumed(root, name, key_retention, on_consumed)
         return dispose(root, name, on_consumed, done_dir)
     except OSError as exc:
         log.warning("cannot %s %s after use: %s", on_consumed, name, exc)
