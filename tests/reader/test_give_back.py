@@ -1,4 +1,6 @@
-"""A loop that stops early gives back the sample it holds (docs/reader.md, "What does a crash lose?").
+"""A loop that stops early gives back the sample it holds.
+
+docs/reader.md, "What does a crash lose?":
 
 ``for sample in HiddenStateReader(...)``: the sample the loop holds is consumed
 (``on_consumed``, its claim settled) when the loop asks for the next one, or at
@@ -24,7 +26,7 @@ CLAIM_READER = Path(__file__).resolve().parents[1] / "tools" / "claim_reader.py"
 NAMES = [f"hs_{i}.safetensors" for i in range(5)]
 
 
-class Stop(Exception):
+class StepError(Exception):
     """What the loop's body raises (a bug in the user's training step)."""
 
 
@@ -45,13 +47,13 @@ def stop_at_second(reader: HiddenStateReader, how: str, commit: bool = False) ->
     """Iterate; stop (break or raise) while holding the second sample. Names seen."""
     seen = []
     if how == "raise":
-        with pytest.raises(Stop):
+        with pytest.raises(StepError):
             for sample in reader:
                 seen.append(os.path.basename(sample.path))
                 if len(seen) == 2:
                     if commit:
                         reader.commit()
-                    raise Stop
+                    raise StepError
     else:
         for sample in reader:
             seen.append(os.path.basename(sample.path))
@@ -89,7 +91,9 @@ def test_a_loop_that_stops_keeps_the_sample_it_holds(
 
 
 @pytest.mark.parametrize("how", ["break", "raise"])
-@pytest.mark.parametrize(("mode", "follow", "claim"), [("delete", False, True), ("move", True, False)])
+@pytest.mark.parametrize(
+    ("mode", "follow", "claim"), [("delete", False, True), ("move", True, False)]
+)
 def test_commit_records_the_held_sample_before_the_loop_stops(
     hs_dir: Path, how: str, mode: str, follow: bool, claim: bool
 ) -> None:
