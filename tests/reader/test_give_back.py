@@ -108,12 +108,18 @@ def test_commit_records_the_held_sample_before_the_loop_stops(
 
 
 def test_commit_with_nothing_held_does_nothing_and_a_full_loop_consumes_all(hs_dir: Path) -> None:
-    write_samples(hs_dir, 3)
-    reader = HiddenStateReader(hs_dir, on_consumed="delete")
+    write_samples(hs_dir, 5)
+    reader = HiddenStateReader(hs_dir, on_consumed="delete", claim=True)
     reader.commit()
-    assert len(list(reader)) == 3
+    seen = []
+    for sample in reader:
+        seen.append(os.path.basename(sample.path))
+        if len(seen) == 2:
+            reader.commit()  # at once; the loop goes on and records nothing twice
+            assert in_root(hs_dir) == NAMES[2:]
     reader.commit()
-    assert in_root(hs_dir) == []
+    assert seen == NAMES and in_root(hs_dir) == []
+    assert reader.stats.yielded == 5
 
 
 def test_leaving_the_with_block_gives_back_what_an_open_iterator_holds(hs_dir: Path) -> None:
