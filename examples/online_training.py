@@ -144,7 +144,7 @@ def train(args: argparse.Namespace, out_dir: str, producer: Producer, vocab_size
     # follow=True: read files as the server publishes them. Claims are on by default in
     # follow mode (each file goes to exactly one consumer: this process, its DataLoader
     # workers, or any other trainer on the same directory); on_consumed="delete" removes
-    # each file once the loop is past its batch (docs/training.md: what does a crash lose?).
+    # each file once the loop is past its batch (docs/reader.md: what does a crash lose?).
     # idle_timeout ends one pass over the directory after a second without new files, so
     # the loop below can check whether more are coming.
     dataset = HiddenStateDataset(out_dir, follow=True, on_consumed="delete", idle_timeout=1.0)

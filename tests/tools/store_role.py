@@ -113,6 +113,7 @@ def read_once(args: argparse.Namespace) -> None:
             if args.slow:
                 time.sleep(args.slow)  # stands for a training step
             if args.stop_after and len(names) == args.stop_after:
+                reader.commit()  # trained on: recorded (a bare break would give it back)
                 break  # the caller stops early: what was read ahead goes back to the group
         if args.again:  # the same reader, iterated again
             for sample in reader:

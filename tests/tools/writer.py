@@ -5,6 +5,8 @@ Modes:
                        stdin, then write the sample, print the release time, exit
   vllm-partial PATH    like vLLM's connector: create the lock in place, lock it, write
                        half a file in place, print "partial", then wait to be killed
+  partial PATH         take PATH's lock, write half the hidden states into the temporary
+                       file, print the temporary file's path, then wait to be killed
   stream DIR COUNT     write COUNT small samples hs_0.. into DIR as fast as possible
   stream DIR COUNT go  the same, but first print "loaded" and wait for a line on stdin
 """
@@ -58,6 +60,20 @@ def vllm_partial(path: str) -> None:
     time.sleep(3600)  # until the test kills this process
 
 
+def partial(path: str) -> None:
+    token_ids, hidden = make_tensors(5, tokens=64, layers=2, hidden=32)
+    writer = SampleFileWriter(
+        path,
+        token_ids=token_ids,
+        hidden_shape=tuple(hidden.shape),
+        hidden_dtype=hidden.dtype,
+        lock=WriterLock.create(path),
+    )
+    writer.write_hidden(hidden[:32])
+    print(writer.tmp_path, flush=True)
+    time.sleep(3600)  # until the test kills this process
+
+
 def stream(directory: str, count: int, wait_for_go: bool = False) -> None:
     if wait_for_go:
         print("loaded", flush=True)
@@ -72,6 +88,8 @@ if __name__ == "__main__":
         hold(sys.argv[2])
     elif mode == "vllm-partial":
         vllm_partial(sys.argv[2])
+    elif mode == "partial":
+        partial(sys.argv[2])
     elif mode == "stream":
         stream(sys.argv[2], int(sys.argv[3]), wait_for_go=sys.argv[4:] == ["go"])
     else:

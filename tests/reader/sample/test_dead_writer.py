@@ -30,7 +30,7 @@ from hidden_state_reader.format.lockfile import (
 from hidden_state_reader.sample.health import check_sample
 from hidden_state_reader.sample.states import SampleState
 
-from procs import hold_lock
+from procs import WRITER, hold_lock
 from samples import write_samples
 
 HOUR = "3600"
@@ -174,3 +174,51 @@ def test_verify_says_which_locks_only_the_grace_period_can_judge(hs_dir: Path) -
     [undecided] = report["undecided"]
     assert undecided["name"] == "far.safetensors"
     assert undecided["writer_process"]["fate"] == "elsewhere"
+
+
+def partial_writer(path: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A real writer process half-way through ``path``: its lock held, its temp file growing."""
+    proc = subprocess.Popen([*WRITER, "partial", str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    temp = Path(proc.stdout.readline().strip())
+    if not temp.is_file():
+        proc.kill()
+        raise AssertionError(f"the writer did not start (exit {proc.wait()})")
+    return proc, temp
+
+
+def test_a_killed_writers_temp_file_is_abandoned_and_cleaned_at_once(
+    hs_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    live, live_temp = partial_writer(hs_dir / "live.safetensors")
+    dead, dead_temp = partial_writer(hs_dir / "dead.safetensors")
+    try:
+        dead.kill()
+        assert dead.wait(timeout=30) == -signal.SIGKILL
+        # A temp file next to a free lock whose writer still runs: only the grace decides.
+        (hs_dir / "idle.safetensors.tmp.1.0123456789ab").write_bytes(b"x")
+        fake_lock(hs_dir, "idle.safetensors", **writer_identity())
+
+        assert cli_main.main(["ls", str(hs_dir), "--all", "--grace", HOUR, "--json"]) == 0
+        temps = {r["name"]: r for r in json.loads(capsys.readouterr().out) if r["kind"] == "temp"}
+        assert temps[dead_temp.name]["state"] == "orphan_temp"
+        assert temps[dead_temp.name]["writer_process"]["fate"] == "gone"
+        why = temps[dead_temp.name]["reason"]
+        assert f"abandoned: its lock is free and its writer (pid {dead.pid} on this " in why
+        assert temps[live_temp.name]["state"] == "pending"
+        assert temps["idle.safetensors.tmp.1.0123456789ab"]["state"] == "pending"
+        assert cli_main.main(["ls", str(hs_dir), "--all", "--grace", HOUR]) == 0
+        rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+        assert rows[dead_temp.name].endswith("orphan_temp (writer gone)")
+        assert rows[live_temp.name].endswith("pending")
+
+        proc = run("clean", hs_dir, "--older-than", HOUR)
+        assert proc.returncode == 0, proc.stderr
+        assert not dead_temp.exists() and not (hs_dir / "dead.safetensors.lock").exists()
+        assert "orphan temp file (writer gone)" in proc.stdout
+        assert live_temp.exists() and (hs_dir / "live.safetensors.lock").exists()
+        assert (hs_dir / "idle.safetensors.tmp.1.0123456789ab").exists()
+        assert live.poll() is None  # still writing, untouched
+    finally:
+        live.kill()
+        live.wait(timeout=30)

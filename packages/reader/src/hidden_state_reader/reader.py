@@ -20,6 +20,7 @@ from hidden_state_reader.read.backend import Backend, Outcome, Receipt
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
 from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.read.directory import DirectoryBackend
+from hidden_state_reader.read.holding import Holding
 from hidden_state_reader.read.policy import ErrorPolicy
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.sample.states import GRACE
@@ -109,8 +110,8 @@ class HiddenStateReader:
         claim_steal_after: Following with ``claim=True``: seconds a sample may stay
             unclaimed by the group member that owns it before another member takes it
             (its owner died, left or is behind). See docs/scale-out.md.
-        on_consumed: ``"keep"`` files, ``"delete"`` them after use, or ``"move"`` them to
-            ``done_dir``.
+        on_consumed: ``"keep"`` files, ``"delete"`` them after use (the loop asked for
+            the next sample, or ``commit``; ``break`` gives back), or ``"move"`` them.
         done_dir: Target of ``on_consumed="move"`` (default ``<path>/done``).
         on_error: ``"skip"`` bad samples with one warning each (counted in ``stats``), or
             ``"raise"`` a ``SampleError`` subclass naming the file.
@@ -214,6 +215,7 @@ class HiddenStateReader:
         self._cancel = CancelToken()
         self._backend = open_backend(self.root, self.options, self._cancel)
         self._closed = False
+        self._holding = Holding(self._commit)
         self.stats = ReaderStats()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -222,17 +224,28 @@ class HiddenStateReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._holding.give_back()  # a loop still holding one never finished it
         self.close()
 
     def close(self) -> None:
         """Stop iterating; safe to call from another thread, or more than once.
 
         A wait for a writer in progress is interrupted, the directory watcher stops, and
-        the iterator ends (the sample last yielded counts as consumed).
+        the iterator ends: the sample the loop holds is recorded when the loop asks for
+        the next one, as always (a loop that stops first gives it back).
         """
         self._closed = True
         self._cancel.cancel()
         self._backend.close()
+
+    def commit(self) -> None:
+        """Record the sample the loop holds as consumed now (``on_consumed``, its claim).
+
+        Otherwise that happens when the loop asks for the next sample, and a loop that
+        stops first (``break``, an exception) gives the sample back: docs/reader.md,
+        "What does a crash lose?". Nothing held: nothing to do.
+        """
+        self._holding.commit()
 
     @property
     def pending(self) -> list[str]:
@@ -311,12 +324,9 @@ class HiddenStateReader:
                         raise
                     yield sample
                 else:
-                    try:
-                        yield sample
-                    finally:
-                        # Reached when the caller asks for the next sample or stops
-                        # iterating: either way the sample was delivered.
-                        self._commit(outcome)
+                    # Recorded when the caller asks for the next sample; given back if
+                    # its loop stops first (``read.holding``).
+                    yield from self._holding.deliver(outcome, sample)
                 if max_samples is not None and yielded >= max_samples:
                     return
 

@@ -44,8 +44,10 @@ def register(subparsers: Any) -> None:
         summary="list samples: shape, dtype, file bytes and state",
         description="List every sample of a hidden-state directory, one row each: name, "
         "tokens, captured layers, hidden size, dtype,\nfile bytes (the file's size on disk) "
-        "and state (ready, pending, failed, stale, incomplete,\ncorrupt, empty): the "
-        "reader's own verdict. Never waits for a writer: locks are only probed.",
+        "and state (ready, pending, failed, stale, incomplete,\ncorrupt, empty; with --all "
+        "also temporary files: pending or orphan_temp): the\nreader's own verdict, "
+        "\"(writer gone)\" where the lock's writer ran on this host and is gone.\nNever "
+        "waits for a writer: locks are only probed.",
         examples="""
 hidden-state ls /data/hs
 hidden-state ls /data/hs --all --bytes     # also temporary files; exact sizes
@@ -127,7 +129,7 @@ def run_ls(args: argparse.Namespace) -> int:
                 h.hidden_size if h else "-",
                 h.hidden.dtype if h else "-",
                 size(r.size),
-                r.state.value,
+                r.state.value + (" (writer gone)" if r.writer_gone else ""),
             ]
         )
     columns = ["NAME", "TOKENS", "LAYERS", "HIDDEN", "DTYPE", "FILE BYTES", "STATE"]

@@ -200,7 +200,10 @@ def run_tail(args: argparse.Namespace) -> int:
     try:
         for sample in samples:
             rec = sample_record(sample)
-            print(json.dumps(rec) if args.json else format_record(rec), flush=True)
+            try:
+                print(json.dumps(rec) if args.json else format_record(rec), flush=True)
+            finally:
+                reader.commit()  # printed: consumed, even if Ctrl-C comes meanwhile
         if args.max_samples is not None and reader.stats.yielded >= args.max_samples:
             stopped = f"reached --max-samples {args.max_samples}"
         elif args.idle_timeout is not None:

@@ -10,7 +10,8 @@ re-checks each candidate at the moment of removal:
   gone (it ran on this host: ``format.lockfile.check_writer``) needs no ``--older-than``
   wait, but must still name that writer when it is removed;
 * a temporary file is removed only if the lock protecting it is still not held and it
-  is still unchanged for ``--older-than`` seconds.
+  is still unchanged for ``--older-than`` seconds, or, at once, that lock still names a
+  writer known to be gone (``health.check_temp``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from hidden_state_reader.format.lockfile import (
     WriterFate,
     check_writer,
     probe,
+    read_status,
     read_status_fd,
 )
 from hidden_state_reader.format.names import LOCK_SUFFIX
@@ -58,6 +60,8 @@ from hidden_state_reader.sample.states import GRACE, SampleState
 log = logging.getLogger(__name__)
 
 _ORPHAN_TEMP = "orphan temp file"
+_DEAD_WRITER_TEMP = "orphan temp file (writer gone)"
+_TEMPS = (_ORPHAN_TEMP, _DEAD_WRITER_TEMP)
 _READY_LOCK = "lock of ready sample"
 _DEAD_WRITER_LOCK = "stale lock (writer gone)"
 
@@ -343,7 +347,7 @@ def _candidate(r: SampleHealth, *, locks: bool) -> Removal | None:
     """What ``clean`` does with one entry: remove it, keep it (saying why), or ignore it."""
     if r.is_temp:
         if r.state is SampleState.ORPHAN_TEMP:
-            return Removal(r.path, _ORPHAN_TEMP, r.reason)
+            return Removal(r.path, _DEAD_WRITER_TEMP if r.writer_gone else _ORPHAN_TEMP, r.reason)
         return Removal(r.path, "temp file", r.reason, outcome="kept", detail=r.reason)
     if r.state in (SampleState.STALE, SampleState.FAILED):
         what = _DEAD_WRITER_LOCK if r.writer_gone else f"{r.state.value} lock"
@@ -427,12 +431,14 @@ def remove_lock(
         os.close(fd)
 
 
-def remove_temp(temp_file: str, *, older_than: float) -> str | None:
+def remove_temp(temp_file: str, *, older_than: float, writer_gone: bool = False) -> str | None:
     """Remove a temporary file if no writer owns it (see ``health.check_temp``).
 
     Args:
         temp_file: ``NAME.safetensors.tmp.<id>`` (or a lock file's temporary).
         older_than: Leave it if modified less than this many seconds ago.
+        writer_gone: Instead of ``older_than``: leave it unless its free lock still names
+            a writer that is gone (``check_writer``).
 
     Returns:
         None if it was removed, otherwise why it was left.
@@ -440,11 +446,17 @@ def remove_temp(temp_file: str, *, older_than: float) -> str | None:
     owner = temp_owner_lock(temp_file)
     if owner == temp_file:
         # A lock file being created: it is locked before it is renamed into place.
-        return remove_lock(temp_file, older_than=older_than, require_no_data=False)
+        return remove_lock(
+            temp_file, older_than=older_than, require_no_data=False, writer_gone=writer_gone
+        )
     if owner is not None and probe(owner) is LockState.HELD:
         return f"in use: {os.path.basename(owner)} is held"
     try:
-        if _age(temp_file) < older_than:
+        if writer_gone:
+            # Re-read now: a new writer of the name replaces the lock (by rename) first.
+            if owner is None or check_writer(read_status(owner)).fate is not WriterFate.GONE:
+                return "its lock now names a writer that is not known to be gone"
+        elif _age(temp_file) < older_than:
             return f"modified less than {older_than:g}s ago"
         os.unlink(temp_file)
     except FileNotFoundError:
@@ -475,15 +487,18 @@ def clean_directory(
     """
     results = list(scan_health(root, progress, grace=older_than))
     plan = _candidates(results, locks=locks, older_than=older_than)
-    for item in plan:
+    # Temporary files first: a temp file's lock is the evidence that its writer is gone.
+    for item in sorted(plan, key=lambda item: item.what not in _TEMPS):
         if item.outcome:  # kept
             continue
         if dry_run:
             item.outcome = "would remove"
             continue
         try:
-            if item.what == _ORPHAN_TEMP:
-                skip = remove_temp(item.path, older_than=older_than)
+            if item.what in _TEMPS:
+                skip = remove_temp(
+                    item.path, older_than=older_than, writer_gone=item.what == _DEAD_WRITER_TEMP
+                )
             else:
                 skip = remove_lock(
                     item.path,

@@ -4,7 +4,8 @@
 decision); ``directory`` implements it for a storage directory, composing ``sources``
 (discover, woken by ``inotify``), ``waiting_set`` and ``stream`` (wait for many writers
 at once), ``decision`` (decide about one sample, with ``claims`` across readers) and
-``disposal`` (keep, delete or move). ``policy`` is the error policy of every backend,
-``claim_lifecycle`` how a claim is settled, ``access`` checks the options first,
-``counters`` counts (``ReaderStats``).
+``disposal`` (keep, delete or move). ``holding`` is what a plain loop holds (consumed
+when it asks for the next, given back when it stops). ``policy`` is the error policy of
+every backend, ``claim_lifecycle`` how a claim is settled, ``access`` checks the options
+first, ``counters`` counts (``ReaderStats``).
 """

@@ -88,7 +88,8 @@ class SampleHealth:
             file) was modified.
         checksum_verified: True when a recorded CRC32 was checked and matched.
         is_temp: This entry is a temporary file, not a sample.
-        writer: For a free lock without data: what is known of its writer's process.
+        writer: For a free lock without data (or a temporary file's free lock): what is
+            known of its writer's process.
     """
 
     name: str
@@ -350,10 +351,11 @@ def check_temp(
     """Classify a temporary file (``NAME.safetensors.tmp.<pid>.<rand>``) without blocking.
 
     Rule: a temporary file is an orphan when the lock that protects it (see
-    ``temp_owner_lock``) is not held *and* the file has not been modified for ``grace``
-    seconds. A held lock means its writer is alive (the kernel releases ``flock`` locks
-    of dead processes); a recent modification means a lock-less writer may still be
-    writing. Otherwise it is ``pending``.
+    ``temp_owner_lock``) is not held *and* either that lock names a writer known to be
+    gone (it ran on this host: ``check_writer``; at once, ``writer`` says so) or the file
+    has not been modified for ``grace`` seconds. A held lock means its writer is alive
+    (the kernel releases ``flock`` locks of dead processes); a recent modification means
+    a lock-less writer may still be writing. Otherwise it is ``pending``.
 
     Args:
         root: The storage directory.
@@ -382,16 +384,18 @@ def check_temp(
     st = os.stat(path)
     age = max(0.0, now - st.st_mtime)
     base = os.path.basename(name)
+    lock_name = os.path.basename(owner or "")
+    # A free lock names the writer that held it: one known gone never finishes the file.
+    writer = check_writer(read_status(owner)) if owner and lock is LockState.FREE else None
 
     def verdict(state: SampleState, reason: str) -> SampleHealth:
-        return SampleHealth(
-            base, path, state, reason, lock=lock, size=st.st_size, age=age, is_temp=True
-        )
+        return SampleHealth(base, path, state, reason, lock=lock, size=st.st_size, age=age,
+                            is_temp=True, writer=writer)  # fmt: skip
 
     if lock is LockState.HELD:
-        return verdict(
-            SampleState.PENDING, f"being written: {os.path.basename(owner or '')} is held"
-        )
+        return verdict(SampleState.PENDING, f"being written: {lock_name} is held")
+    if writer is not None and writer.fate is WriterFate.GONE:
+        return verdict(SampleState.ORPHAN_TEMP, f"abandoned: its lock is free and {writer.why}")
     if age < grace:
         return verdict(SampleState.PENDING, f"modified {age:.1f}s ago; may still be written")
     what = "no lock protects it" if lock is LockState.ABSENT else "its lock is not held"
