@@ -84,7 +84,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", default=SWEEP[0], help="the configuration (mode one)")
     parser.add_argument("--requests", type=int, default=128, help="requests per configuration")
     parser.add_argument("--rounds", type=int, default=2, help="batches per configuration")
-    parser.add_argument("--parallel", type=int, default=2, help="engines at once (sweep)")
+    parser.add_argument("--parallel", type=int, default=4, help="engines at once (sweep)")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per configuration")
     parser.add_argument("--work", default="/tmp/hs-verify", help="where the tiny model is built")
     parser.add_argument("--jsonl", default="", help="append the RESULT lines here")
@@ -114,7 +114,7 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str) -> Any:
         settings["storage_dtype"] = "fp8_e4m3"
     extra: dict[str, Any] = {}
     if torch.cuda.is_available():
-        extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.25)
+        extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.15)
     else:  # a smoke run of this script on vLLM's CPU build
         extra.update(kv_cache_memory_bytes=1 << 30)
     if cfg.async_scheduling is not None:
