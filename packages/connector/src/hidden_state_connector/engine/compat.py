@@ -410,3 +410,12 @@ def attention_group(kv_cache_config: Any) -> tuple[int, str]:
             f"{len(groups)} (hybrid or sliding-window models); use capture='extract'"
         )
     return 0, str(groups[0].layer_names[0])
+
+
+def compiles_model(vllm_config: Any) -> bool:
+    """Whether vLLM compiles the model's forward (torch.compile; CUDA graphs on GPU)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enforce_eager", False):
+        return False
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
+    return mode is not None and int(mode) != 0  # CompilationMode.NONE
