@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hidden_state_connector.engine import architecture, compat
 from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
-from hidden_state_connector.engine.forward.checks import forward_setup
+from hidden_state_connector.engine.forward.checks import ForwardSetup, forward_setup
 from hidden_state_connector.engine.forward.worker import ForwardWorkerSide
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
@@ -59,27 +59,13 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
-        forward = None
-        if self.config.capture == CAPTURE_FORWARD:  # refuses what it cannot capture, by name
-            forward = forward_setup(vllm_config, kv_cache_config, self.config)
-        else:
-            # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
-            # recurrent state with prefix caching or generated tokens).
-            architecture.check_engine_model(
-                vllm_config, found, self.config.include_output_tokens
-            )
+        forward, group, block_size, configured, captured = self._capture_plan(
+            vllm_config, kv_cache_config, found
+        )
         files = self.config.storage_backend == "files"
         if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
             # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
             check_storage_root(self.config.shared_storage_path)
-        if forward is not None:
-            group, block_size = forward.group, forward.block_size
-            configured, captured = list(self.config.layer_ids or ()), forward.layer_ids
-        else:
-            group = compat.hidden_state_group(kv_cache_config)
-            block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
-            configured = compat.configured_layer_ids(vllm_config)
-            captured = compat.captured_layer_ids(configured)
         self._group = group
         self._stats = WriteStats(self.config.stats_interval)
         self._scheduler: SchedulerSide | None = None
@@ -113,6 +99,27 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._worker = WorkerSide(self.config, vllm_config, block_size, captured, self._stats)
+
+    def _capture_plan(
+        self, vllm_config: Any, kv_cache_config: Any, found: str
+    ) -> tuple[ForwardSetup | None, int, int, list[int], list[int]]:
+        """Check the engine for its capture engine; its group, block size and layer ids.
+
+        Returns:
+            The forward set-up (None: extract), the KV-cache group and its block size, the
+            layer ids as configured and as captured.
+        """
+        if self.config.capture == CAPTURE_FORWARD:  # refuses what it cannot capture, by name
+            forward = forward_setup(vllm_config, kv_cache_config, self.config)
+            configured = list(self.config.layer_ids or ())
+            return forward, forward.group, forward.block_size, configured, forward.layer_ids
+        # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
+        # recurrent state with prefix caching or generated tokens).
+        architecture.check_engine_model(vllm_config, found, self.config.include_output_tokens)
+        group = compat.hidden_state_group(kv_cache_config)
+        block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
+        configured = compat.configured_layer_ids(vllm_config)
+        return None, group, block_size, configured, compat.captured_layer_ids(configured)
 
     # -- shared -----------------------------------------------------------------------
 

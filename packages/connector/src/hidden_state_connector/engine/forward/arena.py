@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 
-class ArenaFull(RuntimeError):
+class ArenaFullError(RuntimeError):
     """No free block for a request's rows (``capture_buffer_bytes`` is spent)."""
 
 
@@ -68,7 +68,7 @@ class RowArena:
             positions: its earlier rows were never stored).
 
         Raises:
-            ArenaFull: No block is free for them.
+            ArenaFullError: No block is free for them.
         """
         if positions.numel() == 0:
             return None
@@ -76,7 +76,7 @@ class RowArena:
         have = self._blocks.setdefault(req_id, [])
         need = -(-stop // self.block_size) - len(have)
         if need > len(self._free):
-            raise ArenaFull(f"capture_buffer_bytes holds {self.num_blocks} blocks, all in use")
+            raise ArenaFullError(f"capture_buffer_bytes holds {self.num_blocks} blocks, all in use")
         for _ in range(need):
             have.append(self._free.pop())
         table = torch.tensor(have, dtype=torch.int64)

@@ -69,8 +69,8 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
     if compat.compiles_model(vllm_config):
         raise ForwardCaptureError(
             f"{where}: needs an eager model for now (torch.compile drops the capture hooks: "
-            "measured on the CPU build, captured rows stayed zero). Start vLLM with --enforce-eager "
-            "(enforce_eager=True)."
+            "measured on the CPU build, captured rows stayed zero). Start vLLM with "
+            "--enforce-eager (enforce_eager=True)."
         )
     try:
         family = family_of(list(getattr(model_config, "architectures", None) or []))
@@ -91,4 +91,5 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
         except ValueError as exc:
             raise ForwardCaptureError(f"{where}: {exc}") from None
     block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
-    return ForwardSetup(family, compat.captured_layer_ids(config.layer_ids), group, block_size, layer)
+    layer_ids = compat.captured_layer_ids(config.layer_ids)
+    return ForwardSetup(family, layer_ids, group, block_size, layer)

@@ -20,7 +20,7 @@ import torch
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.adapter import Family
-from hidden_state_connector.engine.forward.arena import ArenaFull, RowArena
+from hidden_state_connector.engine.forward.arena import ArenaFullError, RowArena
 from hidden_state_connector.engine.forward.routing import RowRouter
 from hidden_state_connector.engine.forward.staging import StepStaging
 from hidden_state_connector.engine.layout import CacheLayout
@@ -128,7 +128,7 @@ class ForwardWorkerSide(WorkerSide):
                 rows = self.staging.rows[:, routed.rows.to(self.staging.rows.device)]
                 try:
                     failure = self.arena.write(req_id, routed.positions, rows)
-                except ArenaFull as exc:
+                except ArenaFullError as exc:
                     failure = str(exc)
             if failure is not None and req_id not in self._row_failures:
                 self._row_failures[req_id] = failure
