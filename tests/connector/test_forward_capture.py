@@ -196,6 +196,8 @@ def test_forward_capture_takes_no_kv_cache_capacity(
         found[name] = _capacity(llm)
         del llm
         gc.collect()
-    print(f"KV-cache capacity (tokens, blocks), 64 MiB, layers 1, 2, 4 of a 128-wide model: {found}")
+    print(
+        f"KV-cache capacity (tokens, blocks), 64 MiB, layers 1, 2, 4 of a 128-wide model: {found}"
+    )
     assert found["forward"][0] >= 0.99 * found["none"][0]
     assert found["extract"][0] < found["none"][0]  # its hidden-state group shares the cache
