@@ -2,7 +2,8 @@
 
 A thin adapter: vLLM's KV-connector interface on one side, ``SchedulerSide`` and
 ``WorkerSide`` (``hidden_state_connector.engine``) on the other. Store-only; use with the
-``extract_hidden_states`` speculative method. This module's path is
+``extract_hidden_states`` speculative method, or with ``capture: "forward"`` (preview,
+``engine.forward``: ``ForwardWorkerSide``) and no speculative method. This module's path is
 ``CONNECTOR_MODULE``, the one the plugin registers and users pass as
 ``kv_connector_module_path``; importing it imports vLLM.
 """
@@ -23,7 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hidden_state_connector.engine import architecture, compat
-from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
+from hidden_state_connector.engine.forward.checks import ForwardSetup, forward_setup
+from hidden_state_connector.engine.forward.worker import ForwardWorkerSide
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
@@ -56,18 +59,14 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
-        # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
-        # recurrent state with prefix caching or generated tokens).
-        architecture.check_engine_model(vllm_config, found, self.config.include_output_tokens)
+        forward, group, block_size, configured, captured = self._capture_plan(
+            vllm_config, kv_cache_config, found
+        )
         files = self.config.storage_backend == "files"
         if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
             # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
             check_storage_root(self.config.shared_storage_path)
-        group = compat.hidden_state_group(kv_cache_config)
-        block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
         self._group = group
-        configured = compat.configured_layer_ids(vllm_config)
-        captured = compat.captured_layer_ids(configured)
         self._stats = WriteStats(self.config.stats_interval)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -79,7 +78,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
                     configured,
                     captured,
                 )
-            if 0 in captured and torch.cuda.is_available():
+            if 0 in captured and torch.cuda.is_available() and forward is None:
                 log.warning(
                     "layer id 0 (embeddings) is unreliable on CUDA: vLLM's fused add-RMSNorm "
                     "updates the captured tensor in place (seen with vLLM 0.26 on an H200). "
@@ -88,8 +87,39 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(
                 self.config, vllm_config, block_size, group, self._stats
             )
+        elif forward is not None:
+            self._worker = ForwardWorkerSide(
+                self.config,
+                vllm_config,
+                block_size,
+                captured,
+                self._stats,
+                family=forward.family,
+                slot_layer=forward.slot_layer,
+            )
         else:
             self._worker = WorkerSide(self.config, vllm_config, block_size, captured, self._stats)
+
+    def _capture_plan(
+        self, vllm_config: Any, kv_cache_config: Any, found: str
+    ) -> tuple[ForwardSetup | None, int, int, list[int], list[int]]:
+        """Check the engine for its capture engine; its group, block size and layer ids.
+
+        Returns:
+            The forward set-up (None: extract), the KV-cache group and its block size, the
+            layer ids as configured and as captured.
+        """
+        if self.config.capture == CAPTURE_FORWARD:  # refuses what it cannot capture, by name
+            forward = forward_setup(vllm_config, kv_cache_config, self.config)
+            configured = list(self.config.layer_ids or ())
+            return forward, forward.group, forward.block_size, configured, forward.layer_ids
+        # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
+        # recurrent state with prefix caching or generated tokens).
+        architecture.check_engine_model(vllm_config, found, self.config.include_output_tokens)
+        group = compat.hidden_state_group(kv_cache_config)
+        block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
+        configured = compat.configured_layer_ids(vllm_config)
+        return None, group, block_size, configured, compat.captured_layer_ids(configured)
 
     # -- shared -----------------------------------------------------------------------
 

@@ -341,3 +341,81 @@ def engine_key(vllm_config: Any) -> str:
     engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
     dp_rank = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_rank", 0)
     return f"{engine_id}/{dp_rank}"
+
+
+# -- forward capture (``engine.forward``) ------------------------------------------------
+
+
+def runner_model() -> torch.nn.Module:
+    """The loaded model of the runner that is registering the KV caches with the connector.
+
+    vLLM 0.26-0.32's V1 runners call ``register_kv_caches`` from their
+    ``initialize_kv_cache``, after ``load_model``; the connector API passes no model, so
+    the runner is found on the call stack (``self`` with ``get_model()``). vLLM 0.34's V2
+    runner builds the connector after warm-up: to be reviewed there.
+
+    Raises:
+        RuntimeError: No runner on the stack.
+    """
+    import inspect
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            getter = getattr(owner, "get_model", None)
+            if callable(getter) and hasattr(owner, "kv_cache_config"):
+                model = getter()
+                if isinstance(model, torch.nn.Module):
+                    return model
+            frame = frame.f_back
+    finally:
+        del frame
+    raise RuntimeError(
+        "capture='forward': cannot find vLLM's model runner (register_kv_caches was not "
+        "called from a V1 model runner); use capture='extract'"
+    )
+
+
+def step_slot_mapping(layer_name: str) -> torch.Tensor:
+    """This step's KV slot of every row of the batch (-1: padding), for one attention layer.
+
+    From the forward context (vLLM >= 0.32 keeps ``slot_mapping`` there, by layer name);
+    valid from the forward pass until the connector's ``wait_for_save`` returns.
+
+    Raises:
+        RuntimeError: No slot mapping (an older vLLM, or micro-batching).
+    """
+    from vllm.forward_context import get_forward_context
+
+    mapping = getattr(get_forward_context(), "slot_mapping", None)
+    if not isinstance(mapping, dict) or layer_name not in mapping:
+        raise RuntimeError(
+            f"capture='forward': the forward context has no slot mapping for {layer_name} "
+            "(needs vLLM >= 0.32 without dual-batch overlap)"
+        )
+    return mapping[layer_name]
+
+
+def attention_group(kv_cache_config: Any) -> tuple[int, str]:
+    """The KV-cache group forward capture routes rows through, and one of its layers.
+
+    Raises:
+        ValueError: Not exactly one group (hybrid models: not yet supported).
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1 or not groups[0].layer_names:
+        raise ValueError(
+            f"capture='forward' supports models with one KV-cache group for now; this one has "
+            f"{len(groups)} (hybrid or sliding-window models); use capture='extract'"
+        )
+    return 0, str(groups[0].layer_names[0])
+
+
+def compiles_model(vllm_config: Any) -> bool:
+    """Whether vLLM compiles the model's forward (torch.compile; CUDA graphs on GPU)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enforce_eager", False):
+        return False
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
+    return mode is not None and int(mode) != 0  # CompilationMode.NONE

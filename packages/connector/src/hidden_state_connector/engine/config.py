@@ -19,6 +19,9 @@ from hidden_state_reader.store.client import StoreSettings
 
 log = get_logger(__name__)
 
+CAPTURE_EXTRACT = "extract"
+CAPTURE_FORWARD = "forward"
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 _IUNITS = {"ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
@@ -91,6 +94,14 @@ class ConnectorConfig:
         mooncake_full_timeout: Seconds a sample waits for room in a full store (writer
             threads block: back-pressure) before it fails with a recorded reason.
         mooncake_staging_dir: Where samples are assembled before the put (a tmpfs).
+        capture: ``"extract"`` (default: vLLM's ``extract_hidden_states`` speculative
+            method fills a hidden-state KV-cache group) or ``"forward"`` (preview: hooks
+            on the decoder layers copy the residual stream during the forward pass; no
+            ``speculative_config``; ``engine.forward``).
+        layer_ids: With ``capture="forward"``, the layer ids to capture (0 = embeddings,
+            N = last layer before the final norm); required there, refused otherwise.
+        capture_buffer_bytes: With ``capture="forward"``, host memory for the rows of
+            requests still running (reserved as address space, committed as rows arrive).
     """
 
     shared_storage_path: str = "/tmp"
@@ -121,6 +132,9 @@ class ConnectorConfig:
     mooncake_buffer_bytes: int = StoreSettings.buffer_bytes
     mooncake_full_timeout: float = 60.0
     mooncake_staging_dir: str = "/dev/shm"
+    capture: str = CAPTURE_EXTRACT
+    layer_ids: tuple[int, ...] | None = None
+    capture_buffer_bytes: int = 4 * 1024**3
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -170,10 +184,35 @@ class ConnectorConfig:
             raise ValueError("shutdown_timeout and stats_interval must be >= 0")
         fp8.check_storage(self.storage_dtype)
         check_store_keys(self)
+        self._check_capture()
+
+    def _check_capture(self) -> None:
+        if self.capture not in (CAPTURE_EXTRACT, CAPTURE_FORWARD):
+            raise ValueError(
+                f"capture: must be {CAPTURE_EXTRACT!r} or {CAPTURE_FORWARD!r}, got {self.capture!r}"
+            )
+        if self.capture == CAPTURE_FORWARD and not self.layer_ids:
+            raise ValueError("layer_ids: capture='forward' needs a non-empty list of layer ids")
+        if self.capture == CAPTURE_EXTRACT and self.layer_ids is not None:
+            raise ValueError(
+                "layer_ids: only for capture='forward'; the extract engine takes its layers "
+                "from speculative_config (eagle_aux_hidden_state_layer_ids)"
+            )
+
+
+def _layer_ids(raw: Any) -> tuple[int, ...]:
+    """``layer_ids``: a list of non-negative integers."""
+    if not isinstance(raw, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in raw
+    ):
+        raise ValueError(f"layer_ids: expected a list of layer ids such as [1, 2, 4], got {raw!r}")
+    return tuple(int(i) for i in raw)
 
 
 def _coerce(key: str, annotation: object, raw: Any) -> Any:
     kind = str(annotation)
+    if key == "layer_ids":
+        return _layer_ids(raw)
     if key.endswith("_bytes"):
         # Hosting no store memory is the point of mooncake_segment_bytes' default.
         return 0 if key == "mooncake_segment_bytes" and raw in (0, "0") else parse_size(key, raw)

@@ -49,6 +49,28 @@ class SaveOrder:
 
 
 @dataclass
+class StepRows:
+    """Forward capture: a captured request's tokens computed in this step.
+
+    Attributes:
+        req_id: vLLM request id.
+        computed_before: Position of the first token computed in this step.
+        scheduled: Tokens computed in this step.
+        new_block_ids: KV blocks (the attention group) added since its last step, or its
+            whole table (``replaces_table``); None when none were added. The worker maps
+            each row of the batch to a request and position through them and the step's
+            slot mapping.
+        replaces_table: ``new_block_ids`` is the whole table (first step, or resumed).
+    """
+
+    req_id: str
+    computed_before: int
+    scheduled: int
+    new_block_ids: list[int] | None
+    replaces_table: bool
+
+
+@dataclass
 class HiddenStateConnectorMetadata:
     """Per-step instructions for the worker.
 
@@ -58,8 +80,10 @@ class HiddenStateConnectorMetadata:
         preempted: Requests preempted since the last step whose samples were ordered
             before they finished: their blocks may be reused by this step, so the
             worker finishes copying them before the forward pass.
+        steps: Forward capture only: the captured requests this step computes rows for.
     """
 
     new_samples: list[NewSample] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    steps: list[StepRows] = field(default_factory=list)

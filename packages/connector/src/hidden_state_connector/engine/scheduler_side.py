@@ -28,7 +28,8 @@ from typing import Any
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.architecture import recurrent_state_refusal
-from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
+from hidden_state_connector.engine.forward.routing import rows_of_step
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderSender
 from hidden_state_connector.engine.loss_mask_param import requested_mask, stored_mask
@@ -124,6 +125,8 @@ class SchedulerSide:
         self._outgoing = HiddenStateConnectorMetadata()
         # Set when generated tokens cannot be captured right for this model.
         self._no_output_tokens = recurrent_state_refusal(vllm_config)
+        # Forward capture: the worker needs each step's rows of captured requests.
+        self._forward = config.capture == CAPTURE_FORWARD
 
     def default_path(self, req_id: str) -> str:
         """Where a request's sample goes unless the client chose a path."""
@@ -178,6 +181,8 @@ class SchedulerSide:
                     tracked.block_ids = step.new_block_ids
                 else:
                     tracked.block_ids.extend(step.new_block_ids)
+            if self._forward and not tracked.ordered:
+                meta.steps.append(rows_of_step(step))
             if tracked.ordered or tracked.include_output or not tracked.prompt:
                 continue
             if step.computed_before + step.scheduled >= len(tracked.prompt):

@@ -133,8 +133,11 @@ class WorkerSide:
             self.root,
             "" if self.is_writer else " (not this TP rank)",
         )
-        if not self.is_writer:
-            return
+        if self.is_writer:
+            self._start_writers(extractor)
+
+    def _start_writers(self, extractor: Extractor) -> None:
+        """Start the write pipeline (rank 0) over ``extractor``'s source of rows."""
         if self.config.storage_backend == "mooncake":
             self.store = StoreBackend(self.config, self.root)  # raises: start-up fails
         else:

@@ -1,0 +1,96 @@
+"""Host rows of captured requests, in blocks, until the write pipeline copies them out.
+
+The arena is a ``[blocks, block_size, layers, hidden]`` host tensor: the same view the
+extract engine's hidden-state cache gives the ``Extractor``, so the write pipeline copies
+chunks out of it unchanged. Blocks are handed to requests as their rows arrive and taken
+back once their sample's copies are done. It is reserved as address space
+(``capture_buffer_bytes``); the operating system commits pages as rows are written.
+Rows are stored by position, so rows recomputed after a preemption overwrite the same
+positions with the same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ArenaFullError(RuntimeError):
+    """No free block for a request's rows (``capture_buffer_bytes`` is spent)."""
+
+
+class RowArena:
+    """Block-allocated host rows, per request.
+
+    Args:
+        capacity_bytes: Host memory the arena may hold (``capture_buffer_bytes``).
+        block_size: Tokens per arena block.
+        num_layers: Captured layers.
+        hidden_size: Width of a row.
+        dtype: The model's activation dtype.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_size: int,
+        num_layers: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.block_size = block_size
+        block_bytes = block_size * num_layers * hidden_size * dtype.itemsize
+        num_blocks = max(1, capacity_bytes // block_bytes)
+        with torch.inference_mode():
+            self.data = torch.empty(num_blocks, block_size, num_layers, hidden_size, dtype=dtype)
+        self._flat = self.data.view(num_blocks * block_size, num_layers, hidden_size)
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._blocks: dict[str, list[int]] = {}
+        self._filled: dict[str, int] = {}  # rows [0, filled) of each request are stored
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the arena."""
+        return int(self.data.shape[0])
+
+    def blocks(self, req_id: str) -> list[int]:
+        """A request's arena blocks, in position order."""
+        return list(self._blocks.get(req_id, ()))
+
+    def filled(self, req_id: str) -> int:
+        """How many leading positions of a request hold rows."""
+        return self._filled.get(req_id, 0)
+
+    def write(self, req_id: str, positions: torch.Tensor, rows: torch.Tensor) -> str | None:
+        """Store ``rows`` (``[layers, k, hidden]``) at ``positions``, a contiguous range.
+
+        Returns:
+            None, or why the request's sample cannot be complete (a gap before these
+            positions: its earlier rows were never stored).
+
+        Raises:
+            ArenaFullError: No block is free for them.
+        """
+        if positions.numel() == 0:
+            return None
+        start, stop = int(positions.min()), int(positions.max()) + 1
+        have = self._blocks.setdefault(req_id, [])
+        need = -(-stop // self.block_size) - len(have)
+        if need > len(self._free):
+            raise ArenaFullError(f"capture_buffer_bytes holds {self.num_blocks} blocks, all in use")
+        for _ in range(need):
+            have.append(self._free.pop())
+        table = torch.tensor(have, dtype=torch.int64)
+        pos = positions.to("cpu", torch.int64)
+        index = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        with torch.inference_mode():
+            self._flat[index] = rows.transpose(0, 1).to("cpu")
+        filled = self._filled.get(req_id, 0)
+        if start > filled:
+            return f"rows of tokens [{filled}, {start}) were never computed in a captured step"
+        self._filled[req_id] = max(filled, stop)
+        return None
+
+    def release(self, req_id: str) -> None:
+        """Give a request's blocks back (its copies are done, or it failed)."""
+        self._free.extend(reversed(self._blocks.pop(req_id, [])))
+        self._filled.pop(req_id, None)

@@ -1,0 +1,95 @@
+"""Start-up checks of forward capture: what it refuses, by name, before vLLM serves.
+
+Refused for now: a ``speculative_config`` (forward capture takes no speculative slot; the
+two engines are not combined yet), prefix caching (tokens served from the cache are not
+recomputed, so their rows would be missing), pipeline parallelism (each stage would own
+its layers; not built yet), models with more than one KV-cache group, a compiled model
+(torch.compile; CUDA graphs need the capture as a graph op, not built yet), and families
+the adapter does not know.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.capture import num_hidden_layers
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.forward.adapter import Family, family_of
+
+
+class ForwardCaptureError(ValueError):
+    """The engine's settings or model cannot be captured with ``capture='forward'``."""
+
+
+@dataclass(frozen=True)
+class ForwardSetup:
+    """What the facade needs to build either half of a forward-capture connector.
+
+    Attributes:
+        family: The model family's adapter.
+        layer_ids: Captured layer ids, ascending, without repeats.
+        group: The attention KV-cache group whose slot mapping routes rows.
+        block_size: That group's block size.
+        slot_layer: One attention layer of that group ("" when vLLM gave no cache config).
+    """
+
+    family: Family
+    layer_ids: list[int]
+    group: int
+    block_size: int
+    slot_layer: str
+
+
+def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig) -> ForwardSetup:
+    """Check the engine for forward capture and describe what it captures.
+
+    Raises:
+        ForwardCaptureError: A setting or the model is not supported; the message names it.
+    """
+    where = "HiddenStateConnector (capture='forward')"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ForwardCaptureError(
+            f"{where}: takes no speculative_config (remove it; the layers come from "
+            "kv_connector_extra_config.layer_ids)"
+        )
+    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise ForwardCaptureError(
+            f"{where}: prefix caching is not supported yet (tokens served from the cache "
+            "are not recomputed, so their rows would be missing). Start vLLM with "
+            "--no-enable-prefix-caching (enable_prefix_caching=False)."
+        )
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
+        raise ForwardCaptureError(
+            f"{where}: pipeline parallelism is not supported yet (each stage owns its "
+            "layers; stage-local capture is not built). Use pipeline_parallel_size=1."
+        )
+    model_config = vllm_config.model_config
+    if compat.compiles_model(vllm_config):
+        raise ForwardCaptureError(
+            f"{where}: needs an eager model for now (torch.compile drops the capture hooks: "
+            "measured on the CPU build, captured rows stayed zero). Start vLLM with "
+            "--enforce-eager (enforce_eager=True)."
+        )
+    try:
+        family = family_of(list(getattr(model_config, "architectures", None) or []))
+    except ValueError as exc:
+        raise ForwardCaptureError(f"{where}: {exc}") from None
+    n = num_hidden_layers(model_config)
+    assert config.layer_ids is not None  # ConnectorConfig checks it for capture='forward'
+    if n is not None and not all(0 <= i <= n for i in config.layer_ids):
+        raise ForwardCaptureError(
+            f"{where}: layer_ids {list(config.layer_ids)}: the model has {n} layers, so layer "
+            f"ids run from 0 (embeddings) to {n} (the last layer's output, before the norm)"
+        )
+    if kv_cache_config is None:
+        group, layer = 0, ""
+    else:
+        try:
+            group, layer = compat.attention_group(kv_cache_config)
+        except ValueError as exc:
+            raise ForwardCaptureError(f"{where}: {exc}") from None
+    block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
+    layer_ids = compat.captured_layer_ids(config.layer_ids)
+    return ForwardSetup(family, layer_ids, group, block_size, layer)

@@ -1,0 +1,169 @@
+"""``ForwardWorkerSide``: the worker half of forward capture (TP rank 0 captures and writes).
+
+It is a ``WorkerSide`` whose rows come from the forward pass instead of a hidden-state
+KV-cache group: locks, save orders, tags, idempotency, the write pipeline and its
+back-pressure are the same. Per step (``after_forward``, vLLM's ``wait_for_save``, still
+inside the step's forward context): route the staging rows of captured requests to their
+positions, store them in the host arena, then start the saves this step completed. A
+save's ``block_ids`` are its arena blocks; they go back to the arena once its copies are
+done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.forward.adapter import Family
+from hidden_state_connector.engine.forward.arena import ArenaFullError, RowArena
+from hidden_state_connector.engine.forward.routing import RowRouter
+from hidden_state_connector.engine.forward.staging import StepStaging
+from hidden_state_connector.engine.layout import CacheLayout
+from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.engine.stats import WriteStats
+from hidden_state_connector.engine.worker_side import WorkerSide
+from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.logs import get_logger
+
+log = get_logger(__name__)
+
+ARENA_BLOCK_TOKENS = 16
+"""Tokens per arena block (independent of the KV cache's block size)."""
+
+
+class ForwardWorkerSide(WorkerSide):
+    """Worker-side state of forward capture.
+
+    Args:
+        config: Validated connector settings.
+        vllm_config: The engine's configuration.
+        block_size: Block size of the attention group the slot mapping indexes.
+        layer_ids: Captured layer ids, ascending.
+        stats: Shared counters.
+        family: The model family's adapter.
+        slot_layer: An attention layer of that group (its slot mapping is read).
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        vllm_config: Any,
+        block_size: int,
+        layer_ids: list[int],
+        stats: WriteStats,
+        *,
+        family: Family,
+        slot_layer: str,
+    ) -> None:
+        super().__init__(config, vllm_config, block_size, layer_ids, stats)
+        self.family = family
+        self.slot_layer = slot_layer
+        self.router = RowRouter(block_size)
+        self.staging: StepStaging | None = None
+        self.arena: RowArena | None = None
+        self._row_failures: dict[str, str] = {}
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Hook the model's decoder layers and start the writers over the host arena."""
+        self.is_writer = compat.tensor_parallel_rank() == 0
+        if not self.is_writer:  # the states are replicated; rank 0 captures them
+            return
+        model = compat.runner_model()
+        layers = self.family.decoder_layers(model)
+        param = next(model.parameters())
+        model_config = self.vllm_config.model_config
+        hidden = int(model_config.get_hidden_size())
+        dtype = model_config.dtype
+        max_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
+        self.staging = StepStaging(self.layer_ids, max_tokens, hidden, dtype, param.device)
+        self.staging.install(layers)
+        self.arena = RowArena(
+            self.config.capture_buffer_bytes, ARENA_BLOCK_TOKENS, len(self.layer_ids), hidden, dtype
+        )
+        layout = CacheLayout(1, ARENA_BLOCK_TOKENS, len(self.layer_ids), hidden)
+        block_bytes = ARENA_BLOCK_TOKENS * len(self.layer_ids) * hidden * dtype.itemsize
+        extractor = Extractor(
+            self.arena.data,
+            layout,
+            max(1, self.config.chunk_bytes // block_bytes),
+            check_nonfinite=self.config.check_nonfinite,
+            storage=self.config.storage_dtype,
+        )
+        log.info(
+            "HiddenStateConnector (capture=forward): %s layers %s of %d, hidden %d, %s; "
+            "staging %s on %s; host arena %d blocks of %d tokens; writing to %s",
+            type(model).__name__,
+            self.layer_ids,
+            len(layers),
+            hidden,
+            dtype,
+            tuple(self.staging.rows.shape),
+            param.device,
+            self.arena.num_blocks,
+            ARENA_BLOCK_TOKENS,
+            self.root,
+        )
+        self._start_writers(extractor)
+
+    def after_forward(self, meta: HiddenStateConnectorMetadata) -> None:
+        """Store this step's rows of captured requests, then start the saves it completed."""
+        if self.is_writer and self.staging is not None and meta.steps:
+            with self._mutex, torch.inference_mode():
+                self._take_rows(meta)
+        super().after_forward(meta)
+
+    def _take_rows(self, meta: HiddenStateConnectorMetadata) -> None:
+        assert self.staging is not None and self.arena is not None
+        self.router.update(meta.steps)
+        slots = compat.step_slot_mapping(self.slot_layer)
+        slots = slots[: self.staging.rows.shape[1]]
+        for req_id, routed in self.router.route(slots, meta.steps).items():
+            failure = routed.failure
+            if failure is None:
+                rows = self.staging.rows[:, routed.rows.to(self.staging.rows.device)]
+                try:
+                    failure = self.arena.write(req_id, routed.positions, rows)
+                except ArenaFullError as exc:
+                    failure = str(exc)
+            if failure is not None and req_id not in self._row_failures:
+                self._row_failures[req_id] = failure
+                log.warning("request %s: %s; its sample will fail", req_id, failure)
+
+    def _start(self, order: SaveOrder, *, engine_thread: bool = True) -> None:
+        """Point the order at the request's arena blocks (or fail it: rows missing)."""
+        assert self.arena is not None
+        failure = order.failure or self._row_failures.pop(order.req_id, None)
+        have = self.arena.filled(order.req_id)
+        if failure is None and have < len(order.token_ids):
+            failure = f"rows of {have} of {len(order.token_ids)} tokens were captured"
+        order = dataclasses.replace(
+            order, block_ids=self.arena.blocks(order.req_id), failure=failure
+        )
+        super()._start(order, engine_thread=engine_thread)
+
+    def get_finished(
+        self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """``WorkerSide.get_finished``; arena blocks of copied samples go back."""
+        done, received = super().get_finished(meta, finished_req_ids)
+        if self.arena is not None:
+            with self._mutex:
+                for req_id in _copied(done, self._copied):
+                    self.arena.release(req_id)
+                    self.router.forget(req_id)
+        return done, received
+
+    def shutdown(self) -> None:
+        """``WorkerSide.shutdown``, and the hooks come off."""
+        super().shutdown()
+        if self.staging is not None:
+            self.staging.remove()
+
+
+def _copied(done: set[str] | None, copied: Sequence[str] | set[str]) -> set[str]:
+    return set(done or ()) | set(copied)
