@@ -88,6 +88,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=400, help="seconds per configuration")
     parser.add_argument("--work", default="/tmp/hs-verify", help="where the tiny model is built")
     parser.add_argument("--jsonl", default="", help="append the RESULT lines here")
+    parser.add_argument(
+        "--gpu-memory", type=float, default=0.15, help="GPU memory share per engine"
+    )
     parser.add_argument("--label", default="", help="recorded in each row (e.g. the code's state)")
     parser.add_argument(
         "--connector-module",
@@ -97,7 +100,7 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_engine(model_dir: Path, out: str, cfg: Config, module: str) -> Any:
+def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory: float) -> Any:
     """The tiny bf16 model with the configuration's switches and small prefill chunks."""
     import torch
     from vllm import LLM
@@ -114,7 +117,7 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str) -> Any:
         settings["storage_dtype"] = "fp8_e4m3"
     extra: dict[str, Any] = {}
     if torch.cuda.is_available():
-        extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.15)
+        extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=gpu_memory)
     else:  # a smoke run of this script on vLLM's CPU build
         extra.update(kv_cache_memory_bytes=1 << 30)
     if cfg.async_scheduling is not None:
@@ -183,7 +186,7 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     model_dir = build_tiny_model(Path(args.work) / "tiny-bfloat16", dtype="bfloat16")
     out = tempfile.mkdtemp(prefix="hs-verify-", dir="/tmp")
     started = time.monotonic()
-    llm = make_engine(model_dir, out, cfg, args.connector_module)
+    llm = make_engine(model_dir, out, cfg, args.connector_module, args.gpu_memory)
     start_s = time.monotonic() - started
     outs: list[Any] = []
     earlier: list[list[int]] = []
@@ -342,6 +345,8 @@ def sweep(args: argparse.Namespace) -> int:
                 args.connector_module,
                 "--label",
                 args.label,
+                "--gpu-memory",
+                str(args.gpu_memory),
             ]
             child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
             running.append((cfg, child, time.monotonic()))
