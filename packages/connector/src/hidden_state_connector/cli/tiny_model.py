@@ -133,9 +133,27 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{os.fspath(path)}: tiny random {title}, {args.layers} layers, hidden {args.hidden}, "
         f"{args.heads} heads, {args.dtype} ({what})\n"
-        f"next: hidden-state serve {os.fspath(path)} --out /tmp/hs --layers {layers}"
+        + next_step(f"hidden-state serve {os.fspath(path)} --out /tmp/hs --layers {layers}", path)
     )
     return 0
+
+
+def next_step(serve: str, model: Path) -> str:
+    """What to run next: ``serve``, or, for a model vLLM cannot capture, what it shows.
+
+    The same check as ``serve``'s decides, so the line never suggests a refused command.
+    """
+    from hidden_state_connector.engine.architecture import (
+        UnsupportedArchitectureError,
+        check_model_before_start,
+    )
+
+    try:
+        check_model_before_start(os.fspath(model), "hidden-state serve")
+    except UnsupportedArchitectureError as exc:
+        why = str(exc).split(": ", 1)[-1].split(";", 1)[0].split(": its", 1)[0]
+        return f"to see the refusal: {serve}  # exits with status 2: {why}"
+    return f"next: {serve}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,10 +18,9 @@ TINY_LAYERS = [1, 2, 4]
 SERVED_MODEL_NAME = "hidden-state-demo"
 CPU_VLLM_ARGS = [
     "--max-num-batched-tokens", "256",
-    "--kv-cache-memory-bytes", str(512 * 1024**2),
     "--enforce-eager",
 ]  # fmt: skip
-"""What vLLM's CPU build needs to start quickly and fit in a small machine."""
+"""What vLLM's CPU build needs to start quickly (its KV cache: ``cpu_kv_cache_args``)."""
 
 
 class DemoError(Exception):

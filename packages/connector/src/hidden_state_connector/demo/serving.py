@@ -24,7 +24,7 @@ from hidden_state_connector.demo.options import (
     DemoError,
     DemoOptions,
 )
-from hidden_state_connector.server import ServeOptions
+from hidden_state_connector.server import ServeOptions, cpu_kv_cache_args
 
 
 def free_port() -> int:
@@ -102,7 +102,9 @@ def serve_options(options: DemoOptions, model: str, layers: list[int], hs_dir: s
         if not any(a.startswith("--gpu-memory-utilization") for a in options.vllm_args):
             args += ["--gpu-memory-utilization", "0.8"]  # leave room for the trainer
     else:
-        args += CPU_VLLM_ARGS
+        args += CPU_VLLM_ARGS + cpu_kv_cache_args(
+            options.vllm_args, {**os.environ, **options.server_env}
+        )
     return ServeOptions(
         model=model,
         out_dir=hs_dir,

@@ -33,6 +33,7 @@ INTERFACE = "SupportsEagle3"
 _REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
 _ENTRY = re.compile(r'"(\w+)"\s*:\s*\(\s*"(\w+)"\s*,\s*"(\w+)"\s*,?\s*\)')
 _CLASS = re.compile(r"^class\s+(\w+)\s*\(([^)]*)\)\s*:", re.MULTILINE)
+_MLA = re.compile(r"\bkv_lora_rank\b")  # what ``uses_mla`` looks for in a model's config
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -62,31 +63,61 @@ def _registry_entries(source: str) -> dict[str, tuple[str, str]]:
     return entries
 
 
-def _capturing_classes(models_dir: str, modules: set[str]) -> set[str]:
-    """Class names that declare the interface, directly or through a base (by name)."""
-    bases: dict[str, set[str]] = {}
+def _module_texts(models_dir: str, modules: set[str]) -> dict[str, str]:
+    """The source of each model module that can be read."""
+    texts = {}
     for module in modules:
         try:
             with open(os.path.join(models_dir, f"{module}.py"), encoding="utf-8") as f:
-                text = f.read()
+                texts[module] = f.read()
         except OSError:
             continue
+    return texts
+
+
+def _subclasses(bases: dict[str, set[str]], roots: set[str]) -> set[str]:
+    """``roots`` and every class deriving from one of them (by name), transitively."""
+    found = set(roots)
+    grew = True
+    while grew:
+        more = {name for name, names in bases.items() if names & found}
+        grew = not more <= found
+        found |= more
+    return found
+
+
+def _class_bases(texts: dict[str, str]) -> tuple[dict[str, set[str]], dict[str, str]]:
+    """(Class name -> base names, class name -> its module), from the modules' text."""
+    bases: dict[str, set[str]] = {}
+    module_of: dict[str, str] = {}
+    for module, text in texts.items():
         for name, listed in _CLASS.findall(text):
+            module_of.setdefault(name, module)
             bases.setdefault(name, set()).update(
                 b.strip().split("[")[0].split(".")[-1] for b in listed.split(",") if b.strip()
             )
-    capturing = {INTERFACE}
-    grew = True
-    while grew:
-        found = {name for name, names in bases.items() if names & capturing}
-        grew = not found <= capturing
-        capturing |= found
-    return capturing - {INTERFACE}
+    return bases, module_of
+
+
+def _latent_classes(
+    texts: dict[str, str], bases: dict[str, set[str]], module_of: dict[str, str]
+) -> set[str]:
+    """Classes that may run with MLA (by name).
+
+    Those defined in a module that reads ``kv_lora_rank``, deriving from one, or in a
+    module that names one (a wrapper that builds its language model by name).
+    """
+    latent = _subclasses(bases, {c for c, m in module_of.items() if _MLA.search(texts[m])})
+    named = {m for m, t in texts.items() if any(re.search(rf"\b{c}\b", t) for c in latent)}
+    return _subclasses(bases, latent | {c for c, m in module_of.items() if m in named})
 
 
 @functools.lru_cache(maxsize=1)
-def _registry() -> tuple[frozenset[str], frozenset[str]] | None:
-    """(Architectures vLLM implements itself, those of them with the interface)."""
+def _registry() -> tuple[frozenset[str], frozenset[str], frozenset[str]] | None:
+    """The installed vLLM's architectures: (all, with the interface, of those with MLA).
+
+    "With MLA": may run with it (``_latent_classes``); serve decides by the config.
+    """
     models_dir = _models_dir()
     if models_dir is None:
         return None
@@ -97,9 +128,13 @@ def _registry() -> tuple[frozenset[str], frozenset[str]] | None:
         return None
     if not entries:
         return None
-    classes = _capturing_classes(models_dir, {module for module, _ in entries.values()})
-    capturing = frozenset(arch for arch, (_, cls) in entries.items() if cls in classes)
-    return frozenset(entries), capturing
+    texts = _module_texts(models_dir, {module for module, _ in entries.values()})
+    bases, module_of = _class_bases(texts)
+    capturing = _subclasses(bases, {INTERFACE}) - {INTERFACE}
+    latent = _latent_classes(texts, bases, module_of)
+    known = frozenset(arch for arch, (_, cls) in entries.items() if cls in capturing)
+    mla = frozenset(arch for arch in known if entries[arch][1] in latent)
+    return frozenset(entries), known, mla
 
 
 def capturing_architectures() -> frozenset[str] | None:
@@ -126,6 +161,27 @@ def _families(architectures: frozenset[str]) -> str:
     """Architecture names without their head suffix, for a readable list."""
     suffix = re.compile(r"(ForCausalLM|ForConditionalGeneration|Generation)$")
     return ", ".join(sorted({suffix.sub("", a) or a for a in architectures}))
+
+
+def capturable_families() -> str | None:
+    """The families the installed vLLM can capture, as the refusals list them.
+
+    Families whose model may run with MLA (their module reads ``kv_lora_rank``: DeepSeek
+    V2/V3 and what builds on them) are listed apart: with ``kv_lora_rank`` in the config
+    they are refused as MLA (``check_capturable``) unless ``VLLM_MLA_DISABLE=1``. None
+    when vLLM's sources cannot be read.
+    """
+    registry = _registry()
+    if registry is None:
+        return None
+    _, known, mla = registry
+    plain = _families(known - mla)
+    if not mla:
+        return plain
+    return (
+        f"{plain}; and, when their config has no kv_lora_rank (no MLA) or with "
+        f"VLLM_MLA_DISABLE=1, {_families(mla)}"
+    )
 
 
 def check_capturable(
@@ -155,7 +211,7 @@ def check_capturable(
     registry = _registry()
     if registry is None:
         return
-    implemented, known = registry
+    implemented, known, _ = registry
     # Architectures vLLM does not implement itself (plugins, the Transformers backend)
     # are left to vLLM to judge.
     if not any(a in implemented for a in architectures) or any(a in known for a in architectures):
@@ -164,7 +220,7 @@ def check_capturable(
         f"{where}: vLLM {vllm_version} cannot capture the hidden states of {name}: its "
         f"model class lacks vLLM's aux-hidden-state interface ({INTERFACE}), which "
         "extract_hidden_states needs. Model families this vLLM can capture: "
-        f"{_families(known)}. Capture one of those, or install a vLLM release whose "
+        f"{capturable_families()}. Capture one of those, or install a vLLM release whose "
         f"{name} supports EAGLE-3."
     )
 

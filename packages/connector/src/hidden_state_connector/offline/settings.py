@@ -18,9 +18,12 @@ from typing import Any
 
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.offline.errors import UsageError
-from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_connector.server import (
+    cpu_kv_cache_bytes,
+    kv_transfer_config,
+    speculative_config,
+)
 
-CPU_KV_CACHE_BYTES = 512 * 1024**2
 RESERVED_ENGINE_ARGS = {
     "model": "the MODEL argument",
     "dtype": "--dtype",
@@ -121,7 +124,9 @@ def engine_settings(options: ExtractOptions, out_dir: str, *, on_cpu: bool) -> d
         out_dir, connector_settings(options.connector_config, out_dir)
     )
     if on_cpu:
-        kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+        size = cpu_kv_cache_bytes(kwargs)
+        if size is not None:
+            kwargs["kv_cache_memory_bytes"] = size
         kwargs.setdefault("enforce_eager", True)
     # Not skip_tokenizer_init: without its tokenizer vLLM neither stops at EOS nor checks
     # token ids against the vocabulary (an out-of-range id then kills the engine core).
