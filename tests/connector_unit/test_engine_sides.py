@@ -93,7 +93,9 @@ def _gathered(cache: torch.Tensor, block_ids: list[int], n: int) -> torch.Tensor
 class FakeEngine:
     """Both halves of one engine in one process, driven in vLLM's call order."""
 
-    def __init__(self, root: Path, cache: torch.Tensor, **extra: Any) -> None:
+    def __init__(
+        self, root: Path, cache: torch.Tensor, stats: WriteStats | None = None, **extra: Any
+    ) -> None:
         settings: dict[str, Any] = {
             "chunk_bytes": BLOCK_BYTES,  # one block per chunk
             "host_buffer_bytes": BLOCK_BYTES,  # one slab: one chunk in flight at a time
@@ -109,7 +111,7 @@ class FakeEngine:
             kv_transfer_config=SimpleNamespace(engine_id=f"unit-{uuid.uuid4().hex}"),
             parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
         )
-        self.stats = WriteStats(0)
+        self.stats = stats if stats is not None else WriteStats(0)
         self.scheduler = SchedulerSide(self.config, self.vllm_config, BLOCK, HS_GROUP, self.stats)
         self.worker = WorkerSide(self.config, self.vllm_config, BLOCK, LAYER_IDS, self.stats)
         self.worker.register({"model.drafter.cache_only": cache})
@@ -155,8 +157,8 @@ class FakeEngine:
 def engine_factory(tmp_path: Path) -> Iterator[Any]:
     engines: list[FakeEngine] = []
 
-    def make(cache: torch.Tensor, **extra: Any) -> FakeEngine:
-        engines.append(FakeEngine(tmp_path, cache, **extra))
+    def make(cache: torch.Tensor, stats: WriteStats | None = None, **extra: Any) -> FakeEngine:
+        engines.append(FakeEngine(tmp_path, cache, stats, **extra))
         return engines[-1]
 
     yield make
@@ -265,6 +267,33 @@ def test_a_failed_write_records_why_in_the_lock_and_leaves_no_partial_file(
     assert _temp_files(tmp_path) == []
     engine.close()  # joins the writer threads: the failure is counted after the release
     assert engine.stats.total.failures == 1 and engine.stats.total.files == 0
+
+
+class _FailureSeen(WriteStats):
+    """Counters that signal the first sample failure (the writer counts it after the lock)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.seen = threading.Event()
+
+    def failure(self, req_id: str, path: str, reason: str, *, dropped: bool = False) -> None:
+        super().failure(req_id, path, reason, dropped=dropped)
+        self.seen.set()
+
+
+def test_a_write_that_failed_before_the_request_finished_is_told_in_the_response(
+    cache: torch.Tensor, engine_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt-only save fails while the request still decodes: its response says why."""
+    _StuckDisk(monkeypatch, error=OSError(errno.ENOSPC, "No space left on device"))
+    stats = _FailureSeen()
+    engine = engine_factory(cache, stats=stats)
+    prompt, blocks = list(range(9)), [1, 6, 11]
+    engine.step(scheduler_output(new=(new_request("p", prompt, blocks),), scheduled={"p": 9}))
+    assert stats.seen.wait(WAIT_S), "the prompt's save never failed"
+    params = engine.finish(finished_request("p", prompt, [0, 1, 2]), blocks)
+    assert "No space left on device" in params[ERROR_PARAM]
+    engine.idle_until_freed("p")
 
 
 def test_a_preempted_requests_states_are_copied_out_before_the_next_forward_pass(

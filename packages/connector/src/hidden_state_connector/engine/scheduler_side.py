@@ -280,9 +280,11 @@ class SchedulerSide:
             return False, result | {EXISTED_PARAM: True}
         if tracked.ordered:
             # Its prompt was complete and is being written; what happened after (more
-            # decoding, an abort) does not change those hidden states.
-            if tracked.failure:
-                result[ERROR_PARAM] = tracked.failure
+            # decoding, an abort) does not change those hidden states. A write that
+            # failed meanwhile is told now where the worker shares this process.
+            failure = tracked.failure or same_process.known_failure(self.engine_key, req_id)
+            if failure:
+                result[ERROR_PARAM] = failure
             return True, result
         order = self._finish_order(request, tracked, block_ids)
         if order.failure:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from hidden_state_connector.logs import get_logger
 
 log = get_logger("hidden_state_connector")
+
+_RECENT_FAILURES = 4096  # reasons remembered for responses (``recent_failure``)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class WriteStats:
         self._log_interval = log_interval
         self._last_log = time.monotonic()
         self._bytes_at_last_log = 0
+        self._recent: OrderedDict[str, str] = OrderedDict()
 
     def written(self, nbytes: int, seconds: float) -> None:
         """A sample was published."""
@@ -67,7 +71,15 @@ class WriteStats:
             for c in (self.total, self._interval):
                 c.failures += 1
                 c.dropped += int(dropped)
+            self._recent[req_id] = reason
+            if len(self._recent) > _RECENT_FAILURES:
+                self._recent.popitem(last=False)
         log.error("hidden states of request %s not written (%s): %s", req_id, path, reason)
+
+    def recent_failure(self, req_id: str) -> str | None:
+        """Why ``req_id``'s sample failed, if it did among the last few thousand failures."""
+        with self._lock:
+            return self._recent.get(req_id)
 
     def refused_path(self) -> None:
         """A client-supplied path was refused."""

@@ -155,7 +155,7 @@ class WorkerSide:
             stats=self.stats,
             layer_ids=self.layer_ids,
         )
-        same_process.register(self._engine_key, self.accept)
+        same_process.register(self._engine_key, self.accept, self.stats.recent_failure)
         try:
             self._listener = OrderListener(self._engine_key, self.accept)
         except OSError as exc:  # finish-time orders then travel in the step metadata
