@@ -122,9 +122,8 @@ class HiddenStateReader:
         watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
         rescan_interval: Safety rescan period in follow mode, seconds.
         poll_interval: Rescan period with ``watch="poll"``, seconds.
-        orphan_grace: How long a released lock without data, or a lock-less file that
-            does not parse, may be young and still count as being written, seconds (the
-            same grace as the ``hidden-state`` commands, ``states.GRACE``).
+        orphan_grace: Seconds a released lock without data, or a lock-less file that does
+            not parse, still counts as being written (``states.GRACE``, as the commands).
         consumed_key_retention: Seconds a sample named by an idempotency key is
             remembered after ``on_consumed`` deleted or moved it (7 days; 0: not at all):
             a retry of its key writes nothing meanwhile (docs/connector.md).
@@ -152,8 +151,7 @@ class HiddenStateReader:
         FileNotFoundError: ``path`` is not a directory.
         ValueError: Invalid options.
         TypeError: An unknown option.
-        DirectoryNotWritableError: ``claim=True``, ``on_consumed="delete"`` or ``"move"``
-            on a directory (or done folder) this process cannot write.
+        DirectoryNotWritableError: Claims, deletes or moves where this process cannot write.
     """
 
     def __init__(
