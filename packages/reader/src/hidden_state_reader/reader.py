@@ -132,8 +132,7 @@ class HiddenStateReader:
             metadata).
         dtype: Convert hidden states to this dtype.
         pin_memory: Read into page-locked memory (faster host-to-GPU copies).
-        verify_checksum: Check the writer's CRC32 when the file has one (a second pass
-            over every byte, so off by default; see ``LoadOptions``).
+        verify_checksum: Check the writer's CRC32 where there is one (a 2nd pass; ``LoadOptions``).
         mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them; turn off
             if your writer rewrites published files in place (``LoadOptions``).
         raw_fp8: Give fp8 files as stored (float8_e4m3fn plus
@@ -153,6 +152,8 @@ class HiddenStateReader:
         TypeError: An unknown option.
         DirectoryNotWritableError: Claims, deletes or moves where this process cannot write.
     """
+
+    _closed = False  # set by close()
 
     def __init__(
         self,
@@ -212,7 +213,6 @@ class HiddenStateReader:
         )
         self._cancel = CancelToken()
         self._backend = open_backend(self.root, self.options, self._cancel)
-        self._closed = False
         self._holding = Holding(self._commit)
         self.stats = ReaderStats()
 
