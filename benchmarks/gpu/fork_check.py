@@ -18,9 +18,10 @@ multiprocessing_context="fork")`` run to the end:
 * ``as_reported``: 2 epochs on the device, the loader kept, the collector left alone.
 * ``loader_dropped``: the same passes in a function that drops its loader.
 * ``batch_in_cycle``: a delivered batch left in a reference cycle.
-* ``control`` (not counted in ``ok``; ``--no-control`` skips it): no project code, a
-  page-locked tensor a non-blocking copy read, left in a cycle. It should abort its
-  worker on any version: the mechanism itself, on this machine's torch and driver.
+* ``control`` (run first, not counted in ``ok``; ``--no-control`` skips it): no project
+  code yet, a page-locked tensor a non-blocking copy read, left in a cycle. It should
+  abort its worker: the mechanism itself, on this machine's torch and driver. (Once a
+  device feed was made, the parent collects before each fork: ``training/fork_safety.py``.)
 
 In all but the first, this process collects no garbage by itself until the loop is over
 and every worker collects once when it starts (what its collector does sooner or later),
@@ -173,10 +174,12 @@ def phases(root: Path, args: argparse.Namespace) -> dict[str, Callable[[], None]
         del pinned, cycle
         forked_loop(collect=True)
 
-    chosen = {"as_reported": as_reported, "loader_dropped": loader_dropped}
-    chosen["batch_in_cycle"] = batch_in_cycle
+    # The control first: before any device feed, nothing collects before a fork yet.
+    chosen: dict[str, Callable[[], None]] = {}
     if not args.no_control and args.device == "cuda":
         chosen["control"] = control
+    chosen.update(as_reported=as_reported, loader_dropped=loader_dropped)
+    chosen["batch_in_cycle"] = batch_in_cycle
     return chosen
 
 

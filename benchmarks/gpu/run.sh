@@ -175,6 +175,14 @@ case "$plan" in
       | tee "$OUT/fork.log" | grep -v "^\s*File\|^  " | tail -20
     grep RESULT "$OUT/fork.log" | sed 's/^RESULT //' >> "$OUT/results.jsonl"
     ;;
+  # Issue 38: the fork check, then the device feed still delivers (short train_feed rows).
+  v38fork)
+    bash "$0" fork --no-install
+    timeout 200 python3 benchmarks/gpu/train_feed.py --batch-samples 5 --seconds 5 \
+      --alone-seconds 3 --unique 32 --copies 10 --jsonl "$OUT/results.jsonl" \
+      --rows synthetic,hsl_bf16_static,hsl_fp8_follow,hsl_bf16_static_alone \
+      2>"$OUT/v38.log" | grep RESULT | cut -c1-400
+    ;;
   v35)
     bash "$0" verify --no-install
     bash "$0" fork --no-install
