@@ -144,9 +144,9 @@ def test_forked_dataloader_workers_run_after_device_passes(hs_dir: Path) -> None
 def test_the_gpu_checks_dry_run_passes_on_the_cpu() -> None:
     repo = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    script = str(repo / "benchmarks/gpu/fork_check.py")
     out = subprocess.run(
-        [sys.executable, str(repo / "benchmarks/gpu/fork_check.py"), "--device", "cpu"]
-        + ["--samples", "16"],
+        [sys.executable, script, "--device", "cpu", "--samples", "16"],
         capture_output=True,
         text=True,
         env=env,
