@@ -82,7 +82,7 @@ def recover(
         The sample's ok record, or None to redo it (a writer still holds the file, and
         the new file replaces it; or the file did not check out and is deleted).
     """
-    from hidden_state_reader.format import SharedLock
+    from hidden_state_reader.files.locks import SharedLock
 
     lock = SharedLock.acquire(path, timeout=RECOVER_LOCK_TIMEOUT)
     if lock is None:

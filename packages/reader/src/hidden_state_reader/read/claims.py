@@ -12,7 +12,7 @@ creation was historically unsafe). So the claim appears already locked, and:
 
 ``group`` separates independent consumers of the same directory (two training jobs
 that each want every sample once). A claim file's content is the same JSON status as a
-lock file's (``format.lockfile.write_status`` / ``read_status_fd``).
+lock file's (``files.locks.write_status`` / ``read_status_fd``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hidden_state_reader.format.lockfile import read_status_fd, write_status
+from hidden_state_reader.files.locks import read_status_fd, write_status
 from hidden_state_reader.format.names import CLAIMS_DIR, temp_path
 
 _DONE = "done"

@@ -22,14 +22,12 @@ import os
 import time
 
 from hidden_state_reader.errors import CorruptSampleError, SampleError
-from hidden_state_reader.format.fileio import (
-    NotRegularFileError,
-    open_regular_stat,
-    open_sized,
-)
-from hidden_state_reader.format.flockwait import CancelToken
+from hidden_state_reader.files.fileio import NotRegularFileError, open_regular_stat, open_sized
+from hidden_state_reader.files.flockwait import CancelToken
+from hidden_state_reader.files.identity import check_writer
+from hidden_state_reader.files.locks import SharedLock, read_status
 from hidden_state_reader.format.header import Meta
-from hidden_state_reader.format.lockfile import LockState, SharedLock, check_writer, read_status
+from hidden_state_reader.format.lock_status import LockState
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
@@ -204,7 +202,7 @@ class Decider:
         """A small complete file of this project's writers, ready without its lock.
 
         Our writers make a sample's name appear by renaming a complete file onto it
-        (``format/publish.py``) and never write that file again, so once it is there and
+        (``files/publish.py``) and never write that file again, so once it is there and
         complete by the header rule it is final, whatever its lock says: the lock can
         only be held by its writer between the rename and the release, or by the writer
         of a new version, which replaces the file by another rename (``docs/format.md``,

@@ -36,18 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
-from hidden_state_reader.format.fileio import open_sample
-from hidden_state_reader.format.header import Meta, SampleHeader, read_header
-from hidden_state_reader.format.listing import list_entries
-from hidden_state_reader.format.lockfile import (
-    LockState,
-    LockStatus,
-    WriterCheck,
-    WriterFate,
-    check_writer,
-    probe,
-    read_status,
-)
+from hidden_state_reader.files.fileio import open_sample
+from hidden_state_reader.files.header import read_header
+from hidden_state_reader.files.identity import WriterCheck, WriterFate, check_writer
+from hidden_state_reader.files.listing import list_entries
+from hidden_state_reader.files.locks import probe, read_status
+from hidden_state_reader.format.header import Meta, SampleHeader
+from hidden_state_reader.format.lock_status import LockState, LockStatus
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
     LOCK_SUFFIX,

@@ -8,7 +8,7 @@ is, what reading it found) and asks ``judge`` for the verdict. There is one grac
 ``GRACE``: how long a released lock without data, or a lock-less file that fails to
 parse, may be young and still count as work in progress. It is not needed where the
 writer is known to be gone (its lock records a process of this host that no longer
-runs: ``format.lockfile.check_writer``): such a lock is stale at once.
+runs: ``files.identity.check_writer``): such a lock is stale at once.
 
 The states are listed in ``SampleState``.
 """
@@ -19,7 +19,8 @@ import enum
 from dataclasses import dataclass
 
 from hidden_state_reader.errors import IncompleteSampleError, SampleError
-from hidden_state_reader.format.lockfile import LockState, LockStatus, WriterCheck, WriterFate
+from hidden_state_reader.files.identity import WriterCheck, WriterFate
+from hidden_state_reader.format.lock_status import LockState, LockStatus
 
 GRACE = 30.0
 """Seconds a released lock without data, a lock-less truncated file or a temporary file
@@ -88,7 +89,7 @@ class Observation:
         problem: What reading the data file found wrong (None: it is valid).
         num_tokens: Tokens of a valid data file.
         writer: What could be found out about the process that wrote the lock's status
-            (``format.lockfile.check_writer``); None when it was not looked at.
+            (``files.identity.check_writer``); None when it was not looked at.
     """
 
     lock: LockState

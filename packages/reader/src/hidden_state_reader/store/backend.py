@@ -23,7 +23,7 @@ from hidden_state_reader.errors import (
     LockTimeoutError,
     WaitCancelledError,
 )
-from hidden_state_reader.format.flockwait import CancelToken
+from hidden_state_reader.files.flockwait import CancelToken
 from hidden_state_reader.format.store_keys import data_key, failed_key
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hidden_state_reader.errors import FailedSampleError, SampleError
-from hidden_state_reader.format.lockfile import LockState
+from hidden_state_reader.format.lock_status import LockState
 from hidden_state_reader.format.store_keys import CommitRecord, data_key, failed_key
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
