@@ -112,6 +112,21 @@ def _process_facts(pid: int) -> dict[str, Any]:
     return {"boot_id": boot, "pid_ns": pid_ns, "start_ticks": seen.start_ticks}
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host could still be writing (a zombie cannot).
+
+    ``True`` where that cannot be told (another user's process, no ``/proc``).
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    seen = process_seen(pid)
+    return seen is None or not seen.zombie
+
+
 class WriterFate(enum.Enum):
     """What can be known about the process that wrote a lock's ``writing`` status."""
 

@@ -21,11 +21,10 @@ import contextlib
 import enum
 import fcntl
 import os
-import socket
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hidden_state_reader.files.identity import unique_token
 from hidden_state_reader.files.locks import read_status_fd, write_status
 from hidden_state_reader.format.names import CLAIMS_DIR, temp_path
 
@@ -177,7 +176,7 @@ class ClaimStore:
         self.root = root
         self.directory = os.path.join(root, CLAIMS_DIR, group)
         os.makedirs(self.directory, exist_ok=True)
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = unique_token(8)
 
     def path_of(self, name: str) -> str:
         """The claim file of a sample."""

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hidden_state_reader.errors import HiddenStateError
+from hidden_state_reader.files.identity import host_name
 from hidden_state_reader.kernels import host_memory
 from hidden_state_reader.store.pool import ReceivePool
 
@@ -83,7 +84,7 @@ class StoreSettings:
         if self.local_hostname:
             return self.local_hostname
         try:
-            return socket.gethostbyname(socket.gethostname())
+            return socket.gethostbyname(host_name())
         except OSError:
             return "127.0.0.1"
 
