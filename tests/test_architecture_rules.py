@@ -176,3 +176,19 @@ def test_process_identity_is_built_in_one_module() -> None:
             found += [f"{path.relative_to(directory.parent)}:{line}" for line in lines]
     assert found == [], "build process identity through files/identity.py:\n" + "\n".join(found)
     assert list(identity_builders(ast.parse(IDENTITY.read_text())))  # the home does
+
+
+def test_a_sample_observation_is_built_in_one_function() -> None:
+    states = READER / "sample" / "states.py"
+    found = []
+    for directory in PACKAGES.values():
+        for path in sorted(directory.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id == "Observation"
+                    and path != states
+                ):
+                    found.append(f"{path.relative_to(directory.parent)}:{node.lineno}")
+    assert found == [], "build observations with sample.states.observe:\n" + "\n".join(found)

@@ -24,7 +24,6 @@ import time
 from hidden_state_reader.errors import CorruptSampleError, SampleError
 from hidden_state_reader.files.fileio import NotRegularFileError, open_regular_stat, open_sized
 from hidden_state_reader.files.flockwait import CancelToken
-from hidden_state_reader.files.identity import check_writer
 from hidden_state_reader.files.locks import SharedLock, read_status
 from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.lock_status import LockState
@@ -37,7 +36,7 @@ from hidden_state_reader.read.membership import Membership
 from hidden_state_reader.read.ownership import Ownership
 from hidden_state_reader.sample.load import MMAP_MIN_BYTES, load_fd, load_published
 from hidden_state_reader.sample.sample import Sample
-from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
+from hidden_state_reader.sample.states import GRACE, SampleState, judge, observe
 
 GROUP_BATCH_WINDOW = (0.00625, 0.25)
 """Seconds per member, and at most, that a follower's watch lets events gather in a group.
@@ -254,7 +253,7 @@ class Decider:
             os.close(fd)
         if sample is not None and Meta.FORMAT in sample.metadata:
             self._expect_published = True
-        obs = Observation(
+        obs = observe(
             LockState.FREE if locked else LockState.ABSENT,
             data_exists=True,
             data_age=age,
@@ -272,7 +271,7 @@ class Decider:
         if not locked or lock_age is None:
             return Outcome(OutcomeKind.VANISHED, name)  # consumed elsewhere, or removed
         status = read_status(lock_file)
-        obs = Observation(LockState.FREE, status, lock_age, writer=check_writer(status))
+        obs = observe(LockState.FREE, status, lock_age)
         return judged(name, data_path, judge(obs, self.grace), None, None, claim)
 
 

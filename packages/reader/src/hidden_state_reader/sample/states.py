@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass
 
 from hidden_state_reader.errors import IncompleteSampleError, SampleError
-from hidden_state_reader.files.identity import WriterCheck, WriterFate
+from hidden_state_reader.files.identity import WriterCheck, WriterFate, check_writer
 from hidden_state_reader.format.lock_status import LockState, LockStatus
 
 GRACE = 30.0
@@ -100,6 +100,36 @@ class Observation:
     problem: SampleError | None = None
     num_tokens: int | None = None
     writer: WriterCheck | None = None
+
+
+def observe(
+    lock: LockState,
+    status: LockStatus | None = None,
+    lock_age: float | None = None,
+    *,
+    data_exists: bool = False,
+    data_age: float | None = None,
+    problem: SampleError | None = None,
+    num_tokens: int | None = None,
+) -> Observation:
+    """The one builder of an ``Observation``: the readers' and the commands' alike.
+
+    It asks whether the lock's writer still runs (a ``/proc`` look-up,
+    ``check_writer``) exactly where the rule needs the answer: a free lock without data
+    whose status is not ``failed`` (a failed status says what happened itself).
+    """
+    failed = status is not None and status.failed
+    asks = not data_exists and lock is LockState.FREE and not failed
+    return Observation(
+        lock,
+        status,
+        lock_age,
+        data_exists,
+        data_age,
+        problem,
+        num_tokens,
+        check_writer(status) if asks else None,
+    )
 
 
 @dataclass(frozen=True)
