@@ -63,7 +63,8 @@ def parse_args() -> argparse.Namespace:
 
 def write_samples(root: Path, count: int) -> None:
     """``count`` bf16 samples of 16-63 tokens, 2 layers of 256, written by the product."""
-    from hidden_state_reader.format import sample_metadata, write_sample
+    from hidden_state_reader.files.publish import write_sample
+    from hidden_state_reader.format import sample_metadata
 
     gen = torch.Generator().manual_seed(0)
     for i in range(count):

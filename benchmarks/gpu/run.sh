@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # The reader's native fp8 kernel (the image has a C compiler; without it the reader uses
 # torch passes and says so).
 (cd packages/reader && python3 setup.py -q build_ext --inplace) >"$OUT/build.log" 2>&1
-python3 -c "from hidden_state_reader.format.fp8_cpu import kernel; print('fp8 CPU kernel:', kernel())"
+python3 -c "from hidden_state_reader.kernels.fp8_cpu import kernel; print('fp8 CPU kernel:', kernel())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /tmp /dev/shm | tail -2
 B="python3 benchmarks/gpu/bench.py"

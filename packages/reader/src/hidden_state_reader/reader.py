@@ -13,8 +13,8 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import closing
 from typing import TYPE_CHECKING
 
+from hidden_state_reader.files.flockwait import CancelToken
 from hidden_state_reader.format.consumed import DEFAULT_RETENTION
-from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.options import OnConsumed, OnError, ReaderOptions, Watch
 from hidden_state_reader.read.backend import Backend, Outcome, Receipt
 from hidden_state_reader.read.claim_lifecycle import Ending, settle

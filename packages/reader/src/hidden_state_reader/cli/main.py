@@ -27,7 +27,7 @@ from hidden_state_reader.cli import export, inspect, listing, store, tail, verif
 from hidden_state_reader.cli.common import EXIT_PROBLEMS, PROG
 from hidden_state_reader.cli.toolkit import EXIT_INTERRUPTED, EXIT_USAGE, CliError, HelpFormatter
 from hidden_state_reader.errors import HiddenStateError
-from hidden_state_reader.format.flockwait import install_wake_handler
+from hidden_state_reader.files.flockwait import install_wake_handler
 
 PLUGIN_GROUP = "hidden_state.cli"
 """Entry-point group through which other packages add subcommands."""

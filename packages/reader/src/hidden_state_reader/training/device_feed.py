@@ -34,6 +34,7 @@ import torch
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fp8 import SCALES
 from hidden_state_reader.format.header import Meta
+from hidden_state_reader.kernels.fp8 import dequantize
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.acknowledgement import Ticket
 from hidden_state_reader.training.batch_memory import TensorSpec, carve, layout
@@ -151,9 +152,7 @@ class Placement:
             return batch
         if SCALES in batch and self.dequantize:
             target = self.dtype or _model_dtype(samples)
-            batch["hidden_states"] = fp8.dequantize(
-                batch["hidden_states"], batch.pop(SCALES), target
-            )
+            batch["hidden_states"] = dequantize(batch["hidden_states"], batch.pop(SCALES), target)
         elif SCALES not in batch and self.dtype is not None:
             batch["hidden_states"] = batch["hidden_states"].to(self.dtype)
         return batch
