@@ -24,7 +24,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from hidden_state_reader.format import sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import sample_metadata
 from hidden_state_reader.training.collate import PackCollate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.device_feed import DeviceFeed, HostArenas
