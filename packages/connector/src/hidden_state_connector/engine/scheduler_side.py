@@ -47,7 +47,7 @@ from hidden_state_connector.engine.sample_params import (
 )
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.storage_check import usable_directory
-from hidden_state_connector.engine.write.store_backend import transfer_params
+from hidden_state_connector.engine.write.store_backend import StoreLookup, transfer_params
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.files.paths import resolve_inside
@@ -128,6 +128,10 @@ class SchedulerSide:
         self._no_output_tokens = output_tokens_refusal(vllm_config)
         # Forward capture: the worker needs each step's rows of captured requests.
         self._forward = config.capture == CAPTURE_FORWARD
+        # Store backend: is a keyed sample in the store, or consumed (``_written``)?
+        self._store = (
+            StoreLookup(config, self.root) if config.storage_backend == "mooncake" else None
+        )
 
     def default_path(self, req_id: str) -> str:
         """Where a request's sample goes unless the client chose a path."""
@@ -227,11 +231,16 @@ class SchedulerSide:
             # every token, one without its tags could not be told apart.
             tracked.refused, tracked.failure = True, problem
             log.warning("request %s: %s; no sample is written", step.req_id, problem)
-        elif keyed is not None and sample_exists(keyed):
-            # A retry of a request whose sample is complete: answer with it, write nothing.
+        elif keyed is not None and self._written(keyed):
+            # A retry of a request whose sample is complete (or consumed within its key's
+            # retention): answer with it, write nothing.
             tracked.found = True
             log.info("request %s: %s is written already (idempotency key)", step.req_id, keyed)
         return tracked
+
+    def _written(self, path: str) -> bool:
+        """Whether the keyed sample bound for ``path`` is written (or consumed)."""
+        return self._store.written(path) if self._store is not None else sample_exists(path)
 
     def _written_without_key(self, path: str) -> bool:
         """Whether a request in flight writes ``path`` under a name no key gave it."""
@@ -304,8 +313,10 @@ class SchedulerSide:
             self._outgoing.saves.append(order)  # next step's metadata
 
     def shutdown(self) -> None:
-        """Close the order channel."""
+        """Close the order channel (and the store lookup's client)."""
         self._sender.close()
+        if self._store is not None:
+            self._store.close()
 
     def _finish_order(self, request: Any, tracked: _Tracked, block_ids: list[int]) -> SaveOrder:
         prompt = list(request.prompt_token_ids or [])

@@ -35,7 +35,11 @@ from hidden_state_reader.cli.common import (
     print_json,
     require_dir,
 )
-from hidden_state_reader.cli.consumed_clean import add_consumed_argument, expire_consumed_keys
+from hidden_state_reader.cli.consumed_clean import (
+    add_consumed_argument,
+    expire_consumed_keys,
+    run_clean_store,
+)
 from hidden_state_reader.cli.table import format_table
 from hidden_state_reader.cli.toolkit import EXIT_OK, add_command, format_bytes, non_negative_float
 from hidden_state_reader.files.identity import WriterFate, check_writer
@@ -51,6 +55,7 @@ from hidden_state_reader.sample.health import (
     temp_owner_lock,
 )
 from hidden_state_reader.sample.states import GRACE, SampleState
+from hidden_state_reader.store.url import is_store_url
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +138,16 @@ hidden-state clean /data/hs --dry-run         # show what would be removed
 hidden-state clean /data/hs
 hidden-state clean /data/hs --older-than 0 --locks
 hidden-state clean /data/hs --grace 0 --json  # --grace is --older-than
+hidden-state clean mooncake://10.0.0.5:50051/hs   # a store: its consumed-key records
 """,
         handler=run_clean,
     )
-    p.add_argument("directory", metavar="DIR", help="the hidden-state directory")
+    p.add_argument(
+        "directory",
+        metavar="DIR",
+        help="the hidden-state directory, or a mooncake://HOST:PORT/PREFIX store (only its "
+        "expired consumed-key records are removed: a store keeps no locks or temp files)",
+    )
     p.add_argument(
         "-n", "--dry-run", action="store_true", help="print what would be removed; remove nothing"
     )
@@ -511,6 +522,8 @@ def clean_directory(
 
 def run_clean(args: argparse.Namespace) -> int:
     """``hidden-state clean``."""
+    if is_store_url(args.directory):
+        return run_clean_store(args)
     root = require_dir(args.directory)
     plan = clean_directory(
         root,

@@ -20,7 +20,9 @@ The connector's store backend and the reader's store source both follow this lay
 * ``PREFIX/claims/GROUP/NAME/done``: ``GROUP`` has consumed ``NAME``;
 * ``PREFIX/members/GROUP/SEQ``: the ``SEQ``-th entry of ``GROUP``'s membership log, one
   following reader joining or leaving (JSON), taken first-put-wins;
-* ``PREFIX/members/GROUP/SEQ/renew/K``: the member that joined at ``SEQ`` is alive.
+* ``PREFIX/members/GROUP/SEQ/renew/K``: the member that joined at ``SEQ`` is alive;
+* ``PREFIX/consumed/NAME``: a reader consumed the keyed sample ``NAME``: the record of
+  ``format/consumed.py``, put before it removes ``data/NAME``.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ def member_key(prefix: str, group: str, seq: int) -> str:
 def member_renewal_key(prefix: str, group: str, seq: int, renewal: int) -> str:
     """A member's lease renewal (``seq``: its join entry)."""
     return f"{member_key(prefix, group, seq)}/renew/{renewal}"
+
+
+def consumed_key(prefix: str, name: str) -> str:
+    """Key of the consumed-key record of sample ``name`` (``format/consumed.py``)."""
+    return f"{prefix}/consumed/{name}"
 
 
 def check_prefix(prefix: str) -> str:

@@ -32,6 +32,12 @@ def sample_key(metadata: Mapping[str, str]) -> str | None:
     return metadata.get(Meta.IDEMPOTENCY_KEY)
 
 
+def new_record(retention: float, action: str) -> ConsumedRecord:
+    """The record of a key consumed now by this process, remembered for ``retention`` s."""
+    now = time.time()
+    return ConsumedRecord(now, now + retention, action, process_label())
+
+
 def record_consumed(root: str, name: str, retention: float, action: str) -> None:
     """Record that the keyed sample ``name`` of ``root`` is consumed, atomically.
 
@@ -47,8 +53,7 @@ def record_consumed(root: str, name: str, retention: float, action: str) -> None
     Raises:
         OSError: The record cannot be written (the caller then keeps the sample).
     """
-    now = time.time()
-    record = ConsumedRecord(now, now + retention, action, process_label())
+    record = new_record(retention, action)
     final = record_path(root, name)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = temp_path(final)

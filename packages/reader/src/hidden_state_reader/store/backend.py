@@ -30,6 +30,7 @@ from hidden_state_reader.store.claims import StoreClaims
 from hidden_state_reader.store.client import StoreClient
 from hidden_state_reader.store.fetch import Fetched, fetch, load
 from hidden_state_reader.store.follow import CommitLog
+from hidden_state_reader.store.key_memory import KeyMemory
 from hidden_state_reader.store.membership import StoreMembership
 from hidden_state_reader.store.read_ahead import ReadAhead, Room
 from hidden_state_reader.store.turns import Entry, GroupTurns
@@ -53,7 +54,8 @@ class StoreBackend:
     ``claim=True`` gives each sample to one reader of ``claim_group``; a following
     reader takes over the claim of a reader that stopped renewing it for the URL's
     ``lease`` seconds (``store.claims``), so a sample whose reader died is delivered
-    again. ``on_consumed="delete"`` removes it after use. Not available:
+    again. ``on_consumed="delete"`` removes it after use, recording a keyed sample's key
+    first (``store.key_memory``). Not available:
     ``on_consumed="move"``, ``done_dir``, ``watch`` (there are no files).
 
     Args:
@@ -93,6 +95,7 @@ class StoreBackend:
             membership = StoreMembership(self.client, group, token, settings.claim_lease)
             self._turns = GroupTurns(self.client, self.prefix, group, membership,
                                      options.claim_steal_after)  # fmt: skip
+        self._keys = KeyMemory.of(self.client, options)  # a deleting reader's consumed keys
         # Passes in progress: their cancel tokens and read-aheads (``close`` stops both).
         self._passes: dict[CancelToken, ReadAhead[Outcome | Fetched] | None] = {}
 
@@ -163,6 +166,9 @@ class StoreBackend:
                     continue
                 room()
                 decision = self._decide(entry)
+                keys = self._keys
+                if keys is not None and isinstance(decision, Fetched) and keys.drops(decision):
+                    continue  # a copy of a key consumed already: removed unread
                 yield decision
                 fetched += isinstance(decision, Fetched)
                 if limit is not None and fetched >= limit:
@@ -184,10 +190,12 @@ class StoreBackend:
     def consumed(self, name: str, claim: HeldClaim | None) -> None:
         """Settle the claim, then delete the sample if asked (``on_consumed="delete"``).
 
-        Done first: a crash in between leaves data behind, never a second delivery.
+        Done first: a crash in between leaves data behind, never a second delivery. A
+        keyed sample whose key cannot be recorded is kept (``KeyMemory.before_delete``).
         """
         settle(claim, Ending.CONSUMED)
-        if self.options.on_consumed == "delete":
+        keys = self._keys  # set only when deleting
+        if self.options.on_consumed == "delete" and (keys is None or keys.before_delete(name)):
             self.client.remove(data_key(self.prefix, name))
 
     def receipt(self, name: str, claim: HeldClaim | None) -> None:
@@ -255,18 +263,10 @@ class StoreBackend:
                 continue
             if timeout is not None and time.monotonic() - started >= timeout:
                 for name in pending:
-                    yield self._timed_out(name, timeout)
+                    yield _timed_out(self.address(name), name, timeout)
                 return
             token.sleep(delay)
             delay = min(delay * 2, self._poll_max)
-
-    def _timed_out(self, name: str, timeout: float) -> Outcome:
-        error = LockTimeoutError(
-            self.address(name),
-            f"neither the sample nor a failure record appeared within {timeout:g} s "
-            "(the request has not finished, or its producer died before publishing it)",
-        )
-        return Outcome(OutcomeKind.TIMED_OUT, name, error=error)
 
     # -- one entry --------------------------------------------------------------------
 
@@ -289,6 +289,15 @@ class StoreBackend:
     def _fetch(self, entry: Entry, claim: HeldClaim | None) -> Outcome | Fetched:
         return fetch(self.client, entry.name, self.address(entry.name), entry.record,
                      entry.ok, claim)  # fmt: skip
+
+
+def _timed_out(where: str, name: str, timeout: float) -> Outcome:
+    error = LockTimeoutError(
+        where,
+        f"neither the sample nor a failure record appeared within {timeout:g} s "
+        "(the request has not finished, or its producer died before publishing it)",
+    )
+    return Outcome(OutcomeKind.TIMED_OUT, name, error=error)
 
 
 def _holds_sample(decision: Outcome | Fetched) -> bool:

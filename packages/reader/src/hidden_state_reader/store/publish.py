@@ -30,6 +30,7 @@ from hidden_state_reader.format.store_keys import (
     producer_key,
 )
 from hidden_state_reader.store.client import StoreClient, StoreError
+from hidden_state_reader.store.consumed import written
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class StorePublisher:
 
         A name whose bytes are in the store already (a retried request with the same
         idempotency key) is left as it is and not announced again: one sample per name.
+        Nor is a name a reader consumed within its key's retention written again
+        (``store.consumed``).
 
         Raises:
             SampleError: The bytes are not a complete sample (nothing is stored).
@@ -86,8 +89,12 @@ class StorePublisher:
         """
         key = data_key(self.prefix, name)
         header = parse_sample_header(key, data)
-        if self.client.exists([key])[0]:
+        why = written(self.client, name)
+        if why == "published":
             log.info("%s is in the store already (a retry?): kept, not announced again", name)
+            return
+        if why == "consumed":
+            log.info("%s was consumed within its key's retention: not written again", name)
             return
         self.client.put(key, data, full_timeout=self.full_timeout)
         crc = header.metadata.get(Meta.CRC32, "")

@@ -16,13 +16,15 @@ import os
 import shutil
 import tempfile
 import threading
+from dataclasses import replace
 from typing import Any
 
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.write.target import SampleTarget
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.files.locks import WriterLock
-from hidden_state_reader.store.client import StoreClient, StoreSettings
+from hidden_state_reader.store.client import StoreClient, StoreError, StoreSettings
+from hidden_state_reader.store.consumed import written
 from hidden_state_reader.store.publish import StorePublisher, publish_file
 from hidden_state_reader.store.url import store_url
 
@@ -110,6 +112,50 @@ def store_settings(config: ConnectorConfig) -> StoreSettings:
         segment_bytes=config.mooncake_segment_bytes,
         buffer_bytes=config.mooncake_buffer_bytes,
     )
+
+
+_LOOKUP_BUFFER = 1 << 20  # the scheduler's client reads only records of a few hundred bytes
+
+
+class StoreLookup:
+    """The scheduler's question to the store: is a keyed sample written (or consumed)?
+
+    A retry of an idempotency key whose sample is in the store, or was consumed within
+    its retention (``hidden_state_reader.store.consumed``), writes nothing and is
+    answered ``hidden_states_existed``, as with files. The client (no segment, a small
+    buffer) joins on the first keyed request. If the store cannot be asked, the
+    request is written: the worker's publish makes the same check before it puts.
+
+    Args:
+        config: Validated settings (``storage_backend="mooncake"``).
+        root: The connector's path root (names are relative to it).
+    """
+
+    def __init__(self, config: ConnectorConfig, root: str) -> None:
+        self.root = root
+        self._settings = replace(store_settings(config), segment_bytes=0,
+                                 buffer_bytes=_LOOKUP_BUFFER)  # fmt: skip
+        self._client: StoreClient | None = None
+        self._failed = False
+
+    def written(self, path: str) -> bool:
+        """Whether the keyed sample bound for ``path`` needs no writing."""
+        name = store_name(self.root, path)
+        try:
+            if self._client is None and not self._failed:
+                self._client = StoreClient(self._settings, where="scheduler's store lookup")
+            return self._client is not None and written(self._client, name) is not None
+        except StoreError as exc:
+            self._failed = self._client is None  # cannot join: do not try on every request
+            log.warning("cannot ask the store whether %s is written (%s); the request is "
+                        "computed, and its publish checks again", name, exc)  # fmt: skip
+            return False
+
+    def close(self) -> None:
+        """Leave the store (idempotent)."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
 
 class StoreBackend:
