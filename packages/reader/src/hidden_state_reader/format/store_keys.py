@@ -21,8 +21,7 @@ The connector's store backend and the reader's store source both follow this lay
 * ``PREFIX/members/GROUP/SEQ``: the ``SEQ``-th entry of ``GROUP``'s membership log, one
   following reader joining or leaving (JSON), taken first-put-wins;
 * ``PREFIX/members/GROUP/SEQ/renew/K``: the member that joined at ``SEQ`` is alive;
-* ``PREFIX/consumed/NAME``: a reader consumed the keyed sample ``NAME``: the record of
-  ``format/consumed.py``, put before it removes ``data/NAME``.
+* ``PREFIX/consumed/NAME``: keyed ``NAME`` was consumed (record: ``format/consumed.py``).
 """
 
 from __future__ import annotations
