@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from hidden_state_reader.files.publish import write_sample
-from hidden_state_reader.format import sample_metadata
+from hidden_state_reader.format import Meta, sample_metadata
 
 TESTS = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -57,15 +57,26 @@ needs_store = pytest.mark.skipif(STORE_UNAVAILABLE is not None, reason=STORE_UNA
 
 
 def write_store_samples(
-    root: Path, names: list[str], *, tokens: int = 8, layers: int = 3, hidden: int = 16
+    root: Path,
+    names: list[str],
+    *,
+    tokens: int = 8,
+    layers: int = 3,
+    hidden: int = 16,
+    keyed: bool = False,
 ) -> list[Path]:
-    """Sample files as the store backend writes them (CRC32 recorded), distinct values."""
+    """Sample files as the store backend writes them (CRC32 recorded), distinct values.
+
+    ``keyed``: each records an idempotency key (its name), as a keyed request's does.
+    """
     root.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, name in enumerate(names):
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         hidden_states = torch.randn(tokens, layers, hidden, generator=gen).bfloat16()
         meta = sample_metadata(layer_ids=list(range(layers)), request_id=f"req-{i}")
+        if keyed:
+            meta[Meta.IDEMPOTENCY_KEY] = name
         path = root / f"{name}.safetensors"
         write_sample(path, torch.arange(tokens) + i, hidden_states, metadata=meta,
                      use_lock=False, checksum=True)  # fmt: skip

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from store_cluster import StoreCluster, finish, finish_all, needs_store, url, write_store_samples
+from store_cluster import (
+    BIN,
+    StoreCluster,
+    finish,
+    finish_all,
+    needs_store,
+    url,
+    write_store_samples,
+)
 
 pytestmark = needs_store
 
@@ -113,6 +122,48 @@ def test_a_name_published_again_is_delivered_once(cluster: StoreCluster, tmp_pat
     assert len(first) == 4 and again == first
     got = cluster.role("read", "--url", url("retry"), "--files", files)
     assert sorted(got["names"]) == sorted(first) and got["wrong"] == [] and got["error"] is None
+
+
+def _clean(cluster: StoreCluster, prefix: str, *args: str) -> dict:
+    """``hidden-state clean URL --json`` in the store's namespace."""
+    argv = [str(BIN / "hidden-state"), "clean", url(prefix), "--json", *args]
+    proc = cluster.net.popen(argv, stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return json.loads(out)
+
+
+def test_a_consumed_key_is_remembered_in_the_store(cluster: StoreCluster, tmp_path: Path) -> None:
+    files = str(tmp_path / "files")
+    paths = write_store_samples(tmp_path / "files", [f"key-{i}" for i in range(3)], keyed=True)
+    names = sorted(p.name for p in paths)
+    produce = ["produce", "--prefix", "consumed", "--files", files]
+    read = ["read", "--url", url("consumed"), "--files", files, "--delete"]
+    assert cluster.role(*produce)["stored"] == names
+    first = cluster.role(*read)
+    assert sorted(first["names"]) == names and first["wrong"] == []
+    # A retry of each key after the reader deleted it: nothing is stored or announced.
+    assert cluster.role(*produce)["stored"] == []
+    assert cluster.role(*read)["names"] == []
+    # A copy stored anyway (a retry that checked before the key was consumed) is
+    # removed unread by the deleting reader.
+    assert cluster.role(*produce, "--force")["stored"] == names
+    assert cluster.role(*read)["names"] == []
+    assert cluster.role(*produce)["stored"] == [], "the copies were removed"
+    # clean: the records are live (nothing to expire) until told to forget them.
+    assert _clean(cluster, "consumed")["files"] == []
+    forgotten = _clean(cluster, "consumed", "--consumed-keys-older-than", "0")["files"]
+    assert sorted(f["path"] for f in forgotten) == [f"consumed/consumed/{n}" for n in names]
+    assert {f["outcome"] for f in forgotten} == {"removed"}
+    # Forgotten: a retry is written again. Consumed with a retention that is over by
+    # the time the next producer starts: written again too.
+    assert cluster.role(*produce)["stored"] == names
+    assert sorted(cluster.role(*read, "--retention", "0.001")["names"]) == names
+    assert cluster.role(*produce)["stored"] == names
+    again = cluster.role(*read)
+    assert sorted(again["names"]) == names and again["wrong"] == []
+    # Consumed again: the expired records were replaced by live ones.
+    assert _clean(cluster, "consumed")["files"] == []
 
 
 def test_samples_kept_by_the_caller_are_never_overwritten(

@@ -1,6 +1,7 @@
 """One role in a Mooncake Store test, run as its own process inside the test's namespace.
 
     python -m tools.store_role produce --files DIR [--fail NAME,...] [--hold BIG_FILE]
+    python -m tools.store_role produce --files DIR --force   # put and announce, unchecked
     python -m tools.store_role read --files DIR [--follow --claim --delete --names ...]
     python -m tools.store_role read --files DIR --claim --hold-first   # then killed
     python -m tools.store_role read --files DIR --stop-after 3 [--again]   # breaks out
@@ -26,9 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.store_keys import CommitRecord, data_key
 from hidden_state_reader.store.client import StoreClient, StoreSettings
-from hidden_state_reader.store.publish import StorePublisher, publish_file
+from hidden_state_reader.store.publish import StorePublisher, parse_sample_header, publish_file
 
 
 def settings(args: argparse.Namespace) -> StoreSettings:
@@ -56,13 +58,22 @@ def produce(args: argparse.Namespace) -> None:
             continue
         started = time.monotonic()
         try:
-            publish_copy(publisher, path)
+            if args.force:  # a retry that checked before its key was consumed
+                data = path.read_bytes()
+                header = parse_sample_header(path.name, data)
+                publisher.client.put(data_key(args.prefix, path.name), data)
+                publisher._commit(CommitRecord(path.name, True, len(data),
+                                               header.metadata[Meta.CRC32]))  # fmt: skip
+            else:
+                publish_copy(publisher, path)
             published.append(path.name)
         except Exception as exc:
             publisher.fail(path.name, f"publish failed: {exc}")
             failed.append(path.name)
         waited = max(waited, time.monotonic() - started)
+    stored = publisher.client.exists([data_key(args.prefix, n) for n in published])
     result = {"slot": publisher.slot, "published": published, "failed": failed,
+              "stored": [n for n, there in zip(published, stored) if there],
               "max_publish_s": round(waited, 3)}  # fmt: skip
     print(json.dumps(result), flush=True)
     for i in range(1_000_000) if args.hold else ():  # killed while a put is in flight
@@ -85,7 +96,8 @@ def read_once(args: argparse.Namespace) -> None:
     kwargs = dict(follow=args.follow, idle_timeout=args.idle_timeout, claim=args.claim,
                   claim_group=args.group,
                   on_consumed="delete" if args.delete else "keep", on_error=args.on_error,
-                  lock_timeout=args.lock_timeout, max_samples=args.max_samples)  # fmt: skip
+                  lock_timeout=args.lock_timeout, max_samples=args.max_samples,
+                  consumed_key_retention=args.retention)  # fmt: skip
     if args.names:
         kwargs["names"] = args.names.split(",")
     reader = HiddenStateReader(args.url, **kwargs)
@@ -207,6 +219,8 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=0)
     parser.add_argument("--again", action="store_true")
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--retention", type=float, default=7 * 24 * 3600.0)
     args = parser.parse_args()
     roles = {"produce": produce, "read": read, "tamper": tamper, "probe": probe,
              "dataset": dataset}  # fmt: skip
