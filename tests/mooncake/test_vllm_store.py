@@ -29,3 +29,16 @@ def test_round_trip_through_the_connector(
         assert tokens == prompt
         assert layer_ids == [1, 2, 4]
         assert errors and max(errors) < 1e-4, errors
+    # A keyed request, consumed by a deleting reader, then retried: within its key's
+    # retention the store is asked, nothing is written, and the response says it existed.
+    retries = result["retries"]
+    key = retries["first"]["hidden_states_key"]
+    assert key == "row-1.safetensors" and "hidden_states_existed" not in retries["first"]
+    assert retries["taken"] == [result["prompts"][0]]
+    assert retries["retry"]["hidden_states_existed"] is True
+    assert retries["retry"]["hidden_states_key"] == key
+    assert retries["stored_after_retry"] is False, "nothing was written for the retry"
+    # Forgotten (clean): the next retry is written again, and read again.
+    assert retries["forgotten"] == ["vllm/consumed/" + key]
+    assert "hidden_states_existed" not in retries["after_clean"]
+    assert retries["taken_again"] == [result["prompts"][0]]

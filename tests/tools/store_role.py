@@ -73,7 +73,7 @@ def produce(args: argparse.Namespace) -> None:
         waited = max(waited, time.monotonic() - started)
     stored = publisher.client.exists([data_key(args.prefix, n) for n in published])
     result = {"slot": publisher.slot, "published": published, "failed": failed,
-              "stored": [n for n, there in zip(published, stored) if there],
+              "stored": [n for n, there in zip(published, stored, strict=True) if there],
               "max_publish_s": round(waited, 3)}  # fmt: skip
     print(json.dumps(result), flush=True)
     for i in range(1_000_000) if args.hold else ():  # killed while a put is in flight
