@@ -36,7 +36,7 @@ from benchmarks.common import (
     remove_tree_contents,
     table,
 )
-from hidden_state_connector.demo.serving import free_port
+from hidden_state_connector.apps.demo.serving import free_port
 
 NAME = "completion_order"
 TITLE = "7. Completion order: concurrent clients of a live vLLM server"
@@ -201,7 +201,7 @@ def _phase(url: str, out_dir: Path, count: int, clients: int, seed: int) -> dict
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from hidden_state_connector.server import ServeOptions, VllmServer
+    from hidden_state_connector.apps.server import ServeOptions, VllmServer
 
     work = ctx.workdir(NAME)
     sequential, concurrent = ctx.pick((8, 32), (48, 192))

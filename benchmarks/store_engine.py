@@ -54,7 +54,7 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 def _connector(backend: str, out: str, master: str) -> dict[str, Any]:
-    from hidden_state_connector.server import kv_transfer_config
+    from hidden_state_connector.apps.server import kv_transfer_config
 
     extra: dict[str, Any] = {"stats_interval": 0}
     if backend == "store":
@@ -196,7 +196,7 @@ def worker_main(argv: list[str]) -> None:
     _time_puts(puts)
     from vllm import LLM
 
-    from hidden_state_connector.server import speculative_config
+    from hidden_state_connector.apps.server import speculative_config
 
     t0 = time.perf_counter()
     llm = LLM(

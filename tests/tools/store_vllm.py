@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
 
 from procs import IN_PROCESS_ENGINE

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from hidden_state_reader.cli.main import build_parser
+from hidden_state_reader.apps.cli.main import build_parser
 from hidden_state_reader.format import WriterLock, read_header, write_sample
 
 from samples import make_tensors, write_samples
 
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 PAST = time.time() - 3600
 
 
