@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_connector.apps.demo.draft_head import DraftHead, next_token_loss
 from hidden_state_connector.apps.demo.progress import Snapshot, SnapshotLine
-from hidden_state_connector.apps.demo.prompts import bundled_prompts, load_prompts, parse_jsonl
+from hidden_state_connector.apps.draft_head import DraftHead, next_token_loss
+from hidden_state_connector.apps.prompts import bundled_prompts, load_prompts, parse_jsonl
 
 from procs import DEMO
 

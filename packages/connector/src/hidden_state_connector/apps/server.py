@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -148,6 +149,13 @@ class ServeOptions:
     def shell_command(self) -> str:
         """``launch_command``, quoted for a shell (what ``hidden-state serve`` prints)."""
         return shlex.join(self.launch_command())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for ``ServeOptions.port``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def vllm_distribution() -> str | None:

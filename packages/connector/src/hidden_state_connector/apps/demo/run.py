@@ -46,7 +46,6 @@ from hidden_state_connector.apps.demo.options import (
 from hidden_state_connector.apps.demo.outcome import check, collect, count_files
 from hidden_state_connector.apps.demo.producer import Producer
 from hidden_state_connector.apps.demo.progress import Snapshot, SnapshotLine
-from hidden_state_connector.apps.demo.prompts import load_prompts
 from hidden_state_connector.apps.demo.report import DemoSummary, plot_loss, write_json
 from hidden_state_connector.apps.demo.serving import (
     capture_layers,
@@ -57,6 +56,7 @@ from hidden_state_connector.apps.demo.serving import (
     server_env,
 )
 from hidden_state_connector.apps.demo.trainer import Trainer, TrainerConfig
+from hidden_state_connector.apps.prompts import load_prompts
 from hidden_state_connector.apps.server import VllmServer
 
 __all__ = ["run_demo"]

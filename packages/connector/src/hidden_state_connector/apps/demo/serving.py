@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,14 +23,7 @@ from hidden_state_connector.apps.demo.options import (
     DemoError,
     DemoOptions,
 )
-from hidden_state_connector.apps.server import ServeOptions, cpu_kv_cache_args
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from hidden_state_connector.apps.server import ServeOptions, cpu_kv_cache_args, free_port
 
 
 def model_config(model: str) -> dict[str, Any]:

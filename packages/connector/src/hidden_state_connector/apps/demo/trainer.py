@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from hidden_state_connector.apps.demo.draft_head import DraftHead, next_token_loss
+from hidden_state_connector.apps.draft_head import DraftHead, next_token_loss
 from hidden_state_reader import ReaderStats, Sample
 from hidden_state_reader.training.collate import PadCollate
 from hidden_state_reader.training.dataset import HiddenStateDataset

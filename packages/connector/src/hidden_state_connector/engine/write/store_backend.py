@@ -16,12 +16,14 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from typing import Any
 
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.write.target import SampleTarget
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.format import WriterLock
+from hidden_state_reader.probes import STORE_PUT, probes
 from hidden_state_reader.store.client import StoreClient, StoreSettings
 from hidden_state_reader.store.publish import StorePublisher, publish_file
 from hidden_state_reader.store.url import store_url
@@ -80,8 +82,12 @@ class StoreLock(WriterLock):
         """
         if self._settled:
             return
+        observers = probes(STORE_PUT)
+        began = time.monotonic() if observers else 0.0
         publish_file(self.publisher, self.name, self.staged)
         self._settled = True
+        for observe in observers:
+            observe(staged=self.staged, began=began, ended=time.monotonic())
 
     def mark_failed(self, reason: str, **detail: Any) -> None:
         """Record the failure in the store (``failed/NAME`` + a commit record)."""
