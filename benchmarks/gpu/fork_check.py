@@ -187,7 +187,9 @@ def main() -> int:
         root = Path(tmp)
         write_samples(root, args.samples)
         for name, run in phases(root, args).items():
+            print(f"phase {name}", flush=True)  # where a crash of this process happened
             results[name] = phase(run, quiet_collector=name != "as_reported")
+            print(f"phase {name}: ok={results[name]['ok']}", flush=True)
     counted = {name: r for name, r in results.items() if name != "control"}
     failed = [r["error"] for r in counted.values() if not r["ok"]]
     control = results.get("control")

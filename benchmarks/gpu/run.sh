@@ -4,7 +4,7 @@
 #   PLAN: smoke | validate | full | tp2 | v30sleep | ...
 set -uo pipefail
 plan=${1:-smoke}
-source .gpu/install.sh || exit 3
+if [ "${2:-}" != "--no-install" ]; then source .gpu/install.sh || exit 3; fi
 # Wheels the image lacks, if the runner put any in .gpu/extra (none are needed today).
 if compgen -G ".gpu/extra/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl || exit 4
@@ -162,6 +162,22 @@ case "$plan" in
   v30sleep)
     timeout 170 python3 benchmarks/gpu/sleep_check.py --jsonl "$OUT/results.jsonl" \
       2>>"$OUT/v30sleep.log" | grep RESULT
+    ;;
+  # Issue 35: the correctness sweep every change to the connector's engine path runs on a
+  # GPU before it lands (benchmarks/gpu/verify.py; one call, < 9 minutes).
+  verify)
+    timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" \
+      2>"$OUT/verify.log" | cut -c1-1500
+    ;;
+  # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
+  fork)
+    (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \
+      | tee "$OUT/fork.log" | grep -v "^\s*File\|^  " | tail -20
+    grep RESULT "$OUT/fork.log" | sed 's/^RESULT //' >> "$OUT/results.jsonl"
+    ;;
+  v35)
+    bash "$0" verify --no-install
+    bash "$0" fork --no-install
     ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

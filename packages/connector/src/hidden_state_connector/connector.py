@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from hidden_state_connector.engine import architecture, compat
+from hidden_state_connector.engine import architecture, compat, output_tokens
 from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
 from hidden_state_connector.engine.forward.checks import ForwardSetup, forward_setup
 from hidden_state_connector.engine.forward.worker import ForwardWorkerSide
@@ -116,6 +116,8 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
         # recurrent state with prefix caching or generated tokens).
         architecture.check_engine_model(vllm_config, found, self.config.include_output_tokens)
+        # Refuses include_output_tokens by default under async scheduling (wrong rows).
+        output_tokens.check_output_tokens_default(vllm_config, self.config.include_output_tokens)
         group = compat.hidden_state_group(kv_cache_config)
         block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
         configured = compat.configured_layer_ids(vllm_config)

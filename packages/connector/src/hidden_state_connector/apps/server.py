@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from hidden_state_connector import CONNECTOR_NAME
+from hidden_state_connector.engine.output_tokens import NO_ASYNC_FLAG
 from hidden_state_connector.vllm_release import installed_vllm
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
@@ -58,6 +59,21 @@ def cpu_kv_cache_args(vllm_args: Sequence[str], env: Mapping[str, str] | None = 
     """``--kv-cache-memory-bytes`` for vLLM's CPU build (``cpu_kv_cache_bytes``), or []."""
     size = cpu_kv_cache_bytes(vllm_args, env)
     return [] if size is None else ["--kv-cache-memory-bytes", f"{size // 2**20}M"]
+
+
+def scheduling_args(connector: Mapping[str, Any], vllm_args: Sequence[str]) -> list[str]:
+    """``--no-async-scheduling`` when every request stores its generated tokens, or [].
+
+    The connector refuses ``include_output_tokens`` under async scheduling (its rows
+    come out wrong: ``engine/output_tokens.py``); a user's own choice of the flag stands.
+    """
+    chosen = {arg.split("=", 1)[0] for arg in vllm_args}
+    if not connector.get("include_output_tokens") or chosen & {
+        "--async-scheduling",
+        NO_ASYNC_FLAG,
+    }:
+        return []
+    return [NO_ASYNC_FLAG]
 
 
 def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
@@ -128,6 +144,7 @@ class ServeOptions:
                 if self.shutdown_timeout is not None
                 else []
             ),
+            *scheduling_args(self.connector, self.vllm_args),
             *self.vllm_args,
         ]
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hidden_state_connector.engine import compat
-from hidden_state_connector.engine.architecture import recurrent_state_refusal
 from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
 from hidden_state_connector.engine.forward.routing import rows_of_step
 from hidden_state_connector.engine.handoff import same_process
@@ -38,6 +37,7 @@ from hidden_state_connector.engine.metadata import (
     NewSample,
     SaveOrder,
 )
+from hidden_state_connector.engine.output_tokens import output_tokens_refusal
 from hidden_state_connector.engine.sample_params import (
     EXISTED_PARAM,
     KEY_PARAM,
@@ -124,7 +124,7 @@ class SchedulerSide:
         self._paths_in_use: Counter[str] = Counter()  # requests in flight per path
         self._outgoing = HiddenStateConnectorMetadata()
         # Set when generated tokens cannot be captured right for this model.
-        self._no_output_tokens = recurrent_state_refusal(vllm_config)
+        self._no_output_tokens = output_tokens_refusal(vllm_config)
         # Forward capture: the worker needs each step's rows of captured requests.
         self._forward = config.capture == CAPTURE_FORWARD
 
