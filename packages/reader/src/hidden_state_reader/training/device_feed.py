@@ -11,9 +11,7 @@ device: it only makes its stream wait for the batch's copy.
 
 Threads, not processes: reading is system calls and memory copies, which release the
 GIL, and nothing has to cross a process boundary (docs/dependencies.md has the
-measurements). Page-locked buffers, copy events and delivered device tensors are
-registered with ``fork_guard``: a process forked later (a DataLoader worker) never frees
-them, which would call CUDA there and abort it.
+measurements).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.acknowledgement import Ticket
 from hidden_state_reader.training.batch_memory import TensorSpec, carve, layout
 from hidden_state_reader.training.dataset_modes import Reading, Skipped
-from hidden_state_reader.training.fork_guard import keep_in_forked_children
 
 if TYPE_CHECKING:
     from hidden_state_reader.reader import HiddenStateReader
@@ -66,7 +63,6 @@ class HostArenas:
 
     Batch ``k`` is built in buffer ``k % count``; before a buffer is reused, the copy
     that last read it is waited for. A batch larger than its buffer gets a larger one.
-    Buffers are never freed in a forked child (``fork_guard``).
 
     Args:
         count: Buffers, so batch ``k + 1`` is built while batch ``k`` is copied.
@@ -92,7 +88,6 @@ class HostArenas:
             # Room for a quarter more: batch sizes vary, and page-locking is slow.
             size += size // 4
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-            keep_in_forked_children(buffer)
             self._buffers[index] = buffer
         return carve(buffer, specs)
 
@@ -100,13 +95,6 @@ class HostArenas:
         """The batch just allocated is being copied out until ``event``; move on."""
         self._copies[self._next] = event
         self._next = (self._next + 1) % len(self._buffers)
-
-    def settle(self) -> None:
-        """Wait for the copies still reading the buffers and drop their events (between passes)."""
-        for index, copy in enumerate(self._copies):
-            if copy is not None:
-                copy.synchronize()
-                self._copies[index] = None
 
 
 class Placement:
@@ -142,7 +130,6 @@ class Placement:
             moved = self._finish(_to(batch, self.device), samples)
             event = torch.cuda.Event()
             event.record(stream)
-        keep_in_forked_children(event)
         return moved, event
 
     def _finish(self, batch: Any, samples: Sequence[Sample]) -> Any:
@@ -210,11 +197,10 @@ class DeviceFeed:
         if arenas is None and reuse:
             arenas = [HostArenas(2, pin=True) for _ in range(threads)]
         self.arenas = arenas if reuse else None
-        # Not a method of the feed: no reference cycle keeps a finished feed (and what it
-        # holds) for the garbage collector, in this process or a forked one.
-        self._readers = _OpenReaders()
-        self._reading = Reading(changes, self._readers)
+        self._reading = Reading(changes, self._opened)
         self._stop = threading.Event()
+        self._readers: list[HiddenStateReader] = []
+        self._lock = threading.Lock()
         ordered = not dataset.follow
         self._queues = [
             queue.Queue[Any](maxsize=prefetch) for _ in range(threads if ordered else 1)
@@ -236,21 +222,23 @@ class DeviceFeed:
             self.close()
 
     def close(self) -> None:
-        """Stop the threads (their waits for writers end), wait for them, settle the buffers.
-
-        The buffers' last copies are waited for and their events dropped, and the feed
-        lets go of the buffers (the loader keeps them for its next pass).
-        """
+        """Stop the threads (their waits for writers end) and wait for them."""
         self._stop.set()
-        self._readers.close_all()
+        with self._lock:
+            readers = list(self._readers)
+        for reader in readers:
+            reader.close()
         for q in self._queues:  # a thread blocked on a full queue sees the stop flag
             _drain(q)
         for worker in self._workers:
             worker.join()
         self._workers = []
-        for arenas in self.arenas or ():
-            arenas.settle()
-        self.arenas = None
+
+    def _opened(self, reader: HiddenStateReader) -> None:
+        with self._lock:
+            self._readers.append(reader)
+        if self._stop.is_set():
+            reader.close()
 
     def _arrivals(self) -> Iterator[_Built]:
         """Built batches: round-robin over the threads (static order), else as they come."""
@@ -260,12 +248,7 @@ class DeviceFeed:
             for index in list(live):
                 item = self._queues[index].get()
                 if isinstance(item, _Failed):
-                    # The traceback holds this frame: no local may hold the error (a cycle).
-                    error, item = item.error, None
-                    try:
-                        raise error
-                    finally:
-                        del error
+                    raise item.error
                 if item is _DONE:
                     finished += 1
                     if len(self._queues) > 1 or finished == self.threads:
@@ -322,34 +305,6 @@ class DeviceFeed:
         return False
 
 
-class _OpenReaders:
-    """The readers the builder threads open (``Reading.opened``), to close from another thread.
-
-    A reader's ``close`` interrupts its waits for writers; one opened after
-    ``close_all`` is closed at once.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._readers: list[HiddenStateReader] = []
-        self._closed = False
-
-    def __call__(self, reader: HiddenStateReader) -> None:
-        with self._lock:
-            self._readers.append(reader)
-            closed = self._closed
-        if closed:
-            reader.close()
-
-    def close_all(self) -> None:
-        """Close every reader opened so far, and any opened later."""
-        with self._lock:
-            self._closed = True
-            readers = list(self._readers)
-        for reader in readers:
-            reader.close()
-
-
 def _chunks(
     items: Iterator[tuple[int, Sample | Skipped]], size: int, stop: threading.Event
 ) -> Iterator[list[Sample | Skipped]]:
@@ -371,7 +326,6 @@ def _to(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
         if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
             batch = batch.pin_memory()
-            keep_in_forked_children(batch)
         return batch.to(device, non_blocking=True)
     if isinstance(batch, dict):
         return {key: _to(value, device) for key, value in batch.items()}
@@ -398,11 +352,10 @@ def _delivered(built: _Built, device: torch.device) -> Any:
     if built.ready is not None:
         current = torch.cuda.current_stream(device)
         current.wait_event(built.ready)
-        on_device = [tensor for tensor in _tensors(built.batch) if tensor.device.type == "cuda"]
-        for tensor in on_device:
-            # Memory made on the builder's stream and freed after use on this one.
-            tensor.record_stream(current)
-        keep_in_forked_children(*on_device)  # freeing it now records an event
+        for tensor in _tensors(built.batch):
+            if tensor.device.type == "cuda":
+                # Memory made on the builder's stream and freed after use on this one.
+                tensor.record_stream(current)
     return built.batch
 
 

@@ -199,12 +199,11 @@ class HiddenStateLoader(DataLoader[Any]):
             device=self.device,
             arenas=arenas,
         )
-        arenas = feed.arenas  # made by the feed on its first pass
         try:
             yield from feed
         finally:
-            if arenas is not None:  # the threads are done with them (feed closed)
-                self._idle_arenas.append(arenas)
+            if feed.arenas is not None:  # the threads are done with them (feed closed)
+                self._idle_arenas.append(feed.arenas)
 
     @property
     def epoch(self) -> int:
