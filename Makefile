@@ -53,7 +53,7 @@ help:
 # The reader's native fp8 kernel is compiled at install (packages/reader/setup.py): a
 # change to its source re-runs the install.
 $(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pyproject.toml \
-		packages/reader/setup.py packages/reader/src/hidden_state_reader/format/_fp8_native.c
+		packages/reader/setup.py packages/reader/src/hidden_state_reader/kernels/_fp8_native.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "== installing into $(VENV): $(VLLM) (about a minute the first time)"
 	$(PY) -m pip install -q --disable-pip-version-check $(UV_PIN)

@@ -121,7 +121,7 @@ def _cpu() -> float:
 def _staged(work: Path) -> list[str]:
     import torch
 
-    from hidden_state_reader.format import write_sample
+    from hidden_state_reader.files.publish import write_sample
 
     tokens, layers, hidden = SHAPE
     gen = torch.Generator().manual_seed(0)

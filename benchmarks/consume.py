@@ -107,7 +107,8 @@ def stage(root: Path, storage: str, plan: Plan) -> list[str]:
     """``plan.staged`` distinct sample files of ``storage`` (written once, published many times)."""
     import torch
 
-    from hidden_state_reader.format import sample_metadata, write_sample
+    from hidden_state_reader.files.publish import write_sample
+    from hidden_state_reader.format import sample_metadata
 
     root.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
@@ -342,7 +343,7 @@ def measure(plan: Plan, work: Path, kinds: list[str]) -> dict[str, Any]:
             runs[kind].append(run)
     rows = {kind: {**combine(results), "storage": KINDS[kind][0], "device": KINDS[kind][1],
                    "backend": KINDS[kind][2]} for kind, results in runs.items()}  # fmt: skip
-    from hidden_state_reader.format.fp8_cpu import kernel
+    from hidden_state_reader.kernels.fp8_cpu import kernel
 
     return {"plan": asdict(plan), "kinds": rows, "skipped": skipped, "fp8_kernel": kernel(),
             "loadavg": list(os.getloadavg())}  # fmt: skip
@@ -422,21 +423,21 @@ def render(res: dict[str, Any]) -> str:
              latency]
         )  # fmt: skip
     out = [
-        f"{p['readers']} reader processes (`follow=True, claim=True, on_consumed=\"delete\"`, "
+        f'{p["readers"]} reader processes (`follow=True, claim=True, on_consumed="delete"`, '
         f"otherwise defaults), one producer at {fmt(p['rate'])} samples/s "
         f"({fmt(p['rate'] * size / 1e9)} GB/s of bf16), {p['samples']} samples of "
         f"{p['tokens']} tokens x {p['layers']} layers x {p['hidden']} ({fmt(size / 2**20)} MiB "
-        "in bf16). GB are of delivered bytes (bf16 for fp8 files). \"GB per reader CPU-s\": "
+        'in bf16). GB are of delivered bytes (bf16 for fp8 files). "GB per reader CPU-s": '
         "delivered bytes over the CPU time of the reader process (all its threads) while it "
         f"made its samples after the first {WARMUP}: the rate one reader sustains per core, "
         "whatever it waited for meanwhile (the first samples' buffers are new: their CPU "
         "per sample is the next column); raw: a raw read loop over the same samples, CPU-bound "
         "(files: `preadv` into a fresh buffer; store: `get_into` a registered buffer). "
-        "\"busy (wall)\": wall time from the moment a sample was both published and asked "
+        '"busy (wall)": wall time from the moment a sample was both published and asked '
         "for until the reader had touched it (includes the claim group's batched watch, "
         "up to 6.25 ms per member; see section 16). "
         f"{p.get('rounds', 1)} round(s), the kinds interleaved: rates are the median round's, "
-        "\"÷ bf16 files\" the median of per-round ratios, counts summed over rounds, the "
+        '"÷ bf16 files" the median of per-round ratios, counts summed over rounds, the '
         f"backlog and p99 the worst round's. fp8 dequantization: {res.get('fp8_kernel', '?')}.",
         "",
         table(HEADER, rows),
@@ -469,7 +470,7 @@ def check_device(device: str, work: Path) -> dict[str, Any]:
     import torch
 
     from hidden_state_reader import LoadOptions, load_sample
-    from hidden_state_reader.format import write_sample
+    from hidden_state_reader.files.publish import write_sample
 
     x = torch.randn(64, 3, 256).bfloat16()
     mask = torch.arange(64) % 3 == 0

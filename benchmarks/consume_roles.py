@@ -46,7 +46,7 @@ def _paced(count: int, rate: float) -> Any:
 
 
 def produce_files(argv: list[str]) -> None:
-    from hidden_state_reader.format import WriterLock
+    from hidden_state_reader.files.locks import WriterLock
 
     directory, out, staged = Path(argv[0]), argv[1], argv[4:]
     count, rate = int(argv[2]), float(argv[3])

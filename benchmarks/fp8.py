@@ -63,7 +63,7 @@ def _errors(states: Any, layers: list[int]) -> list[dict[str, Any]]:
     """Per layer: relative (Frobenius) error and the worst element's share of the bound."""
     import torch
 
-    from hidden_state_reader.format.fp8 import dequantize, quantize
+    from hidden_state_reader.kernels.fp8 import dequantize, quantize
 
     x = states.float()
     rows = []
@@ -95,7 +95,7 @@ def _interleaved(work: Path, big: Any, reps: int) -> dict[str, list[float]]:
     import torch
 
     from hidden_state_reader import LoadOptions, load_sample
-    from hidden_state_reader.format import write_sample
+    from hidden_state_reader.files.publish import write_sample
 
     tokens = torch.arange(big.shape[0])
     times: dict[str, list[float]] = {}
@@ -131,8 +131,8 @@ def _kernels(reps: int) -> dict[str, Any]:
     """
     import torch
 
-    from hidden_state_reader.format import fp8_cpu
-    from hidden_state_reader.format.fp8 import quantize
+    from hidden_state_reader.kernels import fp8_cpu
+    from hidden_state_reader.kernels.fp8 import quantize
 
     gen = torch.Generator().manual_seed(0)
     big = torch.randn(KERNEL_SHAPE, generator=gen).to(torch.bfloat16)
@@ -165,7 +165,7 @@ def _gpu(big: Any, reps: int) -> dict[str, float] | None:
     """GB/s (bf16 bytes) of quantize and dequantize on the GPU, when there is one."""
     import torch
 
-    from hidden_state_reader.format.fp8 import dequantize, quantize
+    from hidden_state_reader.kernels.fp8 import dequantize, quantize
 
     if not torch.cuda.is_available():
         return None
@@ -209,7 +209,7 @@ def _layout_bytes(tokens: int, layers: int, hidden: int) -> dict[str, int]:
 def run(ctx: Context) -> dict[str, Any]:
     import torch
 
-    from hidden_state_reader.format import write_sample
+    from hidden_state_reader.files.publish import write_sample
 
     work = ctx.workdir(NAME)
     states, setup = _captured(ctx)

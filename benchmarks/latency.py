@@ -52,7 +52,8 @@ def writer_main(argv: list[str]) -> None:
     start_after = float(argv[8])
     import torch
 
-    from hidden_state_reader.format import SampleFileWriter, WriterLock
+    from hidden_state_reader.files.locks import WriterLock
+    from hidden_state_reader.files.publish import SampleFileWriter
 
     hidden_states = torch.randn(tokens, layers, hidden).to(torch.bfloat16)
     token_ids = torch.arange(tokens, dtype=torch.int64)

@@ -1,6 +1,6 @@
 """Lock libraries: ``filelock`` (which the project card names) vs the reader's own locks.
 
-The format's lock protocol (``format/lockfile.py``, docs/format.md): the writer holds
+The format's lock protocol (``files/locks.py``, docs/format.md): the writer holds
 ``flock(LOCK_EX)`` on ``NAME.safetensors.lock`` (created already locked, its status
 written inside) until the data file has its final name; readers sleep in
 ``flock(LOCK_SH)``, which the kernel wakes the moment the writer's descriptor closes,
@@ -28,7 +28,7 @@ TITLE = "14. Lock libraries: filelock vs the reader's SharedLock"
 
 
 def _shared_lock(data: str) -> Callable[[], Any]:
-    from hidden_state_reader.format import SharedLock
+    from hidden_state_reader.files.locks import SharedLock
 
     def acquire() -> Any:
         return SharedLock.acquire(data)
@@ -49,7 +49,7 @@ def _filelock(data: str) -> Callable[[], Any]:
 
 def _wake_ms(data: str, acquire: Callable[[], Any], rounds: int) -> list[float]:
     """Milliseconds from the writer's release to the reader (main thread) holding the lock."""
-    from hidden_state_reader.format import WriterLock
+    from hidden_state_reader.files.locks import WriterLock
 
     out = []
     for i in range(rounds):
@@ -75,7 +75,7 @@ def _wake_ms(data: str, acquire: Callable[[], Any], rounds: int) -> list[float]:
 def _observations(data: str) -> dict[str, str]:
     import filelock
 
-    from hidden_state_reader.format import SharedLock, WriterLock
+    from hidden_state_reader.files.locks import SharedLock, WriterLock
 
     said = {}
     writer = WriterLock.create(data)

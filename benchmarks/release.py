@@ -190,9 +190,7 @@ def _summary(raw: dict[str, Any]) -> dict[str, Any]:
         "max_ms": max(released) if released else None,
     }
     if stages:
-        out["stages_p50_ms"] = {
-            k: percentile([s[k] for s in stages], 50) for k in stages[0]
-        }
+        out["stages_p50_ms"] = {k: percentile([s[k] for s in stages], 50) for k in stages[0]}
     return out
 
 

@@ -162,7 +162,7 @@ def scan_main(argv: list[str]) -> None:
     import tracemalloc
 
     from hidden_state_reader import HiddenStateReader
-    from hidden_state_reader.format.listing import list_samples
+    from hidden_state_reader.files.listing import list_samples
     from hidden_state_reader.read.sources import FollowSource
 
     out: dict[str, Any] = {"files": len(list(directory.iterdir()))}

@@ -184,7 +184,7 @@ def _cpu_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def _run_round(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from hidden_state_reader.format import SharedLock
+    from hidden_state_reader.files.locks import SharedLock
 
     prompts = random_prompts(cmd["seed"], cmd["count"], cmd["length"])
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)

@@ -66,7 +66,8 @@ def _stage(root: Path, count: int, tokens: int) -> tuple[list[Path], float]:
     """Write ``count`` samples; their paths and the seconds the writes took."""
     import torch
 
-    from hidden_state_reader.format import sample_metadata, write_sample
+    from hidden_state_reader.files.publish import write_sample
+    from hidden_state_reader.format import sample_metadata
 
     root.mkdir(parents=True, exist_ok=True)
     hidden = [torch.randn(tokens, 4, 1024).bfloat16() for _ in range(count)]
@@ -140,7 +141,7 @@ def _paths(samples: int = 40) -> dict[str, Any]:
     import numpy as np
 
     from benchmarks.common import median
-    from hidden_state_reader.format import crc, hostmem
+    from hidden_state_reader.kernels import crc, host_memory
     from hidden_state_reader.options import LoadOptions
     from hidden_state_reader.sample.load import load_buffer
     from hidden_state_reader.store import load
@@ -163,7 +164,7 @@ def _paths(samples: int = 40) -> dict[str, Any]:
 
     def before(key: str) -> None:
         n = client.size(key) or 0
-        out = hostmem.empty_bytes(n)
+        out = host_memory.empty_bytes(n)
         store.get_into(key, staging.ctypes.data, n)
         np.copyto(out, staging[:n])
         load_buffer(key, out, LoadOptions(verify_checksum=True))
@@ -258,7 +259,7 @@ def _inside(quick: bool, scratch: Path, model: Path | None) -> dict[str, Any]:
                 "steady_GB_per_s_each": [r["steady_B_per_s"] / 1e9 for r in runs]}  # fmt: skip
 
     from benchmarks.common import median
-    from hidden_state_reader.format.crc import chosen
+    from hidden_state_reader.kernels.crc import chosen
 
     store_read, raw_read = read(reads["store"]), read(reads["raw"])
     return {

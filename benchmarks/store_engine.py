@@ -96,7 +96,7 @@ class _Published:
     def wait(self, params: list[dict[str, Any]], timeout: float = 600) -> int:
         """Block until every sample is published; the number that failed instead."""
         if self.backend == "files":
-            from hidden_state_reader.format import SharedLock
+            from hidden_state_reader.files.locks import SharedLock
 
             for p in params:
                 lock = SharedLock.acquire(p["hidden_states_path"], timeout=timeout)

@@ -108,9 +108,7 @@ class _Watchdog:
 
         self.names = names
         self.seen: set[str] = set()
-        self.observer = (
-            PollingObserver(timeout=interval) if polling else InotifyObserver()
-        )
+        self.observer = PollingObserver(timeout=interval) if polling else InotifyObserver()
         kinds = [FileCreatedEvent, FileMovedEvent, FileClosedEvent]
         self.observer.schedule(Handler(), root, recursive=False, event_filter=kinds)
         self.observer.start()
@@ -186,9 +184,7 @@ def _finish(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def _publish_renames(
-    root: Path, count: int, gap: float, done_dir: Path | None
-) -> dict[str, float]:
+def _publish_renames(root: Path, count: int, gap: float, done_dir: Path | None) -> dict[str, float]:
     """Rename ``count`` files into place, ``gap`` apart; the clock after each rename.
 
     With ``done_dir``, each file is moved there before the next one is published, as a
@@ -211,9 +207,7 @@ def _publish_renames(
     return published
 
 
-def _latency(
-    ctx: Context, kind: str, count: int, gap: float, *, move_out: bool
-) -> dict[str, Any]:
+def _latency(ctx: Context, kind: str, count: int, gap: float, *, move_out: bool) -> dict[str, Any]:
     root = ctx.workdir("watchers-latency")
     done_dir = ctx.workdir("watchers-done") if move_out else None
     proc = _spawn(ctx, kind, root, count)
@@ -232,7 +226,7 @@ def _latency(
 def _burst(ctx: Context, kind: str, count: int) -> dict[str, Any]:
     import torch
 
-    from hidden_state_reader.format import write_sample
+    from hidden_state_reader.files.publish import write_sample
 
     root = ctx.workdir("watchers-burst")
     token_ids = torch.arange(4)
@@ -337,7 +331,7 @@ def findings(res: dict[str, Any]) -> list[str]:
         f"{mov[own]['p50_ms']:.2f} ms while consumed files move out) with "
         f"{lat[own]['threads']} thread per process; watchdog's InotifyObserver in "
         f"{lat[wd]['p50_ms']:.2f} ms, but {mov[wd]['p50_ms']:.0f} ms (p99 "
-        f"{mov[wd]['p99_ms']:.0f} ms) while consumed files move out (`on_consumed=\"move\"`, "
+        f'{mov[wd]["p99_ms"]:.0f} ms) while consumed files move out (`on_consumed="move"`, '
         "quarantine: its move-pairing queue holds every later event behind an unpaired "
         f"move for 0.5 s), with {lat[wd]['threads']} threads per observer, and "
         f"{fmt(burst[wd]['cpu_us_per_sample'])} \u00b5s of CPU per written sample against "
@@ -356,8 +350,8 @@ def render(res: dict[str, Any]) -> str:
         [
             f"watchdog {s['watchdog']}. Each watcher in its own process. Latency: "
             f"{s['latency_files']} files renamed into place {s['gap_s'] * 1e3:.0f} ms apart "
-            "(rename -> name in the consumer's hands); \"moving out\": the same while each "
-            "previous file is moved to another directory (as `on_consumed=\"move\"` and the "
+            '(rename -> name in the consumer\'s hands); "moving out": the same while each '
+            'previous file is moved to another directory (as `on_consumed="move"` and the '
             "quarantine do). Burst: "
             f"{s['burst_samples']:,} samples written by `write_sample` as fast as it goes "
             "(lock, temp file, rename, unlock); CPU of the watcher's whole process until "

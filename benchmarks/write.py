@@ -100,7 +100,7 @@ class _CrcTimer:
         return getattr(self._local, "spent", (0.0, 0.0))
 
     def crc32(self, data: Any, value: int = 0) -> int:
-        from hidden_state_reader.format.crc import crc32
+        from hidden_state_reader.kernels.crc import crc32
 
         t, c = time.perf_counter(), time.thread_time()
         try:
@@ -149,7 +149,8 @@ class Variant:
         import torch
 
         from hidden_state_connector.engine.write.job import SaveJob
-        from hidden_state_reader.format import WriterLock, sample_metadata
+        from hidden_state_reader.files.locks import WriterLock
+        from hidden_state_reader.format import sample_metadata
 
         pipeline, extractor = self.pipeline, self.extractor
         jobs = []
@@ -208,7 +209,7 @@ class Variant:
 
     def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
         """One more trial with timers around each stage (thread-seconds per stage)."""
-        from hidden_state_reader.format import SampleFileWriter
+        from hidden_state_reader.files.publish import SampleFileWriter
 
         timers = _Timers()
         crc = _CrcTimer(timers)
@@ -435,7 +436,7 @@ def run(ctx: Context) -> dict[str, Any]:
             variant.close()
         with contextlib.suppress(OSError):
             remove_tree_contents(work)
-    from hidden_state_reader.format.crc import chosen
+    from hidden_state_reader.kernels.crc import chosen
 
     res = _summarise(per, profile, variant_settings, sizes, trials, layout, tokens)
     res["crc_implementation"] = chosen()[0]
@@ -582,7 +583,7 @@ def findings(res: dict[str, Any]) -> list[str]:
         crc_secs = secs.get(_CrcTimer.STAGE, 0.0)
         share = f", {crc_secs / total:.0%} of the pipeline's thread time" if total > 0 else ""
         out.append(
-            "The CRC32 (`checksum`, on by default; `format.crc.crc32`, here "
+            "The CRC32 (`checksum`, on by default; `kernels.crc.crc32`, here "
             f"{res.get('crc_implementation', 'zlib')}'s, over each chunk in the writer "
             "thread that writes it, the GIL released): "
             f"{crc_secs / (res['profile']['bytes'] / 1e9):.2f} thread-s per GB in the "

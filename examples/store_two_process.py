@@ -31,7 +31,8 @@ import tempfile
 import torch
 
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import sample_metadata
 from hidden_state_reader.store.client import StoreClient, StoreSettings
 from hidden_state_reader.store.publish import StorePublisher, publish_file
 
@@ -43,8 +44,14 @@ def produce(master: str, prefix: str, count: int) -> None:
     for i in range(count):
         path = os.path.join(staging, f"sample-{i}.safetensors")
         hidden = torch.full((16, 2, 32), float(i)).bfloat16()
-        write_sample(path, torch.arange(16), hidden, use_lock=False, checksum=True,
-                     metadata=sample_metadata(layer_ids=[1, 2], request_id=f"req-{i}"))
+        write_sample(
+            path,
+            torch.arange(16),
+            hidden,
+            use_lock=False,
+            checksum=True,
+            metadata=sample_metadata(layer_ids=[1, 2], request_id=f"req-{i}"),
+        )
         publish_file(publisher, os.path.basename(path), path)  # data, then commit record
 
 
@@ -53,8 +60,9 @@ def train(master: str, prefix: str, count: int) -> dict:
     # Stop once `count` samples are consumed. The trainer may start well before the
     # producer's first sample (its start-up, a busy machine): the idle timeout only guards
     # against a producer that died, so make it longer than the producer needs to start.
-    reader = HiddenStateReader(url, follow=True, max_samples=count, idle_timeout=60,
-                               claim=True, on_consumed="delete")
+    reader = HiddenStateReader(
+        url, follow=True, max_samples=count, idle_timeout=60, claim=True, on_consumed="delete"
+    )
     seen = []
     for _token_ids, hidden_states in reader:
         seen.append(int(hidden_states[0, 0, 0]))  # a real loop would take a step here
@@ -74,8 +82,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.produce:
         return produce(args.master, args.prefix, args.count)
-    producer = subprocess.Popen([sys.executable, __file__, "--produce", "--master", args.master,
-                                 "--prefix", args.prefix, "--count", str(args.count)])
+    producer = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--produce",
+            "--master",
+            args.master,
+            "--prefix",
+            args.prefix,
+            "--count",
+            str(args.count),
+        ]
+    )
     result = train(args.master, args.prefix, args.count)
     result["producer_exit"] = producer.wait()
     print(json.dumps(result))

@@ -19,7 +19,8 @@ import torch
 
 from hidden_state_connector.apps.cli import extract as extract_cli
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import sample_metadata
 
 # The CLI framework's stand-in: exactly what `hidden-state extract ...` does.
 RUNNER = (

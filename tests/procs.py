@@ -116,7 +116,7 @@ def free_port() -> int:
 # writer elsewhere does to the files under test.
 HOLDER = r"""
 import fcntl, os, sys
-from hidden_state_reader.format import WriterLock
+from hidden_state_reader.files.locks import WriterLock
 held = {}
 print("ready", flush=True)
 for line in sys.stdin:

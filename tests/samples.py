@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from hidden_state_reader.format import encode_header, sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import encode_header, sample_metadata
 
 
 def make_tensors(

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_reader.format import sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import sample_metadata
 
 TESTS = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent

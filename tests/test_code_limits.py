@@ -26,6 +26,7 @@ MAX_MODULE_DOCSTRING_LINES = 25
 MAX_MEASURED_FIGURES = 5
 MEASURED_FIGURE = re.compile(r"GB/s|MB/s|GiB/s|\bmeasured\b|\bH200\b|\d ?(?:ms|µs)\b", re.I)
 
+
 def checked_sources() -> list[tuple[str, str]]:
     """``(path relative to the repository, source)`` of every module held to the limits."""
     return [(str(path.relative_to(ROOT)), path.read_text(encoding="utf-8")) for path in SOURCES]

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_reader.format import sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import sample_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]

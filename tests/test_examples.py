@@ -257,8 +257,14 @@ def test_store_two_process(tmp_path: Path) -> None:
     store = StoreCluster(tmp_path / "logs")
     try:
         result = store.net.popen(
-            [sys.executable, str(EXAMPLES / "store_two_process.py"), "--master", MASTER,
-             "--count", "12"],
+            [
+                sys.executable,
+                str(EXAMPLES / "store_two_process.py"),
+                "--master",
+                MASTER,
+                "--count",
+                "12",
+            ],
             stdout=subprocess.PIPE,
         ).communicate(timeout=120)[0]
     finally:

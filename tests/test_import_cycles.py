@@ -4,7 +4,7 @@ The graph is built from the source (``ast``): every ``import`` and ``from ... im
 anywhere in a module, inside functions and ``if TYPE_CHECKING:`` blocks too, is an edge
 to the module it names (``from pkg import name`` names ``pkg.name`` when that is a
 module, else ``pkg``). C extension modules (``*.c`` beside the Python files, such as
-``format/_fp8_native.c``) are modules too, importing none of ours. A circle is a
+``kernels/_fp8_native.c``) are modules too, importing none of ours. A circle is a
 strongly connected component of more than one module: each of them imports itself
 through the others.
 """
@@ -115,8 +115,10 @@ def test_the_graph_sees_lazy_and_type_checking_imports() -> None:
     # An import under ``if TYPE_CHECKING:`` (the package's lazily exported names).
     assert "hidden_state_reader.reader" in graph["hidden_state_reader"]
     # A C extension is a module (so importing it is not importing its package).
-    assert graph["hidden_state_reader.format.fp8_cpu"] >= {"hidden_state_reader.format._fp8_native"}
-    assert "hidden_state_reader.format" not in graph["hidden_state_reader.format.fp8_cpu"]
+    assert graph["hidden_state_reader.kernels.fp8_cpu"] >= {
+        "hidden_state_reader.kernels._fp8_native"
+    }
+    assert "hidden_state_reader.format" not in graph["hidden_state_reader.kernels.fp8_cpu"]
     # And the circle finder, on a graph with one circle and a module outside it.
     cycle = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(cycle) == [frozenset({"a", "b", "c"})]

@@ -97,7 +97,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 def wait_released(paths: list[str], t0: float) -> list[float]:
     """Seconds after t0 at which each file's lock could be taken (in file order)."""
-    from hidden_state_reader.format import SharedLock
+    from hidden_state_reader.files.locks import SharedLock
 
     out = []
     for p in paths:

@@ -18,9 +18,10 @@ multiprocessing_context="fork")`` run to the end:
 * ``as_reported``: 2 epochs on the device, the loader kept, the collector left alone.
 * ``loader_dropped``: the same passes in a function that drops its loader.
 * ``batch_in_cycle``: a delivered batch left in a reference cycle.
-* ``control`` (not counted in ``ok``; ``--no-control`` skips it): no project code, a
-  page-locked tensor a non-blocking copy read, left in a cycle. It should abort its
-  worker on any version: the mechanism itself, on this machine's torch and driver.
+* ``control`` (run first, not counted in ``ok``; ``--no-control`` skips it): no project
+  code yet, a page-locked tensor a non-blocking copy read, left in a cycle. It should
+  abort its worker: the mechanism itself, on this machine's torch and driver. (Once a
+  device feed was made, the parent collects before each fork: ``training/fork_safety.py``.)
 
 In all but the first, this process collects no garbage by itself until the loop is over
 and every worker collects once when it starts (what its collector does sooner or later),
@@ -62,7 +63,8 @@ def parse_args() -> argparse.Namespace:
 
 def write_samples(root: Path, count: int) -> None:
     """``count`` bf16 samples of 16-63 tokens, 2 layers of 256, written by the product."""
-    from hidden_state_reader.format import sample_metadata, write_sample
+    from hidden_state_reader.files.publish import write_sample
+    from hidden_state_reader.format import sample_metadata
 
     gen = torch.Generator().manual_seed(0)
     for i in range(count):
@@ -173,10 +175,12 @@ def phases(root: Path, args: argparse.Namespace) -> dict[str, Callable[[], None]
         del pinned, cycle
         forked_loop(collect=True)
 
-    chosen = {"as_reported": as_reported, "loader_dropped": loader_dropped}
-    chosen["batch_in_cycle"] = batch_in_cycle
+    # The control first: before any device feed, nothing collects before a fork yet.
+    chosen: dict[str, Callable[[], None]] = {}
     if not args.no_control and args.device == "cuda":
         chosen["control"] = control
+    chosen.update(as_reported=as_reported, loader_dropped=loader_dropped)
+    chosen["batch_in_cycle"] = batch_in_cycle
     return chosen
 
 

@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # The reader's native fp8 kernel (the image has a C compiler; without it the reader uses
 # torch passes and says so).
 (cd packages/reader && python3 setup.py -q build_ext --inplace) >"$OUT/build.log" 2>&1
-python3 -c "from hidden_state_reader.format.fp8_cpu import kernel; print('fp8 CPU kernel:', kernel())"
+python3 -c "from hidden_state_reader.kernels.fp8_cpu import kernel; print('fp8 CPU kernel:', kernel())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /tmp /dev/shm | tail -2
 B="python3 benchmarks/gpu/bench.py"
@@ -174,6 +174,14 @@ case "$plan" in
     (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \
       | tee "$OUT/fork.log" | grep -v "^\s*File\|^  " | tail -20
     grep RESULT "$OUT/fork.log" | sed 's/^RESULT //' >> "$OUT/results.jsonl"
+    ;;
+  # Issue 38: the fork check, then the device feed still delivers (short train_feed rows).
+  v38fork)
+    bash "$0" fork --no-install
+    timeout 200 python3 benchmarks/gpu/train_feed.py --batch-samples 5 --seconds 5 \
+      --alone-seconds 3 --unique 32 --copies 10 --jsonl "$OUT/results.jsonl" \
+      --rows synthetic,hsl_bf16_static,hsl_fp8_follow,hsl_bf16_static_alone \
+      2>"$OUT/v38.log" | grep RESULT | cut -c1-400
     ;;
   v35)
     bash "$0" verify --no-install

@@ -202,7 +202,7 @@ def sustain(args: argparse.Namespace) -> dict[str, Any]:
         len(json.loads((work / f"reader{i}.json").read_text())["rows"]) for i in range(len(readers))
     ]
     conn = json.loads(args.connector)
-    from hidden_state_reader.format.fp8_cpu import kernel  # the readers' install too
+    from hidden_state_reader.kernels.fp8_cpu import kernel  # the readers' install too
 
     row = {
         "date": time.strftime("%Y-%m-%d"),

@@ -108,10 +108,11 @@ class Trainer:
 
 def write_dataset(root: Path, unique: int, copies: int, fp8: bool, device: torch.device) -> int:
     """``unique`` random samples (2k-6k tokens) written ``copies`` times (hard links)."""
+    from hidden_state_reader.files.locks import WriterLock
+    from hidden_state_reader.files.publish import SampleFileWriter
     from hidden_state_reader.format import fp8 as fp8_format
     from hidden_state_reader.format import sample_metadata
-    from hidden_state_reader.format.lockfile import WriterLock
-    from hidden_state_reader.format.publish import SampleFileWriter
+    from hidden_state_reader.kernels.fp8 import quantize
 
     root.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(1)
@@ -134,7 +135,7 @@ def write_dataset(root: Path, unique: int, copies: int, fp8: bool, device: torch
             storage=storage,
         )
         if fp8:  # quantized on the GPU (the CPU takes minutes for this much)
-            codes, scales = fp8_format.quantize(hidden)
+            codes, scales = quantize(hidden)
             writer.write_scales(scales.cpu())
             writer.write_hidden(codes.cpu())
         else:
@@ -213,7 +214,7 @@ def hsl_batches(root: Path, args: argparse.Namespace, spec: dict[str, Any]) -> I
             if not spec["threads"]:
                 batch = _to_gpu(batch, device)
             if dequantize:
-                from hidden_state_reader.format import fp8
+                from hidden_state_reader.kernels import fp8
 
                 batch["hidden_states"] = fp8.dequantize(
                     batch["hidden_states"], batch.pop("hidden_states_scales"), torch.bfloat16
@@ -275,7 +276,7 @@ def synthetic_varlen_batches(
     ``PACK_TOKENS``, as ``PackCollate(max_tokens=...)`` makes them: the trainer's speed
     depends on the shapes it gets, so the loader rows compare with the same shapes.
     """
-    from hidden_state_reader.format.header import read_header
+    from hidden_state_reader.files.header import read_header
 
     lengths = [read_header(str(p)).num_tokens for p in sorted(root.glob("*.safetensors"))]
     gen = torch.Generator().manual_seed(2)

@@ -245,7 +245,7 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
 def account_for(outs: list[Any], out: str, model_dir: Path, row_tol: float) -> dict[str, Any]:
     """Published, client errors, missing (visible or silent), wrong rows vs HF."""
     from hidden_state_reader import HiddenStateReader
-    from hidden_state_reader.format.lockfile import read_status
+    from hidden_state_reader.files.locks import read_status
 
     params = [o.kv_transfer_params or {} for o in outs]
     errors = [p.get("hidden_states_error") for p in params]

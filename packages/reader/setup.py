@@ -1,7 +1,7 @@
 """Build of the optional native fp8 kernel; everything else is in pyproject.toml.
 
 The extension is optional: where no C compiler is available the build goes on without
-it and the reader dequantizes fp8 with torch passes instead (``format/fp8_cpu.py``), so
+it and the reader dequantizes fp8 with torch passes instead (``kernels/fp8_cpu.py``), so
 the package installs everywhere it did before.
 """
 
@@ -15,8 +15,8 @@ FLAGS = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-fno-fa
 setup(
     ext_modules=[
         Extension(
-            "hidden_state_reader.format._fp8_native",
-            ["src/hidden_state_reader/format/_fp8_native.c"],
+            "hidden_state_reader.kernels._fp8_native",
+            ["src/hidden_state_reader/kernels/_fp8_native.c"],
             extra_compile_args=FLAGS,
             optional=True,
         )

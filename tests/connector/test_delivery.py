@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import LockState, lock_path, probe
+from hidden_state_reader.files.locks import probe
+from hidden_state_reader.format import LockState, lock_path
 
 pytestmark = pytest.mark.vllm
 

@@ -81,5 +81,3 @@ def test_this_vllm_is_in_the_range_and_was_run() -> None:
     pytest.importorskip("vllm")
     found = compat.check_vllm_version()
     assert compat.MIN_VLLM <= compat._parse(found) < compat.MAX_VLLM_EXCLUSIVE
-
-

@@ -14,7 +14,9 @@ import torch
 from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_connector.engine.compat import vllm_version
 from hidden_state_reader import HiddenStateReader, Sample
-from hidden_state_reader.format import LockState, lock_path, probe, read_header
+from hidden_state_reader.files.header import read_header
+from hidden_state_reader.files.locks import probe
+from hidden_state_reader.format import LockState, lock_path
 
 from conftest import HFReference, assert_matches_reference
 from procs import IN_PROCESS_ENGINE

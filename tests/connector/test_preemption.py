@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import LockState, lock_path, probe
+from hidden_state_reader.files.locks import probe
+from hidden_state_reader.format import LockState, lock_path
 
 from conftest import HFReference, assert_matches_reference
 
@@ -60,7 +61,8 @@ from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
 from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import LockState, lock_path, probe
+from hidden_state_reader.files.locks import probe
+from hidden_state_reader.format import LockState, lock_path
 
 model, out, setup = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 started = time.monotonic()

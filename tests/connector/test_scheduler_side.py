@@ -201,5 +201,3 @@ def test_unusable_custom_directory_is_refused_when_scheduled(tmp_path: Path) -> 
     assert handoff.orders == [] and sched.build_metadata(scheduler_output()).saves == []
     assert sched.stats.total.refused_paths == 1
     assert not os.path.exists(lock_path(result[PATH_PARAM]))
-
-

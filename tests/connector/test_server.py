@@ -17,7 +17,7 @@ import pytest
 from hidden_state_connector.apps.server import ServeOptions, VllmServer
 from hidden_state_connector.client import complete, complete_all
 from hidden_state_reader import HiddenStateReader, Sample
-from hidden_state_reader.format import SharedLock, read_status
+from hidden_state_reader.files.locks import SharedLock, read_status
 
 from procs import free_port
 from tools.relkit import HEALTH_TIMEOUT

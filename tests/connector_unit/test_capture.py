@@ -18,7 +18,9 @@ import torch
 
 from hidden_state_connector.engine.capture import describe_capture
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_reader.format import Meta, read_header, write_sample
+from hidden_state_reader.files.header import read_header
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import Meta
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 

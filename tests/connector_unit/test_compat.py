@@ -62,5 +62,3 @@ def test_versions_outside_the_range_fail_with_the_escape_hatch_named(
     with caplog.at_level("WARNING"):
         assert compat.check_vllm_version() == found
     assert "outside the supported range" in caplog.text
-
-

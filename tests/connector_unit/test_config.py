@@ -37,8 +37,6 @@ def test_config_accepts_vllm_keys_and_sizes() -> None:
         ({"storage_dtype": "bf16"}, "storage_dtype"),
     ],
 )
-
-
 def test_bad_config_values_name_the_key(extra: dict, key: str) -> None:
     with pytest.raises(ValueError, match=key):
         ConnectorConfig.from_extra_config({"shared_storage_path": "/x", **extra})
@@ -47,5 +45,3 @@ def test_bad_config_values_name_the_key(extra: dict, key: str) -> None:
 def test_unknown_keys_are_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     ConnectorConfig.from_extra_config({"shared_storage_path": "/x", "sharde_storage": 1})
     assert "sharde_storage" in caplog.text
-
-

@@ -31,8 +31,9 @@ from hidden_state_connector.engine.write.gather import Chunk, Extractor
 from hidden_state_connector.engine.write.job import SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import WriterLock, read_status, sample_metadata
-from hidden_state_reader.format.publish import SampleFileWriter
+from hidden_state_reader.files.locks import WriterLock, read_status
+from hidden_state_reader.files.publish import SampleFileWriter
+from hidden_state_reader.format import sample_metadata
 
 BLOCK, LAYERS, HIDDEN, NUM_BLOCKS = 4, 3, 8, 8
 LAYER_IDS = [1, 2, 4]

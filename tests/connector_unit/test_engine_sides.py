@@ -41,18 +41,10 @@ from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import JobState, SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_reader import HiddenStateReader, LoadOptions, load_sample, read_header
-from hidden_state_reader.format import (
-    LockState,
-    Meta,
-    SampleFileWriter,
-    SharedLock,
-    WriterLock,
-    lock_path,
-    probe,
-    read_status,
-    sample_metadata,
-)
-from hidden_state_reader.format.fp8 import quantize
+from hidden_state_reader.files.locks import SharedLock, WriterLock, probe, read_status
+from hidden_state_reader.files.publish import SampleFileWriter
+from hidden_state_reader.format import LockState, Meta, lock_path, sample_metadata
+from hidden_state_reader.kernels.fp8 import quantize
 
 BLOCK, LAYERS, HIDDEN, NUM_BLOCKS = 4, 3, 8, 16
 HS_GROUP = 1  # the hidden-state group is the second KV-cache group in these fakes

@@ -47,12 +47,9 @@ from hidden_state_connector.engine.sleep_guard import RELEASE_REASON
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import (
-    SampleFileWriter,
-    lock_path,
-    read_status,
-    sample_tags,
-)
+from hidden_state_reader.files.locks import read_status
+from hidden_state_reader.files.publish import SampleFileWriter
+from hidden_state_reader.format import lock_path, sample_tags
 
 BLOCK, LAYERS, HIDDEN = 4, 3, 8
 CAPACITY, COMMITTED = 64, 16  # reserved blocks, blocks committed after warm-up

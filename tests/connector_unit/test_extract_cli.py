@@ -43,7 +43,7 @@ from hidden_state_connector.apps.offline.inputs import PromptEncoder, open_input
 from hidden_state_connector.apps.offline.manifest import MANIFEST_NAME, Manifest, SampleRecord
 from hidden_state_connector.apps.offline.progress import ExtractCounters, format_duration
 from hidden_state_connector.apps.offline.resume import remove_stale_temp_files
-from hidden_state_reader.format import write_sample
+from hidden_state_reader.files.publish import write_sample
 
 # -- fast: inputs, manifest, progress, CLI usage ------------------------------------------
 
@@ -374,5 +374,3 @@ def test_files_on_disk_are_verified_and_a_finished_run_never_starts_vllm(
     # Other layers in the same directory are refused.
     code, _, err = run_in_process(*args[:-1], "1,2")
     assert code == 2 and "layers=[1, 3]" in err
-
-

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import PathOutsideRootError
-from hidden_state_reader.format import resolve_inside, safe_component
+from hidden_state_reader.files.paths import resolve_inside
+from hidden_state_reader.format import safe_component
 
 
 def test_resolve_inside_accepts_nested_and_refuses_escapes(tmp_path: Path) -> None:

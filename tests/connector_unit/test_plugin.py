@@ -8,5 +8,3 @@ def test_the_plugin_is_declared_as_a_vllm_entry_point() -> None:
 
     names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert "hidden_state_connector.plugin:register" in names
-
-

@@ -26,8 +26,10 @@ def test_mooncake_keys_are_parsed() -> None:
     assert config.mooncake_segment_bytes == 0 and config.mooncake_buffer_bytes == 64 << 20
     assert config.mooncake_full_timeout == 5.0
     params = transfer_params(config, "/data", "/data/req-1.x.safetensors")
-    assert params == {"hidden_states_key": "req-1.x.safetensors",
-                      "hidden_states_url": "mooncake://10.0.0.5:50051/hs/req-1.x.safetensors"}
+    assert params == {
+        "hidden_states_key": "req-1.x.safetensors",
+        "hidden_states_url": "mooncake://10.0.0.5:50051/hs/req-1.x.safetensors",
+    }
     assert transfer_params(ConnectorConfig(), "/data", "/data/a.safetensors") == {}
 
 

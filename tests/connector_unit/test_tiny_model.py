@@ -30,9 +30,7 @@ DOC = ROOT / "docs" / "connector.md"
 
 
 def tiny_model(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*COMMAND, *args], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
+    return subprocess.run([*COMMAND, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def doc_commands() -> list[list[str]]:

@@ -21,15 +21,9 @@ from hidden_state_connector.engine.write.gather import Extractor, plan_chunks
 from hidden_state_connector.engine.write.job import SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import (
-    LockState,
-    WriterLock,
-    lock_path,
-    probe,
-    read_status,
-    sample_metadata,
-)
-from hidden_state_reader.format.publish import SampleFileWriter
+from hidden_state_reader.files.locks import WriterLock, probe, read_status
+from hidden_state_reader.files.publish import SampleFileWriter
+from hidden_state_reader.format import LockState, lock_path, sample_metadata
 
 BLOCK_SIZE = 4
 WAIT_S = 10.0  # generous bound for anything a thread must do

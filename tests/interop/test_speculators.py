@@ -29,7 +29,8 @@ from hidden_state_reader import CorruptSampleError, load_sample
 from hidden_state_reader.apps.cli import main as cli_main
 from hidden_state_reader.apps.export.masks import DefaultMask, MaskSource, loss_mask
 from hidden_state_reader.apps.export.speculators import export_speculators
-from hidden_state_reader.format import lock_path, sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import lock_path, sample_metadata
 from hidden_state_reader.sample.sample import Sample
 
 from procs import LockHolder

@@ -24,7 +24,7 @@ print("ok")
 
 
 def run_check(module: str, *, torch_free: bool) -> None:
-    from hidden_state_reader.format.flockwait import WAKE_SIGNAL
+    from hidden_state_reader.files.flockwait import WAKE_SIGNAL
 
     code = CHECK.format(module=module, torch_free=torch_free)
     result = subprocess.run(
@@ -42,8 +42,10 @@ def run_check(module: str, *, torch_free: bool) -> None:
     [
         "hidden_state_reader",
         "hidden_state_reader.format",
-        "hidden_state_reader.format.lockfile",
-        "hidden_state_reader.format.flockwait",
+        "hidden_state_reader.files",
+        "hidden_state_reader.files.locks",
+        "hidden_state_reader.kernels",
+        "hidden_state_reader.files.flockwait",
         "hidden_state_reader.errors",
         "hidden_state_reader.apps.cli.common",
         "hidden_state_reader.apps.cli.toolkit",
@@ -56,7 +58,7 @@ def test_import_is_torch_free_and_installs_nothing(module: str) -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        "hidden_state_reader.format.flockwait",
+        "hidden_state_reader.files.flockwait",
         "hidden_state_reader.reader",
         "hidden_state_reader.training.dataset",
         "hidden_state_reader.training.loader",
@@ -96,6 +98,7 @@ PUBLIC = [
     "StaleLockError",
     "WaitCancelledError",
     "__version__",
+    "dequantize",
     "distributed_context",
     "load_sample",
     "pack_collate",
@@ -137,7 +140,7 @@ def test_public_names_are_listed_once_and_type_checkers_see_the_same() -> None:
 
 LAZY = """
 import fcntl, os, signal, sys, tempfile, threading
-from hidden_state_reader.format.flockwait import WAKE_SIGNAL, _on_wake, flock_wait
+from hidden_state_reader.files.flockwait import WAKE_SIGNAL, _on_wake, flock_wait
 path = tempfile.mktemp()
 holder = os.open(path, os.O_RDWR | os.O_CREAT)
 fcntl.flock(holder, fcntl.LOCK_EX)
@@ -166,7 +169,7 @@ def test_building_a_reader_installs_the_wake_handler(tmp_path: object) -> None:
     code = (
         "import signal, sys\n"
         "from hidden_state_reader import HiddenStateReader\n"
-        "from hidden_state_reader.format.flockwait import WAKE_SIGNAL, _on_wake\n"
+        "from hidden_state_reader.files.flockwait import WAKE_SIGNAL, _on_wake\n"
         "HiddenStateReader(sys.argv[1])\n"
         "assert signal.getsignal(WAKE_SIGNAL) is _on_wake\n"
         "print('ok')\n"

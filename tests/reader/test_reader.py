@@ -19,7 +19,7 @@ from hidden_state_reader import (
     load_sample,
     read_header,
 )
-from hidden_state_reader.format import WriterLock
+from hidden_state_reader.files.locks import WriterLock
 from hidden_state_reader.options import LoadOptions, ReaderOptions
 
 from samples import make_tensors, write_samples, write_vllm_style

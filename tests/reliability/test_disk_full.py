@@ -25,7 +25,7 @@ import pytest
 
 from hidden_state_connector.client import complete, complete_all
 from hidden_state_reader import HiddenStateReader, load_sample
-from hidden_state_reader.format import SharedLock, read_status
+from hidden_state_reader.files.locks import SharedLock, read_status
 
 from procs import IN_PROCESS_ENGINE
 from tools.relkit import (

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from hidden_state_reader import load_sample
-from hidden_state_reader.format import SharedLock
+from hidden_state_reader.files.locks import SharedLock
 
 from procs import IN_PROCESS_ENGINE
 from tools.relkit import HEALTH_TIMEOUT, Figures, files_under, log_count, serve_options

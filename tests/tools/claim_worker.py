@@ -82,8 +82,10 @@ def serve(args: argparse.Namespace) -> None:
                     consume(args, out)
                 except BaseException as exc:
                     # where it came from, on one line (the test prints the line it fails on)
-                    where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
-                                        for f in reversed(traceback.extract_tb(exc.__traceback__)))
+                    where = " <- ".join(
+                        f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                        for f in reversed(traceback.extract_tb(exc.__traceback__))
+                    )
                     os.write(out, f"error {exc!r} at {where}\n".encode())
                     code = 1
                 os._exit(code)

@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from safetensors.torch import save, save_file
 
-from hidden_state_reader.format import SampleFileWriter, WriterLock, write_sample
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import SampleFileWriter, write_sample
 
 from tools.relkit import _pattern, pattern_tensors, sample_name
 

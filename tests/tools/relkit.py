@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from hidden_state_reader.format import LockState, classify, probe
+from hidden_state_reader.files.locks import probe
+from hidden_state_reader.format import LockState, classify
 from hidden_state_reader.format.names import Kind
 
 from procs import free_port

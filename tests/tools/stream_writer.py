@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from hidden_state_reader.format import write_sample
+from hidden_state_reader.files.publish import write_sample
 
 from tools.relkit import pattern_tensors, sample_name
 

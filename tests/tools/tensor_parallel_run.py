@@ -19,7 +19,8 @@ import sys
 
 from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import LockState, lock_path, probe, read_status
+from hidden_state_reader.files.locks import probe, read_status
+from hidden_state_reader.format import LockState, lock_path
 
 BATCHES = 4
 STEPS_TO_FREE = 50  # engine steps to wait for vLLM to free reported blocks

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from hidden_state_reader.format import SampleFileWriter, WriterLock
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import SampleFileWriter
 
 from samples import make_tensors, write_samples
 

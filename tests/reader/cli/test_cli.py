@@ -21,7 +21,8 @@ from hidden_state_reader.apps.cli import main as cli_main
 from hidden_state_reader.apps.cli.common import file_progress
 from hidden_state_reader.apps.cli.table import format_table
 from hidden_state_reader.apps.cli.toolkit import format_bytes
-from hidden_state_reader.format import WriterLock, write_sample
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import write_sample
 
 from procs import LockHolder
 from samples import make_tensors, write_raw, write_samples, write_vllm_style

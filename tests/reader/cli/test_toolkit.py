@@ -9,7 +9,8 @@ import torch
 
 from hidden_state_reader.apps.cli import common, toolkit
 from hidden_state_reader.apps.cli.toolkit import format_bytes
-from hidden_state_reader.format import read_header, write_sample
+from hidden_state_reader.files.header import read_header
+from hidden_state_reader.files.publish import write_sample
 
 
 def test_exit_codes() -> None:

@@ -16,17 +16,9 @@ from hidden_state_reader import (
     load_sample,
     read_header,
 )
-from hidden_state_reader.format import (
-    LockState,
-    Meta,
-    WriterLock,
-    has_nonfinite,
-    lock_path,
-    probe,
-    read_status,
-    sample_metadata,
-    write_sample,
-)
+from hidden_state_reader.files.locks import WriterLock, probe, read_status
+from hidden_state_reader.files.publish import has_nonfinite, write_sample
+from hidden_state_reader.format import LockState, Meta, lock_path, sample_metadata
 
 from samples import write_vllm_style
 

@@ -24,8 +24,10 @@ from hidden_state_reader import (
     load_sample,
     read_header,
 )
-from hidden_state_reader.format import Meta, sample_metadata, write_sample
-from hidden_state_reader.format.fp8 import SCALES, dequantize, quantize
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import Meta, sample_metadata
+from hidden_state_reader.format.fp8 import SCALES
+from hidden_state_reader.kernels.fp8 import dequantize, quantize
 
 
 def residual_like(tokens: int = 64, layers: int = 4, hidden: int = 256) -> torch.Tensor:

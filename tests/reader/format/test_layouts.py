@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hidden_state_reader import CorruptSampleError, IncompleteSampleError, read_header
-from hidden_state_reader.format import SampleHeader, layouts, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import SampleHeader, layouts
 from hidden_state_reader.format.header import _made, parse_header
 
 

@@ -16,7 +16,9 @@ from hidden_state_reader import (
     load_sample,
     read_header,
 )
-from hidden_state_reader.format import LOSS_MASK, lock_path, read_status, write_sample
+from hidden_state_reader.files.locks import read_status
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import LOSS_MASK, lock_path
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.load import MMAP_MIN_BYTES
 from hidden_state_reader.training.collate import PackCollate, PadCollate, pack_collate, pad_collate

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hidden_state_reader import load_sample
+from hidden_state_reader.files.publish import write_sample
 from hidden_state_reader.format import (
     Meta,
     check_tags,
@@ -15,7 +16,6 @@ from hidden_state_reader.format import (
     sample_metadata,
     sample_tags,
     tag_metadata,
-    write_sample,
 )
 from hidden_state_reader.format.tags import MAX_TAG_KEY_CHARS, RESERVED_KEYS
 

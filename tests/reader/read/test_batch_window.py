@@ -58,7 +58,7 @@ def test_two_watchers_of_one_directory_keep_their_own_windows(tmp_path: Path) ->
 
 
 def test_a_group_follower_batches_its_own_watch_only(tmp_path: Path) -> None:
-    from hidden_state_reader.format.flockwait import CancelToken
+    from hidden_state_reader.files.flockwait import CancelToken
     from hidden_state_reader.options import LoadOptions
     from hidden_state_reader.read.claims import ClaimStore
     from hidden_state_reader.read.decision import GROUP_BATCH_WINDOW, Decider

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import Meta, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import Meta
 from hidden_state_reader.format.consumed import CONSUMED_DIR, record_path
 from hidden_state_reader.read.consumed_keys import is_consumed, read_record
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hidden_state_reader import HiddenStateReader, LockTimeoutError, load_sample
-from hidden_state_reader.format import WriterLock, write_sample
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import write_sample
 from hidden_state_reader.sample.load import MMAP_MIN_BYTES
 
 from samples import make_tensors, write_samples, write_vllm_style

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.format import WriterLock
+from hidden_state_reader.files.locks import WriterLock
 
 from procs import WRITER, hold_lock
 from samples import write_samples

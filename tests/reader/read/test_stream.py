@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from hidden_state_reader import HiddenStateReader, LockTimeoutError
-from hidden_state_reader.format import WriterLock, write_sample
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import write_sample
 
 from procs import hold_lock
 from samples import make_tensors, write_samples
@@ -192,7 +193,7 @@ def test_a_held_lock_is_not_polled_while_events_are_received(
 ) -> None:
     """While a writer holds its lock, the reader looks at it once, then waits for the
     kernel's events; it does not re-probe it on a timer (counted, not timed)."""
-    from hidden_state_reader.format import SharedLock
+    from hidden_state_reader.files.locks import SharedLock
     from hidden_state_reader.read import directory as directory_backend
 
     looks: list[str] = []

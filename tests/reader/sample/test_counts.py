@@ -24,7 +24,10 @@ import pytest
 import torch
 
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, HiddenStateReader
-from hidden_state_reader.format import WriterLock, encode_header, read_header, write_sample
+from hidden_state_reader.files.header import read_header
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import encode_header
 
 from bad_files import CASES
 from samples import make_tensors, write_samples

@@ -19,14 +19,14 @@ import pytest
 
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.apps.cli import main as cli_main
-from hidden_state_reader.format import WriterLock, read_status
-from hidden_state_reader.format.lockfile import (
+from hidden_state_reader.files.identity import (
     WriterFate,
     check_writer,
-    encode_status,
     process_seen,
     writer_identity,
 )
+from hidden_state_reader.files.locks import WriterLock, read_status
+from hidden_state_reader.format.lock_status import encode_status
 from hidden_state_reader.sample.health import check_sample
 from hidden_state_reader.sample.states import SampleState
 

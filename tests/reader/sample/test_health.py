@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_reader.format import LockState, WriterLock, write_sample
-from hidden_state_reader.format.listing import list_entries
+from hidden_state_reader.files.listing import list_entries
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import LockState
 from hidden_state_reader.sample.health import (
     PROBLEM_STATES,
     check_sample,

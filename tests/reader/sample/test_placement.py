@@ -20,7 +20,7 @@ from hidden_state_reader import (
     HiddenStateReader,
     LoadOptions,
 )
-from hidden_state_reader.format import write_sample
+from hidden_state_reader.files.publish import write_sample
 
 
 def _write(hs_dir: Path) -> list[Path]:

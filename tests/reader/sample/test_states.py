@@ -12,7 +12,8 @@ import pytest
 
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, HiddenStateReader
 from hidden_state_reader.apps.cli import main as cli_main
-from hidden_state_reader.format import WriterLock, write_sample
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.publish import write_sample
 
 from samples import make_tensors, write_samples
 

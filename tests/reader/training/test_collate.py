@@ -145,7 +145,8 @@ def test_module_level_collates_use_defaults() -> None:
 
 @pytest.mark.parametrize("collate", [PadCollate(pad_to_multiple_of=4), PackCollate()], ids=repr)
 def test_raw_fp8_batches_carry_their_scales(hs_dir: Path, collate: Any) -> None:
-    from hidden_state_reader.format import fp8, write_sample
+    from hidden_state_reader.files.publish import write_sample
+    from hidden_state_reader.kernels import fp8
 
     for i, n in enumerate(LENGTHS):
         tokens, hidden = make_tensors(i, n, 3, 8)

@@ -17,7 +17,9 @@ import pytest
 import torch
 from resume_contract import check_resume_contract
 
-from hidden_state_reader.format import fp8, sample_metadata, write_sample
+from hidden_state_reader.files.publish import write_sample
+from hidden_state_reader.format import sample_metadata
+from hidden_state_reader.kernels.fp8 import dequantize
 from hidden_state_reader.training.collate import PackCollate, PadCollate, pack_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.device_feed import HostArenas
@@ -101,7 +103,7 @@ def test_fp8_is_dequantized_on_the_device_bit_for_bit(hs_dir: Path) -> None:
     for workers in (0, 2):
         got = list(make(hs_dir, workers, device="cpu"))
         for r, g in zip(raw, got, strict=True):
-            values = fp8.dequantize(r["hidden_states"], r["hidden_states_scales"], torch.bfloat16)
+            values = dequantize(r["hidden_states"], r["hidden_states_scales"], torch.bfloat16)
             assert "hidden_states_scales" not in g
             assert torch.equal(values, g["hidden_states"])
 

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from hidden_state_reader.errors import SampleError as SampleError
     from hidden_state_reader.errors import StaleLockError as StaleLockError
     from hidden_state_reader.errors import WaitCancelledError as WaitCancelledError
-    from hidden_state_reader.format import read_header as read_header
-    from hidden_state_reader.format import write_sample as write_sample
+    from hidden_state_reader.files.header import read_header as read_header
+    from hidden_state_reader.files.publish import write_sample as write_sample
+    from hidden_state_reader.kernels.fp8 import dequantize as dequantize
     from hidden_state_reader.options import LoadOptions as LoadOptions
     from hidden_state_reader.read.counters import ReaderStats as ReaderStats
     from hidden_state_reader.reader import HiddenStateReader as HiddenStateReader
@@ -58,7 +59,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "StaleLockError",
         "WaitCancelledError",
     ),
-    "hidden_state_reader.format": ("read_header", "write_sample"),
+    "hidden_state_reader.files.header": ("read_header",),
+    "hidden_state_reader.files.publish": ("write_sample",),
+    "hidden_state_reader.kernels.fp8": ("dequantize",),
     "hidden_state_reader.options": ("LoadOptions",),
     "hidden_state_reader.read.counters": ("ReaderStats",),
     "hidden_state_reader.reader": ("HiddenStateReader",),

@@ -48,7 +48,7 @@ class LoadOptions:
             writer rewrites published files in place.
         raw_fp8: Give files stored in fp8 as stored (``hidden_states`` float8_e4m3fn plus
             ``Sample.hidden_states_scales``) instead of dequantizing them on the CPU;
-            dequantize on the GPU with ``hidden_state_reader.format.fp8.dequantize``.
+            dequantize on the GPU with ``hidden_state_reader.dequantize``.
             ``dtype`` then applies to other files only. By default fp8 files are
             dequantized to ``dtype``, else to the ``model_dtype`` the writer recorded.
         device: Put the sample's tensors on this torch device (``"cuda"``,

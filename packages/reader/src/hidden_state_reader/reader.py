@@ -13,8 +13,8 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import closing
 from typing import TYPE_CHECKING
 
+from hidden_state_reader.files.flockwait import CancelToken
 from hidden_state_reader.format.consumed import DEFAULT_RETENTION
-from hidden_state_reader.format.flockwait import CancelToken
 from hidden_state_reader.options import OnConsumed, OnError, ReaderOptions, Watch
 from hidden_state_reader.read.backend import Backend, Outcome, Receipt
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
@@ -122,9 +122,8 @@ class HiddenStateReader:
         watch: ``"auto"``, ``"inotify"`` or ``"poll"`` (NFS/Lustre with remote writers).
         rescan_interval: Safety rescan period in follow mode, seconds.
         poll_interval: Rescan period with ``watch="poll"``, seconds.
-        orphan_grace: How long a released lock without data, or a lock-less file that
-            does not parse, may be young and still count as being written, seconds (the
-            same grace as the ``hidden-state`` commands, ``states.GRACE``).
+        orphan_grace: Seconds a released lock without data, or a lock-less file that does
+            not parse, still counts as being written (``states.GRACE``, as the commands).
         consumed_key_retention: Seconds a sample named by an idempotency key is
             remembered after ``on_consumed`` deleted or moved it (7 days; 0: not at all):
             a retry of its key writes nothing meanwhile (docs/connector.md).
@@ -133,8 +132,7 @@ class HiddenStateReader:
             metadata).
         dtype: Convert hidden states to this dtype.
         pin_memory: Read into page-locked memory (faster host-to-GPU copies).
-        verify_checksum: Check the writer's CRC32 when the file has one (a second pass
-            over every byte, so off by default; see ``LoadOptions``).
+        verify_checksum: Check the writer's CRC32 where there is one (a 2nd pass; ``LoadOptions``).
         mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them; turn off
             if your writer rewrites published files in place (``LoadOptions``).
         raw_fp8: Give fp8 files as stored (float8_e4m3fn plus
@@ -152,9 +150,10 @@ class HiddenStateReader:
         FileNotFoundError: ``path`` is not a directory.
         ValueError: Invalid options.
         TypeError: An unknown option.
-        DirectoryNotWritableError: ``claim=True``, ``on_consumed="delete"`` or ``"move"``
-            on a directory (or done folder) this process cannot write.
+        DirectoryNotWritableError: Claims, deletes or moves where this process cannot write.
     """
+
+    _closed = False  # set by close()
 
     def __init__(
         self,
@@ -214,7 +213,6 @@ class HiddenStateReader:
         )
         self._cancel = CancelToken()
         self._backend = open_backend(self.root, self.options, self._cancel)
-        self._closed = False
         self._holding = Holding(self._commit)
         self.stats = ReaderStats()
 

@@ -50,7 +50,8 @@ from hidden_state_connector.engine.storage_check import usable_directory
 from hidden_state_connector.engine.write.store_backend import transfer_params
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import DATA_SUFFIX, resolve_inside, safe_component
+from hidden_state_reader.files.paths import resolve_inside
+from hidden_state_reader.format import DATA_SUFFIX, safe_component
 
 log = get_logger(__name__)
 

@@ -27,8 +27,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from hidden_state_reader.files.fileio import nearest_existing
 from hidden_state_reader.format import DATA_SUFFIX, temp_path
-from hidden_state_reader.format.fileio import nearest_existing
 
 SETTING = "shared_storage_path"
 # The probe file's name before ``temp_path`` makes it unique and temporary.

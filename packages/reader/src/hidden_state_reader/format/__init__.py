@@ -1,7 +1,9 @@
-"""On-disk format v1: file names, safetensors header, lock protocol, atomic publication.
+"""On-disk format v1, the spec only: names, header bytes, tensors, lock status, tags.
 
-This is the single source of truth for the format; the connector imports it.
-See ``docs/format.md``.
+This is the single source of truth for the format; the connector imports it. It does
+no I/O and imports no OS mechanism (``tests/test_architecture_rules.py``): reading,
+listing, locking and publishing files is ``hidden_state_reader.files``; fp8 arithmetic,
+CRC and host memory are ``hidden_state_reader.kernels``. See ``docs/format.md``.
 """
 
 from hidden_state_reader.format.header import (
@@ -11,19 +13,11 @@ from hidden_state_reader.format.header import (
     Meta,
     SampleHeader,
     encode_header,
-    read_header,
-    read_header_fd,
+    parse_header,
     sample_metadata,
 )
 from hidden_state_reader.format.idempotency import keyed_sample_name
-from hidden_state_reader.format.lockfile import (
-    LockState,
-    LockStatus,
-    SharedLock,
-    WriterLock,
-    probe,
-    read_status,
-)
+from hidden_state_reader.format.lock_status import LockState, LockStatus
 from hidden_state_reader.format.loss_mask import LOSS_MASK
 from hidden_state_reader.format.names import (
     CLAIMS_DIR,
@@ -34,17 +28,9 @@ from hidden_state_reader.format.names import (
     classify,
     lock_path,
     natural_key,
-    open_dir_beneath,
-    resolve_inside,
     safe_component,
     sample_key,
     temp_path,
-)
-from hidden_state_reader.format.publish import (
-    SampleFileWriter,
-    has_nonfinite,
-    tensor_bytes,
-    write_sample,
 )
 from hidden_state_reader.format.tags import check_tags, sample_tags, tag_metadata
 from hidden_state_reader.format.tensors import TensorInfo
@@ -62,30 +48,19 @@ __all__ = [
     "LockState",
     "LockStatus",
     "Meta",
-    "SampleFileWriter",
     "SampleHeader",
-    "SharedLock",
     "TensorInfo",
-    "WriterLock",
     "check_tags",
     "classify",
     "encode_header",
-    "has_nonfinite",
     "keyed_sample_name",
     "lock_path",
     "natural_key",
-    "open_dir_beneath",
-    "probe",
-    "read_header",
-    "read_header_fd",
-    "read_status",
-    "resolve_inside",
+    "parse_header",
     "safe_component",
     "sample_key",
     "sample_metadata",
     "sample_tags",
     "tag_metadata",
     "temp_path",
-    "tensor_bytes",
-    "write_sample",
 ]

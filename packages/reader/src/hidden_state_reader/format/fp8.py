@@ -1,4 +1,4 @@
-"""Opt-in fp8 storage of hidden states: names, validation, quantize and dequantize.
+"""Opt-in fp8 storage of hidden states: names and validation (the spec).
 
 A sample stored in fp8 holds ``hidden_states`` as ``F8_E4M3`` (``torch.float8_e4m3fn``)
 ``[tokens, layers, hidden]`` together with ``hidden_states_scales``, float32
@@ -11,8 +11,9 @@ with either reader. See ``docs/format.md`` for the error bound.
 Quantization: ``scale = max(amax / 448, 1e-12)`` over each row's hidden dimension,
 ``q = clamp(x / scale, -448, 448)`` rounded to nearest e4m3.
 
-The names and ``check_scales`` need no torch; ``quantize`` and ``dequantize`` import it
-when called, so ``import hidden_state_reader.format`` stays torch-free.
+The names and checks need no torch (``model_dtype`` imports it when called), so
+``import hidden_state_reader.format`` stays torch-free. ``quantize`` and ``dequantize``
+are mechanisms: ``hidden_state_reader.kernels.fp8``.
 """
 
 from __future__ import annotations
@@ -40,11 +41,6 @@ STORAGE_MODEL = "model"
 STORAGE_FP8 = "fp8_e4m3"
 """Store hidden states as float8_e4m3fn with per-token, per-layer float32 scales."""
 STORAGE_DTYPES = (STORAGE_MODEL, STORAGE_FP8)
-
-# Elements quantized per step on the CPU: bounds the float32 scratch (16 MiB) whatever
-# the sample's size, while keeping the steps (each a torch parallel region, whose barrier
-# is costly on a loaded machine) few.
-_BLOCK_ELEMS = 1 << 22
 
 
 def check_storage(value: str, what: str = "storage_dtype") -> str:
@@ -95,90 +91,6 @@ def check_scales(
             f"{SCALES!r} must be F32 [{tokens}, {layers}, 1] or [{tokens}, 1, 1] for "
             f"hidden_states {list(hidden_shape)}, got {dtype} {list(shape)}",
         )
-
-
-def quantize(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize hidden states to float8_e4m3fn with one scale per token and layer.
-
-    Runs on the tensor's device (on CUDA before the device-to-host copy, which then
-    moves half the bytes of bf16).
-
-    Args:
-        hidden: ``[tokens, layers, hidden]`` in any float dtype.
-
-    Returns:
-        ``(fp8 [tokens, layers, hidden], float32 scales [tokens, layers, 1])``. A row
-        holding NaN gets a NaN scale (the row reads back as NaN); one holding inf an
-        inf scale.
-    """
-    import torch
-
-    if hidden.dim() != 3:
-        raise ValueError(f"hidden states must be [tokens, layers, hidden], got {hidden.shape}")
-    # abs and max are exact in the source dtype: no float32 copy of the whole tensor.
-    scales = hidden.abs().amax(dim=-1, keepdim=True).float().div_(FP8_MAX).clamp_(min=MIN_SCALE)
-    out = torch.empty(hidden.shape, dtype=torch.float8_e4m3fn, device=hidden.device)
-    for start, stop, scratch in _blocks(hidden):
-        scratch.copy_(hidden[start:stop]).div_(scales[start:stop]).clamp_(-FP8_MAX, FP8_MAX)
-        out[start:stop].copy_(scratch)
-    return out, scales
-
-
-def dequantize(
-    fp8: torch.Tensor,
-    scales: torch.Tensor,
-    dtype: torch.dtype | None = None,
-    *,
-    pin_memory: bool = False,
-) -> torch.Tensor:
-    """Dequantize fp8 hidden states: ``fp8.float() * scales``, rounded once to ``dtype``.
-
-    Works on any device: move both tensors to the GPU first to dequantize there (half
-    the host-to-device bytes of bf16). On the CPU the result is computed by the native
-    lookup-table kernel, or torch passes where it is not built (``format.fp8_cpu``), bit
-    for bit the same and much faster than torch's float8 conversion; large results go
-    into recycled huge-page-advised memory (``format.hostmem``).
-
-    Args:
-        fp8: ``[tokens, layers, hidden]`` float8_e4m3fn.
-        scales: float32 ``[tokens, layers, 1]`` or ``[tokens, 1, 1]``.
-        dtype: Result dtype (default bfloat16).
-        pin_memory: Allocate the (CPU) result in page-locked memory.
-
-    Returns:
-        The hidden states in ``dtype``.
-    """
-    import torch
-
-    from hidden_state_reader.format import fp8_cpu, hostmem
-
-    dtype = dtype or torch.bfloat16
-    if fp8.device.type == "cpu":
-        out = hostmem.empty(tuple(fp8.shape), dtype, pin_memory=pin_memory)
-        return fp8_cpu.dequantize_into(fp8, scales.to(torch.float32), out)
-    # On an accelerator the conversions are fast kernels: one float32 temporary.
-    return fp8.to(torch.float32).mul_(scales).to(dtype)
-
-
-def _blocks(tensor: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-    """Token ranges and a float32 scratch view for each, on the tensor's device.
-
-    On CUDA one block covers everything (kernels are fast; the scratch is the one
-    temporary); on the CPU blocks of about ``_BLOCK_ELEMS`` keep the scratch in cache.
-    """
-    import torch
-
-    tokens = tensor.shape[0]
-    row = max(1, tensor[0].numel()) if tokens else 1
-    step = tokens if tensor.device.type != "cpu" else max(1, _BLOCK_ELEMS // row)
-    step = max(1, step)
-    scratch = torch.empty(
-        (min(step, tokens), *tensor.shape[1:]), dtype=torch.float32, device=tensor.device
-    )
-    return [
-        (start, min(start + step, tokens), scratch[: min(start + step, tokens) - start])
-        for start in range(0, tokens, step)
-    ]
 
 
 DEQUANT_DTYPES = ("BF16", "F16", "F32")

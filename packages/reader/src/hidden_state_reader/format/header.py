@@ -13,7 +13,6 @@ truncated one.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,6 @@ if TYPE_CHECKING:
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format import fp8, layouts
-from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.loss_mask import LOSS_MASK, check_loss_mask
 from hidden_state_reader.format.tensors import (
     DTYPE_SIZES,
@@ -427,29 +425,6 @@ def header_length(path: str, prefix: bytes | memoryview, file_size: int) -> int:
             path, f"truncated inside the header ({file_size} of {8 + length} bytes)"
         )
     return int(length)
-
-
-def read_header_fd(fd: int, path: str, file_size: int | None = None) -> SampleHeader:
-    """Read and validate the header of an open sample file (``file_size``: from fstat)."""
-    if file_size is None:
-        file_size = os.fstat(fd).st_size
-    length = header_length(path, os.pread(fd, 8, 0) if file_size else b"", file_size)
-    return parse_header(path, os.pread(fd, length, 8), file_size)
-
-
-def read_header(path: str | os.PathLike[str]) -> SampleHeader:
-    """Read and validate the header of a sample file without loading its tensors.
-
-    This is how lengths for length-aware batching are read: a few hundred bytes per file.
-
-    Raises:
-        IncompleteSampleError, CorruptSampleError: The file is unusable; the message
-            names it and says why.
-        OSError: The file cannot be opened.
-    """
-    path = os.fspath(path)
-    with open_sample(path) as fd:
-        return read_header_fd(fd, path)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from hidden_state_reader.errors import DirectoryNotWritableError
-from hidden_state_reader.format.fileio import nearest_existing
+from hidden_state_reader.files.fileio import nearest_existing
 from hidden_state_reader.format.names import CLAIMS_DIR
 
 _EFFECTIVE = os.access in os.supports_effective_ids

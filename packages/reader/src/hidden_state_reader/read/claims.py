@@ -12,7 +12,7 @@ creation was historically unsafe). So the claim appears already locked, and:
 
 ``group`` separates independent consumers of the same directory (two training jobs
 that each want every sample once). A claim file's content is the same JSON status as a
-lock file's (``format.lockfile.write_status`` / ``read_status_fd``).
+lock file's (``files.locks.write_status`` / ``read_status_fd``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import contextlib
 import enum
 import fcntl
 import os
-import socket
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hidden_state_reader.format.lockfile import read_status_fd, write_status
+from hidden_state_reader.files.identity import unique_token
+from hidden_state_reader.files.locks import read_status_fd, write_status
 from hidden_state_reader.format.names import CLAIMS_DIR, temp_path
 
 _DONE = "done"
@@ -177,7 +176,7 @@ class ClaimStore:
         self.root = root
         self.directory = os.path.join(root, CLAIMS_DIR, group)
         os.makedirs(self.directory, exist_ok=True)
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = unique_token(8)
 
     def path_of(self, name: str) -> str:
         """The claim file of a sample."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from collections.abc import Iterator, Mapping
 
+from hidden_state_reader.files.identity import process_label
 from hidden_state_reader.format.consumed import (
     CONSUMED_DIR,
     MAX_RECORD_BYTES,
@@ -48,7 +48,7 @@ def record_consumed(root: str, name: str, retention: float, action: str) -> None
         OSError: The record cannot be written (the caller then keeps the sample).
     """
     now = time.time()
-    record = ConsumedRecord(now, now + retention, action, f"{socket.gethostname()}:{os.getpid()}")
+    record = ConsumedRecord(now, now + retention, action, process_label())
     final = record_path(root, name)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = temp_path(final)

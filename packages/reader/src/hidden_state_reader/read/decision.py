@@ -22,14 +22,11 @@ import os
 import time
 
 from hidden_state_reader.errors import CorruptSampleError, SampleError
-from hidden_state_reader.format.fileio import (
-    NotRegularFileError,
-    open_regular_stat,
-    open_sized,
-)
-from hidden_state_reader.format.flockwait import CancelToken
+from hidden_state_reader.files.fileio import NotRegularFileError, open_regular_stat, open_sized
+from hidden_state_reader.files.flockwait import CancelToken
+from hidden_state_reader.files.locks import SharedLock, read_status
 from hidden_state_reader.format.header import Meta
-from hidden_state_reader.format.lockfile import LockState, SharedLock, check_writer, read_status
+from hidden_state_reader.format.lock_status import LockState
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.probes import LOCK_ACQUIRE, probes
@@ -40,7 +37,7 @@ from hidden_state_reader.read.membership import Membership
 from hidden_state_reader.read.ownership import Ownership
 from hidden_state_reader.sample.load import MMAP_MIN_BYTES, load_fd, load_published
 from hidden_state_reader.sample.sample import Sample
-from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
+from hidden_state_reader.sample.states import GRACE, SampleState, judge, observe
 
 GROUP_BATCH_WINDOW = (0.00625, 0.25)
 """Seconds per member, and at most, that a follower's watch lets events gather in a group.
@@ -172,7 +169,6 @@ class Decider:
             settle(claim, Ending.RETURNED)
         return outcome
 
-
     def _acquire(
         self, data_path: str, wait: float, cancel: CancelToken | None
     ) -> SharedLock | None:
@@ -180,9 +176,10 @@ class Decider:
         observers = probes(LOCK_ACQUIRE)
         began = time.monotonic() if observers else 0.0
         lock = self.lock_type.acquire(data_path, timeout=wait, cancel=cancel)
-        for observe in observers:
-            observe(path=data_path, began=began, acquired=time.monotonic())
+        for callback in observers:
+            callback(path=data_path, began=began, acquired=time.monotonic())
         return lock
+
     def _stand_in(self, name: str, data_path: str) -> Outcome | None:
         """Another member owns ``name``: wait for this one's turn, then look cheaply.
 
@@ -216,7 +213,7 @@ class Decider:
         """A small complete file of this project's writers, ready without its lock.
 
         Our writers make a sample's name appear by renaming a complete file onto it
-        (``format/publish.py``) and never write that file again, so once it is there and
+        (``files/publish.py``) and never write that file again, so once it is there and
         complete by the header rule it is final, whatever its lock says: the lock can
         only be held by its writer between the rename and the release, or by the writer
         of a new version, which replaces the file by another rename (``docs/format.md``,
@@ -268,7 +265,7 @@ class Decider:
             os.close(fd)
         if sample is not None and Meta.FORMAT in sample.metadata:
             self._expect_published = True
-        obs = Observation(
+        obs = observe(
             LockState.FREE if locked else LockState.ABSENT,
             data_exists=True,
             data_age=age,
@@ -286,7 +283,7 @@ class Decider:
         if not locked or lock_age is None:
             return Outcome(OutcomeKind.VANISHED, name)  # consumed elsewhere, or removed
         status = read_status(lock_file)
-        obs = Observation(LockState.FREE, status, lock_age, writer=check_writer(status))
+        obs = observe(LockState.FREE, status, lock_age)
         return judged(name, data_path, judge(obs, self.grace), None, None, claim)
 
 

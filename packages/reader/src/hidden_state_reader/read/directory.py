@@ -15,9 +15,9 @@ import os
 from collections.abc import Generator, Sequence
 from typing import NamedTuple
 
-from hidden_state_reader.format.flockwait import CancelToken, install_wake_handler
-from hidden_state_reader.format.listing import describe_empty
-from hidden_state_reader.format.lockfile import SharedLock
+from hidden_state_reader.files.flockwait import CancelToken, install_wake_handler
+from hidden_state_reader.files.listing import describe_empty
+from hidden_state_reader.files.locks import SharedLock
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.access import check_modes

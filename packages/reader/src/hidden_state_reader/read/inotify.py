@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Protocol
 
-from hidden_state_reader.format.flockwait import threads_ignore_signals
+from hidden_state_reader.files.flockwait import threads_ignore_signals
 from hidden_state_reader.format.names import Kind, classify
 from hidden_state_reader.probes import INOTIFY_EVENT, probes
 

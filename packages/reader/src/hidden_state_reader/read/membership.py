@@ -24,9 +24,9 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import time
 
+from hidden_state_reader.files.identity import process_record
 from hidden_state_reader.format.names import is_temp_name
 from hidden_state_reader.read.claims import create_locked
 
@@ -68,7 +68,7 @@ class Membership:
             return
         os.makedirs(self.directory, exist_ok=True)
         path = os.path.join(self.directory, self.me)
-        record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+        record = {**process_record(), "since": time.time()}
         fd = create_locked(
             path,
             lambda fd: os.write(fd, json.dumps(record).encode()),

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from hidden_state_reader.format.listing import list_samples, scan_samples
+from hidden_state_reader.files.listing import list_samples, scan_samples
 from hidden_state_reader.format.names import lock_path, natural_key, sample_key
 from hidden_state_reader.options import WATCH_MODES
 from hidden_state_reader.read.inotify import RESCAN, Handle, Inotify
@@ -238,11 +238,11 @@ class FollowSource(_EventSource):
         self.rescans = 0
         self.overflows = 0
 
-
     @property
     def tracked(self) -> int:
         """Names the source knows (its memory grows with this)."""
         return len(self._known)
+
     def _admit(self, names: Iterable[str]) -> None:
         for name in names:
             if name in self._known:

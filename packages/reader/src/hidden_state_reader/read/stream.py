@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from hidden_state_reader.errors import LockTimeoutError, WaitCancelledError
-from hidden_state_reader.format.flockwait import CancelToken
+from hidden_state_reader.files.flockwait import CancelToken
 from hidden_state_reader.read.backend import Outcome, OutcomeKind
 from hidden_state_reader.read.decision import Decider
 from hidden_state_reader.read.sources import FollowSource, SnapshotSource

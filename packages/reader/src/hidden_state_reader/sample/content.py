@@ -28,10 +28,11 @@ import os
 from collections.abc import Callable
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
+from hidden_state_reader.files.header import read_header_fd
 from hidden_state_reader.format import fp8
-from hidden_state_reader.format.crc import crc32
-from hidden_state_reader.format.header import Meta, SampleHeader, read_header_fd
+from hidden_state_reader.format.header import Meta, SampleHeader
 from hidden_state_reader.format.loss_mask import LOSS_MASK, check_mask_values
+from hidden_state_reader.kernels.crc import crc32
 from hidden_state_reader.options import LoadOptions
 
 DataReader = Callable[[int, int], "bytes | memoryview"]

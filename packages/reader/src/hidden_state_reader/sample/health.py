@@ -36,18 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError, SampleError
-from hidden_state_reader.format.fileio import open_sample
-from hidden_state_reader.format.header import Meta, SampleHeader, read_header
-from hidden_state_reader.format.listing import list_entries
-from hidden_state_reader.format.lockfile import (
-    LockState,
-    LockStatus,
-    WriterCheck,
-    WriterFate,
-    check_writer,
-    probe,
-    read_status,
-)
+from hidden_state_reader.files.fileio import open_sample
+from hidden_state_reader.files.header import read_header
+from hidden_state_reader.files.identity import WriterCheck, WriterFate, check_writer
+from hidden_state_reader.files.listing import list_entries
+from hidden_state_reader.files.locks import probe, read_status
+from hidden_state_reader.format.header import Meta, SampleHeader
+from hidden_state_reader.format.lock_status import LockState, LockStatus
 from hidden_state_reader.format.names import (
     DATA_SUFFIX,
     LOCK_SUFFIX,
@@ -59,7 +54,7 @@ from hidden_state_reader.format.names import (
 )
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.content import examine
-from hidden_state_reader.sample.states import GRACE, Observation, SampleState, judge
+from hidden_state_reader.sample.states import GRACE, SampleState, judge, observe
 
 ProgressCallback = Callable[[int, int], None]
 """``progress(done, total)``: called by ``scan_health`` after each directory entry."""
@@ -269,10 +264,6 @@ def _check_sample(
         st = None
     data_mtime = st.st_mtime if st is not None else None
     status = read_status(lock_file) if lock is not LockState.ABSENT else None
-    # Only a free lock without data, not failed, asks whether its writer still runs (a
-    # /proc look-up); a failed one says what happened itself.
-    unknown = st is None and lock is LockState.FREE and not (status is not None and status.failed)
-    writer = check_writer(status) if unknown else None
     header: SampleHeader | None = None
     problem: SampleError | None = None
     if st is not None and lock is not LockState.HELD:
@@ -286,15 +277,14 @@ def _check_sample(
         and options.verify_checksum
         and Meta.CRC32 in header.metadata
     )
-    obs = Observation(
+    obs = observe(
         lock,
         status,
         _age(now, lock_mtime),
-        st is not None,
-        _age(now, data_mtime),
-        problem,
-        header.num_tokens if header is not None else None,
-        writer,
+        data_exists=st is not None,
+        data_age=_age(now, data_mtime),
+        problem=problem,
+        num_tokens=header.num_tokens if header is not None else None,
     )
     try:
         verdict = judge(obs, grace)
@@ -315,7 +305,7 @@ def _check_sample(
         size=st.st_size if st is not None else None,
         age=_age(now, lock_mtime, data_mtime),
         checksum_verified=verified,
-        writer=writer,
+        writer=obs.writer,
     )
 
 

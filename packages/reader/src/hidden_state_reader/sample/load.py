@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
+from hidden_state_reader.files.fileio import open_sample
+from hidden_state_reader.files.header import read_header_fd
 from hidden_state_reader.format import fp8
-from hidden_state_reader.format.fileio import open_sample
 from hidden_state_reader.format.header import (
     HIDDEN_STATES,
     TOKEN_IDS,
@@ -28,10 +29,10 @@ from hidden_state_reader.format.header import (
     TensorInfo,
     header_length,
     parse_header,
-    read_header_fd,
 )
 from hidden_state_reader.format.loss_mask import LOSS_MASK, loss_mask_view
 from hidden_state_reader.format.tensors import dtype_tables
+from hidden_state_reader.kernels.fp8 import dequantize
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.content import check_content
 from hidden_state_reader.sample.placement import to_device
@@ -175,7 +176,7 @@ def load_published(
     """``load_fd``, for a file of this project's writers only (None for any other).
 
     Files of our writers record ``format_version`` and are published by rename
-    (``format/publish.py``). Raises as ``load_fd`` does.
+    (``files/publish.py``). Raises as ``load_fd`` does.
     """
     header, file = _read_file(fd, path, options, file_size)
     if Meta.FORMAT not in header.metadata:
@@ -225,7 +226,7 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
     if scales is not None and not options.raw_fp8:
         target = options.dtype or fp8.model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
         pin = options.pin_memory and options.device is None
-        hidden, scales = fp8.dequantize(hidden, scales, target, pin_memory=pin), None
+        hidden, scales = dequantize(hidden, scales, target, pin_memory=pin), None
     elif scales is None and options.dtype is not None and hidden.dtype != options.dtype:
         hidden = hidden.to(options.dtype)
     return Sample(

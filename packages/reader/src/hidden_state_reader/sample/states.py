@@ -8,7 +8,7 @@ is, what reading it found) and asks ``judge`` for the verdict. There is one grac
 ``GRACE``: how long a released lock without data, or a lock-less file that fails to
 parse, may be young and still count as work in progress. It is not needed where the
 writer is known to be gone (its lock records a process of this host that no longer
-runs: ``format.lockfile.check_writer``): such a lock is stale at once.
+runs: ``files.identity.check_writer``): such a lock is stale at once.
 
 The states are listed in ``SampleState``.
 """
@@ -19,7 +19,8 @@ import enum
 from dataclasses import dataclass
 
 from hidden_state_reader.errors import IncompleteSampleError, SampleError
-from hidden_state_reader.format.lockfile import LockState, LockStatus, WriterCheck, WriterFate
+from hidden_state_reader.files.identity import WriterCheck, WriterFate, check_writer
+from hidden_state_reader.format.lock_status import LockState, LockStatus
 
 GRACE = 30.0
 """Seconds a released lock without data, a lock-less truncated file or a temporary file
@@ -88,7 +89,7 @@ class Observation:
         problem: What reading the data file found wrong (None: it is valid).
         num_tokens: Tokens of a valid data file.
         writer: What could be found out about the process that wrote the lock's status
-            (``format.lockfile.check_writer``); None when it was not looked at.
+            (``files.identity.check_writer``); None when it was not looked at.
     """
 
     lock: LockState
@@ -99,6 +100,36 @@ class Observation:
     problem: SampleError | None = None
     num_tokens: int | None = None
     writer: WriterCheck | None = None
+
+
+def observe(
+    lock: LockState,
+    status: LockStatus | None = None,
+    lock_age: float | None = None,
+    *,
+    data_exists: bool = False,
+    data_age: float | None = None,
+    problem: SampleError | None = None,
+    num_tokens: int | None = None,
+) -> Observation:
+    """The one builder of an ``Observation``: the readers' and the commands' alike.
+
+    It asks whether the lock's writer still runs (a ``/proc`` look-up,
+    ``check_writer``) exactly where the rule needs the answer: a free lock without data
+    whose status is not ``failed`` (a failed status says what happened itself).
+    """
+    failed = status is not None and status.failed
+    asks = not data_exists and lock is LockState.FREE and not failed
+    return Observation(
+        lock,
+        status,
+        lock_age,
+        data_exists,
+        data_age,
+        problem,
+        num_tokens,
+        check_writer(status) if asks else None,
+    )
 
 
 @dataclass(frozen=True)

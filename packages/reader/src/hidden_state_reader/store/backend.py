@@ -13,17 +13,15 @@ for a directory. See ``docs/scale-out.md``.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
-import uuid
 from collections.abc import Generator, Iterable, Iterator, Sequence
 
 from hidden_state_reader.errors import (
     LockTimeoutError,
     WaitCancelledError,
 )
-from hidden_state_reader.format.flockwait import CancelToken
+from hidden_state_reader.files.flockwait import CancelToken
+from hidden_state_reader.files.identity import unique_token
 from hidden_state_reader.format.store_keys import data_key, failed_key
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind
@@ -77,7 +75,7 @@ class StoreBackend:
         self.where = store_url(settings)
         self.client = StoreClient(settings, where=self.where)
         self.prefix = settings.prefix
-        token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}"
+        token = unique_token()
         self._leases = None
         if options.claim:
             self._leases = StoreClaims(

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from hidden_state_reader.errors import HiddenStateError
-from hidden_state_reader.format import hostmem
+from hidden_state_reader.files.identity import host_name
+from hidden_state_reader.kernels import host_memory
 from hidden_state_reader.store.pool import ReceivePool
 
 # Mooncake error codes (mooncake-store/include/types.h) this module tells apart.
@@ -83,7 +84,7 @@ class StoreSettings:
         if self.local_hostname:
             return self.local_hostname
         try:
-            return socket.gethostbyname(socket.gethostname())
+            return socket.gethostbyname(host_name())
         except OSError:
             return "127.0.0.1"
 
@@ -139,7 +140,6 @@ class StoreClient:
         self._pool: ReceivePool | None = None  # registered on first use (get_object)
         self._pool_lock = threading.Lock()
 
-
     @property
     def raw_store(self) -> Any:
         """The Mooncake store object beneath the client (``get_into``, ``register_buffer``).
@@ -148,6 +148,7 @@ class StoreClient:
         everything else goes through the client's methods.
         """
         return self._store
+
     def close(self) -> None:
         """Leave the store (objects in other clients' segments stay)."""
         if self._pool is not None:
@@ -246,7 +247,7 @@ class StoreClient:
         if out is not None:
             n = int(self._store.get_into(key, out.ctypes.data, size))
         else:
-            out = hostmem.empty_bytes(size)
+            out = host_memory.empty_bytes(size)
             self._register(out.ctypes.data, size, "receive buffer for one sample")
             try:
                 n = int(self._store.get_into(key, out.ctypes.data, size))

@@ -17,13 +17,13 @@ from typing import NamedTuple
 import numpy as np
 
 from hidden_state_reader.errors import FailedSampleError, SampleError
-from hidden_state_reader.format.lockfile import LockState
+from hidden_state_reader.format.lock_status import LockState
 from hidden_state_reader.format.store_keys import CommitRecord, data_key, failed_key
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
 from hidden_state_reader.sample.sample import Sample
-from hidden_state_reader.sample.states import Observation, SampleState, judge
+from hidden_state_reader.sample.states import SampleState, judge, observe
 from hidden_state_reader.store.client import StoreClient
 from hidden_state_reader.store.load import check_bytes, load_checked
 
@@ -108,7 +108,7 @@ def _judged(
     claim: HeldClaim | None,
 ) -> Outcome:
     # A stored object is complete or it is not: no lock, and no age to wait out.
-    obs = Observation(
+    obs = observe(
         LockState.ABSENT,
         data_exists=True,
         problem=problem,

@@ -8,7 +8,7 @@ files. The tensors are views of the bytes (no copy).
 The CRC32 is always checked, here, before any tensor is made (``check_bytes``, in the
 read-ahead thread; ``load_checked`` makes the tensors in the caller's thread, where a
 ``device=`` copy is ordered on the caller's CUDA stream), with the fastest CRC-32
-implementation this host has (``format.crc``).
+implementation this host has (``kernels.crc``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import dataclasses
 import numpy as np
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
-from hidden_state_reader.format.crc import Crc32, crc32
 from hidden_state_reader.format.header import Meta, SampleHeader, header_length, parse_header
 from hidden_state_reader.format.store_keys import CommitRecord
+from hidden_state_reader.kernels.crc import Crc32, crc32
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.load import load_buffer
 from hidden_state_reader.sample.sample import Sample
@@ -38,7 +38,7 @@ def check_bytes(
         where: The sample's address, for errors.
         data: The object read from the store (``StoreClient.get_object``).
         record: Its commit record (size and CRC to match), when known.
-        crc: The CRC32 function (default: the fastest found, ``format.crc``).
+        crc: The CRC32 function (default: the fastest found, ``kernels.crc``).
 
     Raises:
         IncompleteSampleError: Fewer bytes than the commit record or the header promise.

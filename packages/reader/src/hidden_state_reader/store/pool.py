@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import bisect
 import collections
-import mmap
 import threading
-from contextlib import suppress
 from typing import Any
 
 import numpy as np
+
+from hidden_state_reader.kernels.host_memory import huge_mapping
 
 ALIGN = 4096  # ranges start on page boundaries (every tensor view is aligned)
 
@@ -63,11 +63,7 @@ class ReceivePool:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = -(-capacity // ALIGN) * ALIGN
-        mapping = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            with suppress(OSError):  # advice refused: ordinary pages, just slower to fault
-                mapping.madvise(mmap.MADV_HUGEPAGE)
-        self.arena = np.frombuffer(mapping, dtype=np.uint8)
+        self.arena = np.frombuffer(huge_mapping(self.capacity), dtype=np.uint8)
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (start, length), sorted
         self._returned: collections.deque[tuple[int, int]] = collections.deque()
         self._lock = threading.Lock()

@@ -14,13 +14,13 @@ import json
 import logging
 import mmap
 import os
-import socket
 import struct
 import threading
 import time
 import uuid
 
 from hidden_state_reader.errors import SampleError
+from hidden_state_reader.files.identity import process_record
 from hidden_state_reader.format.header import Meta, SampleHeader, parse_header
 from hidden_state_reader.format.store_keys import (
     CommitRecord,
@@ -60,7 +60,7 @@ class StorePublisher:
         self.slot = self._take_slot(instance)
 
     def _take_slot(self, instance: str) -> int:
-        owner = {"instance": instance, "host": socket.gethostname(), "pid": os.getpid()}
+        owner = {"instance": instance, **process_record()}
         token = json.dumps({**owner, "started": time.time(), "nonce": uuid.uuid4().hex}).encode()
         for slot in range(MAX_SLOTS):
             if self.client.put_first(producer_key(self.prefix, slot), token) == token:

@@ -17,7 +17,7 @@ of the others; trainers that want only masked data check ``has_loss_mask``.
 
 Raw fp8 samples (``raw_fp8=True``) keep their scales: the batch carries
 ``hidden_states_scales`` laid out like ``hidden_states`` (zero for padding), and
-``format.fp8.dequantize(batch["hidden_states"], batch["hidden_states_scales"])`` gives
+``hidden_state_reader.dequantize(batch["hidden_states"], batch["hidden_states_scales"])`` gives
 the values. fp8 hidden states without scales are refused, never batched as numbers.
 
 Each batch is built once: its tensors are carved out of one buffer given by an

@@ -19,8 +19,8 @@ from contextlib import closing
 from dataclasses import dataclass
 
 from hidden_state_reader.errors import SampleError
-from hidden_state_reader.format.header import read_header
-from hidden_state_reader.format.listing import describe_empty
+from hidden_state_reader.files.header import read_header
+from hidden_state_reader.files.listing import describe_empty
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.read.counters import ReaderStats
 from hidden_state_reader.reader import Delivery, HiddenStateReader

@@ -12,6 +12,12 @@ device: it only makes its stream wait for the batch's copy.
 Threads, not processes: reading is system calls and memory copies, which release the
 GIL, and nothing has to cross a process boundary (docs/dependencies.md has the
 measurements).
+
+A process forked later (a DataLoader worker) must not free what the feed made: freeing a
+page-locked buffer a copy read, a ``record_stream``ed tensor or a CUDA event calls CUDA,
+which aborts a forked child. A child frees only the garbage it inherited, so a finished
+feed is no reference cycle, and every ``fork`` of this process is preceded by a garbage
+collection in the parent (``fork_safety``).
 """
 
 from __future__ import annotations
@@ -28,10 +34,12 @@ import torch
 from hidden_state_reader.format import fp8
 from hidden_state_reader.format.fp8 import SCALES
 from hidden_state_reader.format.header import Meta
+from hidden_state_reader.kernels.fp8 import dequantize
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.acknowledgement import Ticket
 from hidden_state_reader.training.batch_memory import TensorSpec, carve, layout
 from hidden_state_reader.training.dataset_modes import Reading, Skipped
+from hidden_state_reader.training.fork_safety import collect_before_fork
 
 if TYPE_CHECKING:
     from hidden_state_reader.reader import HiddenStateReader
@@ -96,6 +104,13 @@ class HostArenas:
         self._copies[self._next] = event
         self._next = (self._next + 1) % len(self._buffers)
 
+    def settle(self) -> None:
+        """Wait for the copies still reading the buffers and drop their events (between passes)."""
+        for index, copy in enumerate(self._copies):
+            if copy is not None:
+                copy.synchronize()
+                self._copies[index] = None
+
 
 class Placement:
     """Moves a built batch to the device and finishes it there (fp8, dtype).
@@ -137,9 +152,7 @@ class Placement:
             return batch
         if SCALES in batch and self.dequantize:
             target = self.dtype or _model_dtype(samples)
-            batch["hidden_states"] = fp8.dequantize(
-                batch["hidden_states"], batch.pop(SCALES), target
-            )
+            batch["hidden_states"] = dequantize(batch["hidden_states"], batch.pop(SCALES), target)
         elif SCALES not in batch and self.dtype is not None:
             batch["hidden_states"] = batch["hidden_states"].to(self.dtype)
         return batch
@@ -197,10 +210,12 @@ class DeviceFeed:
         if arenas is None and reuse:
             arenas = [HostArenas(2, pin=True) for _ in range(threads)]
         self.arenas = arenas if reuse else None
-        self._reading = Reading(changes, self._opened)
+        collect_before_fork()  # a forked child frees none of this (fork_safety)
+        # Not a method of the feed: no reference cycle keeps a finished feed (and what it
+        # holds) for the garbage collector, in this process or a forked one.
+        self._readers = _OpenReaders()
+        self._reading = Reading(changes, self._readers)
         self._stop = threading.Event()
-        self._readers: list[HiddenStateReader] = []
-        self._lock = threading.Lock()
         ordered = not dataset.follow
         self._queues = [
             queue.Queue[Any](maxsize=prefetch) for _ in range(threads if ordered else 1)
@@ -222,23 +237,21 @@ class DeviceFeed:
             self.close()
 
     def close(self) -> None:
-        """Stop the threads (their waits for writers end) and wait for them."""
+        """Stop the threads (their waits for writers end), wait for them, settle the buffers.
+
+        The buffers' last copies are waited for and their events dropped, and the feed
+        lets go of the buffers (the loader keeps them for its next pass).
+        """
         self._stop.set()
-        with self._lock:
-            readers = list(self._readers)
-        for reader in readers:
-            reader.close()
+        self._readers.close_all()
         for q in self._queues:  # a thread blocked on a full queue sees the stop flag
             _drain(q)
         for worker in self._workers:
             worker.join()
         self._workers = []
-
-    def _opened(self, reader: HiddenStateReader) -> None:
-        with self._lock:
-            self._readers.append(reader)
-        if self._stop.is_set():
-            reader.close()
+        for arenas in self.arenas or ():
+            arenas.settle()
+        self.arenas = None
 
     def _arrivals(self) -> Iterator[_Built]:
         """Built batches: round-robin over the threads (static order), else as they come."""
@@ -248,7 +261,12 @@ class DeviceFeed:
             for index in list(live):
                 item = self._queues[index].get()
                 if isinstance(item, _Failed):
-                    raise item.error
+                    # The traceback holds this frame: no local may hold the error (a cycle).
+                    error, item = item.error, None
+                    try:
+                        raise error
+                    finally:
+                        del error
                 if item is _DONE:
                     finished += 1
                     if len(self._queues) > 1 or finished == self.threads:
@@ -303,6 +321,34 @@ class DeviceFeed:
             except queue.Full:
                 continue
         return False
+
+
+class _OpenReaders:
+    """The readers the builder threads open (``Reading.opened``), to close from another thread.
+
+    A reader's ``close`` interrupts its waits for writers; one opened after
+    ``close_all`` is closed at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._readers: list[HiddenStateReader] = []
+        self._closed = False
+
+    def __call__(self, reader: HiddenStateReader) -> None:
+        with self._lock:
+            self._readers.append(reader)
+            closed = self._closed
+        if closed:
+            reader.close()
+
+    def close_all(self) -> None:
+        """Close every reader opened so far, and any opened later."""
+        with self._lock:
+            self._closed = True
+            readers = list(self._readers)
+        for reader in readers:
+            reader.close()
 
 
 def _chunks(

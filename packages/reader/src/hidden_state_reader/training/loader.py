@@ -199,11 +199,12 @@ class HiddenStateLoader(DataLoader[Any]):
             device=self.device,
             arenas=arenas,
         )
+        arenas = feed.arenas  # made by the feed on its first pass
         try:
             yield from feed
         finally:
-            if feed.arenas is not None:  # the threads are done with them (feed closed)
-                self._idle_arenas.append(feed.arenas)
+            if arenas is not None:  # the threads are done with them (feed closed)
+                self._idle_arenas.append(arenas)
 
     @property
     def epoch(self) -> int:

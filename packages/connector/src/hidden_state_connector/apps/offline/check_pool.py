@@ -59,7 +59,8 @@ def check_output(job: Job, output: Any, options: ExtractOptions) -> SampleRecord
     Raises:
         ValueError, OSError, hidden_state_reader.SampleError: The file does not check out.
     """
-    from hidden_state_reader.format import SharedLock, lock_path, read_status
+    from hidden_state_reader.files.locks import SharedLock, read_status
+    from hidden_state_reader.format import lock_path
 
     params = dict(getattr(output, "kv_transfer_params", None) or {})
     refused = _wrong_path(job, params.get("hidden_states_path"))
@@ -108,7 +109,7 @@ class Verifier:
     """
 
     def __init__(self, options: ExtractOptions) -> None:
-        from hidden_state_reader.format.flockwait import install_wake_handler
+        from hidden_state_reader.files.flockwait import install_wake_handler
 
         # The checks wait on locks from pool threads only: arm the kernel wake-up from
         # here (the main thread) so their deadlines interrupt flock instead of polling.

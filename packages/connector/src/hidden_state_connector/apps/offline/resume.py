@@ -26,6 +26,7 @@ from hidden_state_connector.apps.offline.manifest import (
 from hidden_state_connector.apps.offline.result import ExtractResult
 from hidden_state_connector.apps.offline.sample_check import verify_file
 from hidden_state_connector.apps.offline.settings import ExtractOptions
+from hidden_state_reader.files.identity import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def recover(
         The sample's ok record, or None to redo it (a writer still holds the file, and
         the new file replaces it; or the file did not check out and is deleted).
     """
-    from hidden_state_reader.format import SharedLock
+    from hidden_state_reader.files.locks import SharedLock
 
     lock = SharedLock.acquire(path, timeout=RECOVER_LOCK_TIMEOUT)
     if lock is None:
@@ -106,22 +107,6 @@ def recover(
     return SampleRecord(index, STATUS_OK, sample_name(index), tokens, len(prompt), nbytes)
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process could still be writing (a zombie, killed but not reaped, cannot)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
-
-
 def remove_stale_temp_files(directory: str) -> int:
     """Delete ``hs_*`` temporary files (``*.tmp.<pid>.<id>``) left by dead writers.
 
@@ -135,7 +120,7 @@ def remove_stale_temp_files(directory: str) -> int:
             if not name.startswith(FILE_PREFIX) or ".tmp." not in name:
                 continue
             pid_text = name.rsplit(".tmp.", 1)[1].split(".", 1)[0]
-            if pid_text.isdigit() and _pid_alive(int(pid_text)):
+            if pid_text.isdigit() and pid_alive(int(pid_text)):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)

@@ -45,7 +45,8 @@ def verify_file(
         OSError: It cannot be read.
     """
     from hidden_state_reader.apps.cli.toolkit import read_token_ids
-    from hidden_state_reader.format import Meta, read_header
+    from hidden_state_reader.files.header import read_header
+    from hidden_state_reader.format import Meta
 
     header = read_header(path)
     tokens = read_token_ids(path, header)

@@ -28,7 +28,7 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from hidden_state_connector.engine.metadata import SaveOrder
 from hidden_state_connector.logs import get_logger
-from hidden_state_reader.format.flockwait import threads_ignore_signals
+from hidden_state_reader.files.flockwait import threads_ignore_signals
 
 log = get_logger(__name__)
 

@@ -1,5 +1,8 @@
 """A fixed pool of host buffers ("slabs") that samples travel through on their way to disk.
 
+The slabs are ``byte_buffer``s of the host-memory home (``kernels/host_memory.py`` of
+the reader, which says why this pool stays its own).
+
 Every slab holds one gather chunk. The pool allocates slabs lazily up to its byte
 budget and then only reuses them, so host memory is bounded and, on CUDA, no pinned
 memory is allocated per request (``cudaHostAlloc`` is slow, docs/connector.md; a reused
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 from hidden_state_connector.logs import get_logger
+from hidden_state_reader.kernels.host_memory import byte_buffer
 
 log = get_logger(__name__)
 
@@ -85,9 +89,7 @@ class SlabPool:
         with self._lock:
             first, self._allocated = self._allocated, self.capacity
         for index in range(first, self.capacity):
-            slab = Slab(
-                index, torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-            )
+            slab = Slab(index, byte_buffer(self.slab_bytes, pin=self.pinned))
             with self._lock:
                 self._free.append(slab)
 
@@ -100,7 +102,7 @@ class SlabPool:
                 return None
             index = self._allocated
             self._allocated += 1
-        data = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+        data = byte_buffer(self.slab_bytes, pin=self.pinned)
         return Slab(index, data)
 
     def release(self, slab: Slab) -> None:

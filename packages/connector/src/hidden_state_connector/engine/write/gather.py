@@ -23,7 +23,9 @@ import torch
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.engine.write.buffers import Slab
-from hidden_state_reader.format import fp8, has_nonfinite
+from hidden_state_reader.files.publish import has_nonfinite
+from hidden_state_reader.format import fp8
+from hidden_state_reader.kernels.fp8 import quantize
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ class Extractor:
         same stream, so their reuse is ordered after these copies.
         """
         n, layers, hidden = chunk.num_tokens, self.layout.num_layers, self.layout.hidden_size
-        q, scales = fp8.quantize(staging.reshape(-1, layers, hidden)[:n])
+        q, scales = quantize(staging.reshape(-1, layers, hidden)[:n])
         slab.data[: n * layers * hidden].view(q.shape).copy_(q.view(torch.uint8), non_blocking=True)
         begin = self._scales_offset
         host_scales = slab.data[begin : begin + n * layers * 4].view(torch.float32)
@@ -220,7 +222,7 @@ class Extractor:
             return slab.data[: n * layers * hidden], scales.view(n, layers, 1)
         rows = self._host_view(slab, chunk.count).reshape(-1, layers, hidden)[:n]
         with torch.inference_mode():
-            return fp8.quantize(rows)
+            return quantize(rows)
 
     def order_before_compute(self) -> None:
         """Make the model's later work wait for every copy issued so far (CUDA)."""

@@ -23,7 +23,7 @@ import torch
 
 from hidden_state_connector.engine.write.buffers import Slab
 from hidden_state_connector.engine.write.gather import Chunk
-from hidden_state_reader.format import WriterLock
+from hidden_state_reader.files.locks import WriterLock
 
 END_OF_CHUNKS = None
 """Sentinel in a job's chunk queue: no more chunks will come."""

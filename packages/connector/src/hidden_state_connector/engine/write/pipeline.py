@@ -38,7 +38,7 @@ from hidden_state_connector.engine.write.job import JobState, SaveJob
 from hidden_state_connector.engine.write.row_guard import ZeroRowCheck
 from hidden_state_connector.engine.write.sample_file import FileOptions, write_sample
 from hidden_state_connector.engine.write.trace import StageTrace
-from hidden_state_reader.format.flockwait import threads_ignore_signals
+from hidden_state_reader.files.flockwait import threads_ignore_signals
 
 PREEMPTED = "request preempted while its hidden states were being copied"
 

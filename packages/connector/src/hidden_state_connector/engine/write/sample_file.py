@@ -13,7 +13,7 @@ from hidden_state_connector.engine.write.buffers import Slab
 from hidden_state_connector.engine.write.gather import Chunk, Extractor
 from hidden_state_connector.engine.write.job import END_OF_CHUNKS, SaveJob
 from hidden_state_connector.engine.write.row_guard import RowCounter, ZeroRowCheck
-from hidden_state_reader.format import SampleFileWriter
+from hidden_state_reader.files.publish import SampleFileWriter
 
 
 @dataclass(frozen=True)

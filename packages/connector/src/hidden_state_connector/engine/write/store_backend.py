@@ -22,7 +22,7 @@ from typing import Any
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.write.target import SampleTarget
 from hidden_state_connector.logs import get_logger
-from hidden_state_reader.format import WriterLock
+from hidden_state_reader.files.locks import WriterLock
 from hidden_state_reader.probes import STORE_PUT, probes
 from hidden_state_reader.store.client import StoreClient, StoreSettings
 from hidden_state_reader.store.publish import StorePublisher, publish_file

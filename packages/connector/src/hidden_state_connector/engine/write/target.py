@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 
 from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import WriterLock, open_dir_beneath, resolve_inside
+from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.files.paths import open_dir_beneath, resolve_inside
 
 
 @dataclass

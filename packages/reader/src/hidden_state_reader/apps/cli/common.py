@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from hidden_state_reader.apps.cli.progress import ProgressReporter
 from hidden_state_reader.apps.cli.toolkit import EXIT_FAILED, CliError, isatty, non_negative_float
-from hidden_state_reader.format.listing import sample_subfolders
+from hidden_state_reader.files.listing import sample_subfolders
 from hidden_state_reader.format.names import DATA_SUFFIX, Kind, classify
 
 EXIT_PROBLEMS = EXIT_FAILED  # what the reader's commands call it: problems were found
@@ -47,7 +47,7 @@ def add_grace_argument(parser: argparse.ArgumentParser, default: float) -> None:
 
 
 EMPTY_EXIT_RULE = (
-    "A directory without samples exits 0: a consumer with on_consumed=\"delete\" empties a\n"
+    'A directory without samples exits 0: a consumer with on_consumed="delete" empties a\n'
     "healthy live directory (a warning on stderr says what is there). It exits 1 with\n"
     "--require-samples, or when its samples are all in sub-folders (one level too high)."
 )

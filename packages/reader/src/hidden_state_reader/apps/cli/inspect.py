@@ -33,7 +33,7 @@ from hidden_state_reader.apps.cli.toolkit import (
 )
 from hidden_state_reader.errors import SampleError
 from hidden_state_reader.format.header import MAX_HEADER_BYTES, Meta, SampleHeader
-from hidden_state_reader.format.lockfile import LockState
+from hidden_state_reader.format.lock_status import LockState
 from hidden_state_reader.format.names import DATA_SUFFIX, LOCK_SUFFIX, lock_path
 from hidden_state_reader.sample.health import SampleHealth, check_sample
 from hidden_state_reader.sample.states import GRACE

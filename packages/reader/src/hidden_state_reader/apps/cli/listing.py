@@ -25,7 +25,7 @@ from hidden_state_reader.apps.cli.toolkit import (
     add_command,
     format_bytes,
 )
-from hidden_state_reader.format.listing import describe_empty
+from hidden_state_reader.files.listing import describe_empty
 from hidden_state_reader.sample.health import (
     SampleHealth,
     count_states,
@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
         "tokens, captured layers, hidden size, dtype,\nfile bytes (the file's size on disk) "
         "and state (ready, pending, failed, stale, incomplete,\ncorrupt, empty; with --all "
         "also temporary files: pending or orphan_temp): the\nreader's own verdict, "
-        "\"(writer gone)\" where the lock's writer ran on this host and is gone.\nNever "
+        '"(writer gone)" where the lock\'s writer ran on this host and is gone.\nNever '
         "waits for a writer: locks are only probed.",
         examples="""
 hidden-state ls /data/hs

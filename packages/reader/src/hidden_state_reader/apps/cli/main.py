@@ -32,7 +32,7 @@ from hidden_state_reader.apps.cli.toolkit import (
     HelpFormatter,
 )
 from hidden_state_reader.errors import HiddenStateError
-from hidden_state_reader.format.flockwait import install_wake_handler
+from hidden_state_reader.files.flockwait import install_wake_handler
 
 PLUGIN_GROUP = "hidden_state.cli"
 """Entry-point group through which other packages add subcommands."""

@@ -186,7 +186,7 @@ def read_token_ids(path: str, header: SampleHeader, limit: int | None = None) ->
 
     Args:
         path: The sample file.
-        header: Its header (``hidden_state_reader.format.read_header``).
+        header: Its header (``hidden_state_reader.read_header``).
         limit: Read only the first ``limit`` ids; None reads all of them.
 
     Returns:

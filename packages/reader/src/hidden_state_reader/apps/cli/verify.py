@@ -7,7 +7,7 @@ re-checks each candidate at the moment of removal:
   or reader holds it), after checking that the name still refers to the inode it
   locked (a new writer replaces lock files by rename) and, for a stale or failed lock,
   that the data file has still not appeared; a stale lock whose writer is known to be
-  gone (it ran on this host: ``format.lockfile.check_writer``) needs no ``--older-than``
+  gone (it ran on this host: ``files.identity.check_writer``) needs no ``--older-than``
   wait, but must still name that writer when it is removed;
 * a temporary file is removed only if the lock protecting it is still not held and it
   is still unchanged for ``--older-than`` seconds, or, at once, that lock still names a
@@ -44,16 +44,11 @@ from hidden_state_reader.apps.cli.toolkit import (
     format_bytes,
     non_negative_float,
 )
+from hidden_state_reader.files.identity import WriterFate, check_writer
+from hidden_state_reader.files.listing import describe_empty
+from hidden_state_reader.files.locks import probe, read_status, read_status_fd
 from hidden_state_reader.format.header import Meta
-from hidden_state_reader.format.listing import describe_empty
-from hidden_state_reader.format.lockfile import (
-    LockState,
-    WriterFate,
-    check_writer,
-    probe,
-    read_status,
-    read_status_fd,
-)
+from hidden_state_reader.format.lock_status import LockState
 from hidden_state_reader.format.names import LOCK_SUFFIX
 from hidden_state_reader.sample.health import (
     SampleHealth,

@@ -39,9 +39,10 @@ from hidden_state_reader.apps.export.outcome import (
 from hidden_state_reader.apps.export.placement import Placement, place
 from hidden_state_reader.apps.export.rows import RowWriter, require_datasets
 from hidden_state_reader.errors import HiddenStateError, SampleError
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
-from hidden_state_reader.format.header import Meta, SampleHeader, read_header_fd
-from hidden_state_reader.format.lockfile import SharedLock
+from hidden_state_reader.files.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.files.header import read_header_fd
+from hidden_state_reader.files.locks import SharedLock
+from hidden_state_reader.format.header import Meta, SampleHeader
 from hidden_state_reader.sample.health import SampleHealth, scan_health
 from hidden_state_reader.sample.states import GRACE, SampleState
 
@@ -313,7 +314,7 @@ class _Export:
         if header.tokens.dtype == "I64":
             return place(fd, sample.path, target, copy=self.copy)
         # speculators compares token_ids with int64 input_ids (torch.equal): rewrite.
-        from hidden_state_reader.format.publish import write_sample
+        from hidden_state_reader.files.publish import write_sample
 
         meta = {k: v for k, v in sample.metadata.items() if k != Meta.CRC32}
         # sample.token_ids is int64 already (load_fd converts); the lock is not needed: the

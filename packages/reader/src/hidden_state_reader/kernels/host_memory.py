@@ -1,17 +1,18 @@
-"""Host memory for large tensors: huge-page-advised, and recycled once no tensor uses it.
+"""Host memory, the project's one home of it: huge-page-advised, recycled when unused.
 
-A tensor written into fresh memory pays for its pages the first time it is touched: one
-page fault per 4 KiB page, slower than dequantizing fp8 into it (figures: docs/reader.md,
-"How do I read fp8 samples?"). So:
+Every host-memory pool is built of the two kinds given here: ``huge_mapping``
+(anonymous, ``MADV_HUGEPAGE``) and ``byte_buffer`` (uint8, page-locked for CUDA when
+asked). The pools stay apart because they reuse memory on different signals (listed in
+docs/reader.md, "Host memory"): this module's cache, the store's receive arena, the
+device feed's batch buffers and the connector's slab pool.
 
-* mappings are kept in a small per-process cache (``CACHE_BYTES`` in all, in
-  power-of-two size classes) and handed out again once no tensor views them any more:
-  a reader that makes one sample after another writes into pages that are already
-  there, and pays for fresh pages once per buffer, not once per sample;
-* they are advised with ``MADV_HUGEPAGE`` (Linux's default transparent-huge-page mode,
-  ``madvise``, honours it; elsewhere it is ignored): results in 2 MiB pages are written
-  and read with fewer TLB misses. The price is paid once per buffer: with no free 2 MiB
-  page at hand the kernel compacts memory on the first fault.
+This module's cache exists because a tensor written into fresh memory pays one page
+fault per 4 KiB page, slower than dequantizing fp8 into it (docs/reader.md, "How do I
+read fp8 samples?"). Mappings are kept per process (``CACHE_BYTES`` in all, in
+power-of-two size classes) and handed out again once no tensor views them, so a reader
+making one sample after another writes into pages already there. Huge pages mean fewer
+TLB misses; with no free 2 MiB page at hand the kernel compacts memory on the first
+fault, once per buffer.
 
 A mapping is known to be unused when nothing but the cache refers to it: every tensor
 made from it (``torch.frombuffer``) holds a reference through its storage, views and
@@ -60,6 +61,16 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = Fals
     return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
+def byte_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
+    """A uint8 buffer of ``nbytes`` for a pool to own: page-locked when ``pin`` (CUDA).
+
+    Not recycled here: the pool that asks for it decides when it is reused.
+    """
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
 def empty_bytes(nbytes: int) -> np.ndarray:
     """``empty((nbytes,), torch.uint8)`` as a numpy array (it keeps the memory alive)."""
     import torch
@@ -72,7 +83,12 @@ def _size_class(nbytes: int) -> int:
     return 1 << max(nbytes - 1, 1).bit_length()
 
 
-def _new_mapping(size: int) -> mmap.mmap:
+def huge_mapping(size: int) -> mmap.mmap:
+    """Anonymous private memory of ``size`` bytes, advised ``MADV_HUGEPAGE``.
+
+    Faulted in on first touch; where the advice is refused (an old kernel, THP compiled
+    out) the pages are ordinary ones.
+    """
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with suppress(OSError):  # refused (an old kernel, THP compiled out): ordinary pages
@@ -99,7 +115,7 @@ class _MappingCache:
                     return kept[i]
             if self._bytes + size > self._limit:
                 self._drop_unused()
-            mapping = _new_mapping(size)
+            mapping = huge_mapping(size)
             if self._bytes + size <= self._limit:
                 kept.append(mapping)
                 self._bytes += size

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import HiddenStateReader, WaitCancelledError
-from hidden_state_reader.format import SharedLock, WriterLock
-from hidden_state_reader.format.flockwait import install_wake_handler
+from hidden_state_reader.files.flockwait import install_wake_handler
+from hidden_state_reader.files.locks import SharedLock, WriterLock
 
 from procs import WRITER
 
@@ -135,7 +135,7 @@ def test_close_from_another_thread_interrupts_a_blocked_wait(hs_dir: Path) -> No
 
 
 def test_shared_lock_can_be_cancelled(hs_dir: Path) -> None:
-    from hidden_state_reader.format.flockwait import CancelToken
+    from hidden_state_reader.files.flockwait import CancelToken
 
     lock = WriterLock.create(str(hs_dir / "x.safetensors"))
     token = CancelToken()

@@ -90,7 +90,7 @@ _NATIVE_KINDS = {"torch.bfloat16": 0, "torch.float32": 1, "torch.float16": 2}
 def _native() -> Any:
     """The compiled kernel module, or None where the package was built without it."""
     try:
-        from hidden_state_reader.format import _fp8_native  # type: ignore[attr-defined]
+        from hidden_state_reader.kernels import _fp8_native  # type: ignore[attr-defined]
     except ImportError:
         return None
     return _fp8_native

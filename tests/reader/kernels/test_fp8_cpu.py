@@ -1,6 +1,6 @@
 """CPU fp8 dequantization: every implementation bit for bit equal to torch's definition.
 
-The implementations (``format.fp8_cpu``): the native kernel's vector lookup (AVX-512 VBMI,
+The implementations (``kernels.fp8_cpu``): the native kernel's vector lookup (AVX-512 VBMI,
 where the CPU has it), its scalar lookup, and the torch passes (float64 results, or where
 the extension is not built); ``dequantize`` picks one. Each is checked against
 ``reference`` (``fp8.float() * scales`` then one rounding) over all 256 codes under scales
@@ -14,8 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from hidden_state_reader.format import fp8_cpu
-from hidden_state_reader.format.fp8 import dequantize, quantize
+from hidden_state_reader.kernels import fp8_cpu
+from hidden_state_reader.kernels.fp8 import dequantize, quantize
 
 SCALES = [1.0, 1e-12, 3.7e-3, 0.1234567, 1 / 448, 7.3, -2.5, 0.0, 1e20, 7.5e35, 2.0**-126,
           1e-40, float("inf"), float("nan"), 2.0**119, 3e38]  # fmt: skip

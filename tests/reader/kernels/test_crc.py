@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from hidden_state_reader.format.crc import chosen, crc32, implementations, stdlib
+from hidden_state_reader.kernels.crc import chosen, crc32, implementations, stdlib
 
 
 @pytest.mark.parametrize("name", list(implementations()))

@@ -6,8 +6,8 @@ import random
 import re
 from pathlib import Path
 
+from hidden_state_reader.files.listing import list_entries, list_samples, scan_samples
 from hidden_state_reader.format import Kind, classify, natural_key, sample_key
-from hidden_state_reader.format.listing import list_entries, list_samples, scan_samples
 
 # Pieces of names a storage directory can hold: samples, locks, temporaries of both
 # writers, hidden entries, odd characters (a newline, non-ASCII digits).

@@ -1,6 +1,6 @@
 """zlib's CRC-32 (the ``crc32`` of a sample's header), from the fastest implementation here.
 
-Every CRC-32 of the format goes through ``crc32``: the writer's (``format.publish``), a
+Every CRC-32 of the format goes through ``crc32``: the writer's (``files.publish``), a
 check of a file (``verify_checksum=True``, ``verify --checksums``) and the store
 reader's, which checks every sample. The standard library's ``zlib.crc32`` is slow next
 to the same CRC-32 computed with carry-less multiplication by zlib-ng (``pip install

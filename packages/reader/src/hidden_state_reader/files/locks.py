@@ -1,4 +1,4 @@
-"""The lock protocol of format v1.
+"""The lock protocol of format v1: taking, holding and reading lock files.
 
 Writer side: ``WriterLock.create`` makes ``NAME.safetensors.lock`` appear already held
 ``LOCK_EX`` (it is created under a temporary name, locked, then renamed into place), so
@@ -8,14 +8,11 @@ exists. The lock file's content is a small JSON status (``writing`` with who wri
 verify`` use to tell a failed sample from a dead writer. Releasing = closing the
 descriptor.
 
-Who writes: the writer's pid, host name, the kernel's boot id, PID namespace and the
-process start time (``/proc/PID/stat`` field 22). With them ``check_writer`` can tell,
-on the writer's own host, that a writer is gone at once (even if its pid was reused);
-elsewhere, or for a lock without them (older writers, vLLM's empty locks), it says so
-and the grace period decides (``hidden_state_reader.sample.states``).
+Who writes is the process identity (``hidden_state_reader.files.identity``); what a
+status holds is the format's lock-status schema (``hidden_state_reader.format.lock_status``).
 
 Reader side: ``SharedLock.acquire`` sleeps in ``flock(LOCK_SH)`` until the writer is
-done (see ``hidden_state_reader.format.flockwait``). ``probe`` asks without blocking.
+done (see ``hidden_state_reader.files.flockwait``). ``probe`` asks without blocking.
 
 Lock files written by vLLM's own connector are empty and created in place; both sides
 of this module accept them.
@@ -24,60 +21,24 @@ of this module accept them.
 from __future__ import annotations
 
 import contextlib
-import enum
 import fcntl
-import functools
-import json
 import os
-import socket
-from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_reader.errors import CorruptSampleError
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular
-from hidden_state_reader.format.flockwait import CancelToken, flock_wait
+from hidden_state_reader.files.fileio import NotRegularFileError, open_regular
+from hidden_state_reader.files.flockwait import CancelToken, flock_wait
+from hidden_state_reader.files.identity import writer_identity
+from hidden_state_reader.format.lock_status import (
+    MAX_STATUS_BYTES,
+    STATE_FAILED,
+    STATE_WRITING,
+    LockState,
+    LockStatus,
+    decode_status,
+    encode_status,
+)
 from hidden_state_reader.format.names import lock_path, temp_path
-
-STATE_WRITING = "writing"
-STATE_FAILED = "failed"
-_MAX_STATUS_BYTES = 4096
-
-
-class LockState(enum.Enum):
-    """What a non-blocking look at a lock file found."""
-
-    ABSENT = "absent"
-    FREE = "free"
-    HELD = "held"
-
-
-@dataclass(frozen=True)
-class LockStatus:
-    """The JSON status a writer left in a lock file (empty for vLLM-written locks)."""
-
-    state: str | None
-    detail: dict[str, Any]
-
-    @property
-    def failed(self) -> bool:
-        """The writer gave up on this sample."""
-        return self.state == STATE_FAILED
-
-    @property
-    def reason(self) -> str:
-        """The writer's explanation, if any."""
-        return str(self.detail.get("reason", ""))
-
-
-# A small JSON object ``{"state": ..., **detail}`` in a locked file: the rule of the lock
-# files here, and also of the reader's claim files (``hidden_state_reader.read.claims``).
-
-
-def encode_status(state: str, **detail: Any) -> bytes:
-    """The JSON status ``{"state": state, **detail}``, at most ``_MAX_STATUS_BYTES``."""
-    return json.dumps({"state": state, **detail}, separators=(",", ":")).encode()[
-        :_MAX_STATUS_BYTES
-    ]
 
 
 def write_status(fd: int, state: str, **detail: Any) -> None:
@@ -88,137 +49,7 @@ def write_status(fd: int, state: str, **detail: Any) -> None:
 
 def read_status_fd(fd: int) -> LockStatus:
     """The status in the file open as ``fd``; ``state=None`` if empty or not a status."""
-    raw = os.pread(fd, _MAX_STATUS_BYTES, 0)
-    try:
-        doc = json.loads(raw) if raw.strip() else {}
-    except ValueError:
-        doc = {}
-    if not isinstance(doc, dict):
-        doc = {}
-    state = doc.pop("state", None)
-    return LockStatus(state if isinstance(state, str) else None, doc)
-
-
-_PROC = "/proc"
-
-
-def _read_proc(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-@functools.cache
-def _boot_id() -> str | None:
-    """The running kernel's boot id (None where there is no /proc)."""
-    return _read_proc(f"{_PROC}/sys/kernel/random/boot_id")
-
-
-def _pid_namespace() -> str | None:
-    """This process's PID namespace, e.g. ``pid:[4026531836]`` (None without /proc)."""
-    try:
-        return os.readlink(f"{_PROC}/self/ns/pid")
-    except OSError:
-        return None
-
-
-@dataclass(frozen=True)
-class ProcessSeen:
-    """What ``/proc/PID/stat`` says of a live pid: its start time and whether it is a zombie."""
-
-    start_ticks: int
-    zombie: bool
-
-
-def process_seen(pid: int) -> ProcessSeen | None:
-    """Look up ``pid`` in ``/proc``; None when no such process exists (or no /proc)."""
-    raw = _read_proc(f"{_PROC}/{pid}/stat")
-    if raw is None:
-        return None
-    # "PID (COMM) STATE ..." where COMM may hold spaces and parentheses: split after the
-    # last ")"; field 3 (state) is then the first and field 22 (starttime) the 20th.
-    fields = raw[raw.rfind(")") + 1 :].split()
-    try:
-        return ProcessSeen(int(fields[19]), fields[0] in ("Z", "X"))
-    except (IndexError, ValueError):
-        return None
-
-
-def writer_identity() -> dict[str, Any]:
-    """Who the calling process is, as a lock records it.
-
-    ``pid`` and ``host`` always; where ``/proc`` exists also ``boot_id`` (the running
-    kernel), ``pid_ns`` (the PID namespace, so a container's pids are not looked up in
-    another's) and ``start_ticks`` (the process start time in clock ticks after boot,
-    ``/proc/PID/stat`` field 22: a reused pid has another one).
-    """
-    return {"pid": os.getpid(), "host": socket.gethostname(), **_process_facts(os.getpid())}
-
-
-@functools.cache
-def _process_facts(pid: int) -> dict[str, Any]:
-    """``boot_id``, ``pid_ns`` and ``start_ticks`` of this process; {} without ``/proc``.
-
-    Looked up once per pid: a forked child is another pid, with its own start time.
-    """
-    boot, pid_ns, seen = _boot_id(), _pid_namespace(), process_seen(pid)
-    if boot is None or pid_ns is None or seen is None:
-        return {}
-    return {"boot_id": boot, "pid_ns": pid_ns, "start_ticks": seen.start_ticks}
-
-
-class WriterFate(enum.Enum):
-    """What can be known about the process that wrote a lock's ``writing`` status."""
-
-    RUNNING = "running"
-    """It ran on this host and is still running."""
-    GONE = "gone"
-    """It ran on this host and is gone (exited, killed, or its pid reused): it will never
-    publish the sample."""
-    ELSEWHERE = "elsewhere"
-    """It ran on another host (or in another PID namespace): it cannot be checked here."""
-    UNKNOWN = "unknown"
-    """The lock does not say which process wrote it (an older writer, vLLM's lock)."""
-
-
-@dataclass(frozen=True)
-class WriterCheck:
-    """The fate of a lock's writer and how it was told, in a few words (``why``)."""
-
-    fate: WriterFate
-    why: str
-
-
-def check_writer(status: LockStatus | None) -> WriterCheck:
-    """What can be known, from here, about the writer that left ``status`` in a lock.
-
-    On the writer's own host (same boot id and PID namespace) its pid is looked up in
-    ``/proc``: gone, a zombie, or a process with another start time means the writer is
-    gone. Another boot id is another host (or this one before a restart: host names are
-    no proof, containers on several nodes share them), so the grace period decides.
-    """
-    detail = status.detail if status is not None else {}
-    pid, host = detail.get("pid"), detail.get("host")
-    boot, pid_ns, ticks = detail.get("boot_id"), detail.get("pid_ns"), detail.get("start_ticks")
-    if not (isinstance(pid, int) and isinstance(boot, str) and isinstance(ticks, int)):
-        why = "the lock does not record its writer's process (an older writer, or vLLM's)"
-        return WriterCheck(WriterFate.UNKNOWN, why)
-    if boot != _boot_id():
-        return WriterCheck(
-            WriterFate.ELSEWHERE, f"its writer (pid {pid}) ran on host {host}: not checkable here"
-        )
-    if pid_ns != _pid_namespace():
-        why = f"its writer (pid {pid}) ran in another PID namespace of this host: not checkable"
-        return WriterCheck(WriterFate.ELSEWHERE, why)
-    seen = process_seen(pid)
-    if seen is None or seen.zombie:
-        return WriterCheck(WriterFate.GONE, f"its writer (pid {pid} on this host) is gone")
-    if seen.start_ticks != ticks:
-        why = f"its writer (pid {pid} on this host) is gone; the pid now names another process"
-        return WriterCheck(WriterFate.GONE, why)
-    return WriterCheck(WriterFate.RUNNING, f"its writer (pid {pid} on this host) is running")
+    return decode_status(os.pread(fd, MAX_STATUS_BYTES, 0))
 
 
 class WriterLock:

@@ -1,4 +1,4 @@
-"""Recycled host memory (``format.hostmem``): reused only once nothing can read it.
+"""Recycled host memory (``kernels.host_memory``): reused only once nothing can read it.
 
 Each test builds its own ``_MappingCache`` so the process-wide one (and what other tests
 left in it) plays no part.
@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from hidden_state_reader.format import hostmem
+from hidden_state_reader.kernels import host_memory
 
 MiB = 1 << 20
 
 
-def _tensor(cache: hostmem._MappingCache, nbytes: int) -> torch.Tensor:
+def _tensor(cache: host_memory._MappingCache, nbytes: int) -> torch.Tensor:
     return torch.frombuffer(cache.take(nbytes), dtype=torch.uint8, count=nbytes)
 
 
 def test_memory_is_reused_only_after_every_tensor_view_and_array_is_gone() -> None:
-    cache = hostmem._MappingCache(64 * MiB)
+    cache = host_memory._MappingCache(64 * MiB)
     first = _tensor(cache, 3 * MiB)
     first.fill_(7)
     address = first.data_ptr()
@@ -35,7 +35,7 @@ def test_memory_is_reused_only_after_every_tensor_view_and_array_is_gone() -> No
 
 
 def test_size_classes_keep_different_sizes_apart() -> None:
-    cache = hostmem._MappingCache(64 * MiB)
+    cache = host_memory._MappingCache(64 * MiB)
     small = _tensor(cache, 3 * MiB)
     address = small.data_ptr()
     del small
@@ -44,7 +44,7 @@ def test_size_classes_keep_different_sizes_apart() -> None:
 
 
 def test_the_cache_holds_at_most_its_limit_and_drops_unused_mappings_first() -> None:
-    cache = hostmem._MappingCache(8 * MiB)
+    cache = host_memory._MappingCache(8 * MiB)
     kept = [_tensor(cache, 4 * MiB), _tensor(cache, 4 * MiB)]  # 8 MiB: the limit
     beyond = _tensor(cache, 4 * MiB)  # in use by a tensor, but not kept for reuse
     assert cache._bytes == 8 * MiB
@@ -59,8 +59,8 @@ def test_the_cache_holds_at_most_its_limit_and_drops_unused_mappings_first() -> 
 
 
 def test_large_tensors_come_from_the_process_cache_and_small_ones_from_torch() -> None:
-    big = hostmem.empty((3 * MiB // 2,), torch.bfloat16)
+    big = host_memory.empty((3 * MiB // 2,), torch.bfloat16)
     assert big.shape == (3 * MiB // 2,) and big.dtype == torch.bfloat16
     assert big.untyped_storage().nbytes() >= 3 * MiB
-    small = hostmem.empty((16,), torch.float32)
+    small = host_memory.empty((16,), torch.float32)
     assert small.shape == (16,) and small.untyped_storage().nbytes() == 64

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hidden_state_reader.format.fileio import NotRegularFileError, open_regular_stat, open_sized
+from hidden_state_reader.files.fileio import NotRegularFileError, open_regular_stat, open_sized
 
 
 def test_open_sized_gives_the_size_of_a_regular_file(tmp_path: Path) -> None:

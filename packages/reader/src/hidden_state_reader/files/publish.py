@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from hidden_state_reader.files.locks import WriterLock
 from hidden_state_reader.format import fp8
-from hidden_state_reader.format.crc import Crc32, crc32
 from hidden_state_reader.format.header import (
     FORMAT_VERSION,
     HIDDEN_STATES,
@@ -25,9 +25,10 @@ from hidden_state_reader.format.header import (
     Meta,
     encode_header,
 )
-from hidden_state_reader.format.lockfile import WriterLock
 from hidden_state_reader.format.loss_mask import LOSS_MASK, as_mask_tensor
 from hidden_state_reader.format.names import temp_path
+from hidden_state_reader.kernels.crc import Crc32, crc32
+from hidden_state_reader.kernels.fp8 import quantize
 
 # Tensors written after hidden_states, in this order, when a file has them: the fp8
 # scales (collected while the hidden states stream in) and the loss mask.
@@ -154,10 +155,10 @@ class SampleFileWriter:
         loss_mask: Optional ``[tokens]`` 0/1 (bool or integer tensor, or a sequence),
             stored as ``loss_mask`` (U8) after ``hidden_states``.
         storage: ``"model"``, or ``"fp8_e4m3"``: ``write_hidden`` then takes fp8 bytes
-            (``fp8.quantize``) and ``write_scales`` their scales. ``hidden_dtype`` is
+            (``kernels.fp8.quantize``) and ``write_scales`` their scales. ``hidden_dtype`` is
             recorded as ``model_dtype`` (with ``"model"`` storage unless ``metadata``
             already has one).
-        crc: The CRC32 function (default: the fastest found, ``format.crc``); a
+        crc: The CRC32 function (default: the fastest found, ``kernels.crc``); a
             benchmark passes one that times its calls.
     """
 
@@ -441,7 +442,7 @@ def _fill(writer: SampleFileWriter, hidden: torch.Tensor, storage: str) -> None:
     try:
         writer.note_nonfinite(bool(hidden.numel()) and not bool(torch.isfinite(hidden).all()))
         if storage == fp8.STORAGE_FP8:
-            hidden, scales = fp8.quantize(hidden)
+            hidden, scales = quantize(hidden)
             writer.write_scales(scales)
         writer.write_hidden(hidden)
     except BaseException as exc:
