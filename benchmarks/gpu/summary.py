@@ -93,6 +93,7 @@ def render(rows: list[dict[str, Any]], date: str) -> str:
     out += _decode_table(decode)
     out += _sustain_table([r for r in rows if r.get("kind") == "sustain"])
     out += _train_feed_table([r for r in rows if r.get("kind") == "train_feed"])
+    out += _verify_table([r for r in rows if r.get("kind") == "gpu_verify"])
     return "\n".join(out)
 
 
@@ -221,6 +222,26 @@ def _train_feed_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{r['workers']} | {tok_s} | {_f(r.get('ratio_vs_synthetic'), 3)} | "
             f"{_f(r.get('ratio_vs_synthetic_varlen'), 3)} | {_f(r['data_wait_frac'], 3)} | "
             f"{_f(r['loader_gb_s'])} | {_f(r.get('host_cpu_s_per_gb'), 3)} |"
+        )
+    return [*out, ""]
+
+
+def _verify_table(rows: list[dict[str, Any]]) -> list[str]:
+    """``verify.py`` rows: every answered request accounted for, every row against HF."""
+    if not rows:
+        return []
+    out = [
+        "| code | GPU | prefix caching | graphs | storage | sleep | async scheduling | "
+        "answered | published (with generated tokens) | refused | wrong | missing (silent) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sync = {None: "vLLM default (on)", True: "on", False: "off"}[r.get("async_scheduling")]
+        out.append(
+            f"| {r.get('label', '')} | {r['gpu']} | {r['prefix_caching']} | {r['graphs']} | "
+            f"{r['storage_dtype']} | {r.get('sleep')} | {sync} | {r['answered']} | "
+            f"{r['published']} ({r.get('published_with_generated_tokens', '?')}) | "
+            f"{r['client_errors']} | {r['wrong']} | {r['missing']} ({r['silent']}) |"
         )
     return [*out, ""]
 
