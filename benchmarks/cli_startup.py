@@ -4,7 +4,7 @@
 (torch, vLLM, transformers and datasets load lazily, when a command really runs), so
 they answer in a fraction of a second. Each command runs as a fresh process, as a user
 types it, through the installed ``hidden-state`` entry point's module
-(``python -m hidden_state_reader.cli.main``); runs interleaved, median and worst.
+(``python -m hidden_state_reader.apps.cli.main``); runs interleaved, median and worst.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ COMMANDS: dict[str, list[str]] = {
     "hidden-state ls (no directory: exit 2)": ["ls"],
     "hidden-state serve --layers x (bad value: exit 2)": ["serve", "m", "--layers", "x"],
 }
-ENTRY = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+ENTRY = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 
 
 def _time_once(args: list[str]) -> tuple[float, int]:

@@ -350,7 +350,7 @@ class OtherLoad:
 
 def bench_model(ctx: Context, spec: dict[str, Any]) -> Path:
     """The tiny random Llama of ``spec`` (layers, hidden, heads, dtype), built once per cache."""
-    from hidden_state_connector.tiny_model import build_tiny_model
+    from hidden_state_connector.apps.tiny_model import build_tiny_model
 
     return build_tiny_model(
         ctx.cache / "tiny-h{hidden_size}-l{num_layers}-{dtype}".format(**spec),

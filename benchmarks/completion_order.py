@@ -36,7 +36,7 @@ from benchmarks.common import (
     remove_tree_contents,
     table,
 )
-from hidden_state_connector.demo.serving import free_port
+from hidden_state_connector.server import free_port
 
 NAME = "completion_order"
 TITLE = "7. Completion order: concurrent clients of a live vLLM server"
@@ -53,35 +53,27 @@ GOAL_P50_MS, GOAL_P99_MS = 5.0, 50.0
 
 
 def _record_event_arrivals() -> dict[tuple[str, str], int]:
-    """Wrap the reader's inotify dispatch: when each event reached the reader process (ns).
+    """Probe the reader's inotify events: when each event reached the reader process (ns).
 
     Keys: ``(sample name, "data")`` for the data file renamed into place, ``(sample name,
     "release")`` for the writer closing (releasing) its lock; the last of each.
     """
     from hidden_state_reader.format.names import LOCK_SUFFIX, sample_key
-    from hidden_state_reader.read import inotify as discovery
+    from hidden_state_reader.probes import INOTIFY_EVENT, add_probe
+    from hidden_state_reader.read.inotify import IN_CLOSE_WRITE, IN_MOVED_TO
 
     arrivals: dict[tuple[str, str], int] = {}
-    real = discovery.Inotify._dispatch.__func__  # type: ignore[attr-defined]
-    event = discovery._EVENT
 
-    def dispatch(cls: Any, buf: bytes) -> None:
-        now, offset = time.time_ns(), 0
-        while offset + event.size <= len(buf):
-            _, mask, _, length = event.unpack_from(buf, offset)
-            name = os.fsdecode(buf[offset + event.size : offset + event.size + length])
-            name = name.rstrip("\0")
-            offset += event.size + length
-            key = sample_key(name)
-            if key is None:
-                continue
-            if name.endswith(LOCK_SUFFIX) and mask & discovery._IN_CLOSE_WRITE:
-                arrivals[(key, "release")] = now
-            elif not name.endswith(LOCK_SUFFIX) and mask & discovery._IN_MOVED_TO:
-                arrivals[(key, "data")] = now
-        real(cls, buf)
+    def arrived(name: str, mask: int, time_ns: int) -> None:
+        key = sample_key(name)
+        if key is None:
+            return
+        if name.endswith(LOCK_SUFFIX) and mask & IN_CLOSE_WRITE:
+            arrivals[(key, "release")] = time_ns
+        elif not name.endswith(LOCK_SUFFIX) and mask & IN_MOVED_TO:
+            arrivals[(key, "data")] = time_ns
 
-    discovery.Inotify._dispatch = classmethod(dispatch)  # type: ignore[assignment]
+    add_probe(INOTIFY_EVENT, arrived)  # for the life of this reader process
     return arrivals
 
 
@@ -201,7 +193,7 @@ def _phase(url: str, out_dir: Path, count: int, clients: int, seed: int) -> dict
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    from hidden_state_connector.server import ServeOptions, VllmServer
+    from hidden_state_connector.apps.server import ServeOptions, VllmServer
 
     work = ctx.workdir(NAME)
     sequential, concurrent = ctx.pick((8, 32), (48, 192))

@@ -303,14 +303,14 @@ def raw_store(client: Any, staged: list[str], delivered: int, rounds: int = 3) -
         client.put(keys[-1], Path(path).read_bytes())
     size = max(client.size(k) or 0 for k in keys)
     buf = np.empty(size, dtype=np.uint8)
-    client._store.register_buffer(buf.ctypes.data, size)
+    client.raw_store.register_buffer(buf.ctypes.data, size)
     best = float("inf")
     for _ in range(rounds):
         started = time.perf_counter()
         for key in keys:
-            client._store.get_into(key, buf.ctypes.data, size)
+            client.raw_store.get_into(key, buf.ctypes.data, size)
         best = min(best, time.perf_counter() - started)
-    client._store.unregister_buffer(buf.ctypes.data)
+    client.raw_store.unregister_buffer(buf.ctypes.data)
     for key in keys:
         client.remove(key)
     return delivered * len(keys) / best / 1e9

@@ -103,31 +103,25 @@ def follow_reader(
 ) -> Iterator[tuple[str, float]]:
     """Follow ``directory``; with ``stages``, also record when each lock wait began and ended.
 
-    The timestamps come from a thin wrapper around ``SharedLock.acquire`` as the directory
-    backend sees it (this process only), so a slow sample can be attributed to discovery
-    (the wait began after the release), the wake-up, or the load.
+    The timestamps come from the reader's ``probes.LOCK_ACQUIRE`` point (this process
+    only), so a slow sample can be attributed to discovery (the wait began after the
+    release), the wake-up, or the load.
     """
     from hidden_state_reader import HiddenStateReader
-    from hidden_state_reader.read import directory as reader_module
+    from hidden_state_reader.probes import LOCK_ACQUIRE, add_probe
 
-    real = reader_module.SharedLock
-    if stages is not None:
+    def acquired(path: str, began: float, acquired: float) -> None:
+        assert stages is not None
+        stages[os.path.basename(path)] = [began, acquired]
 
-        class TimedLock(real):  # type: ignore[misc, valid-type]
-            @classmethod
-            def acquire(cls, data_path: str, **kwargs: Any) -> Any:
-                began = time.monotonic()
-                lock = real.acquire(data_path, **kwargs)
-                stages[os.path.basename(data_path)] = [began, time.monotonic()]
-                return lock
-
-        reader_module.SharedLock = TimedLock  # type: ignore[misc]
+    remove = add_probe(LOCK_ACQUIRE, acquired) if stages is not None else None
     try:
         reader = HiddenStateReader(directory, follow=True, idle_timeout=60, max_samples=count)
         for sample in reader:
             yield os.path.basename(sample.path), time.monotonic()
     finally:
-        reader_module.SharedLock = real  # type: ignore[misc]
+        if remove is not None:
+            remove()
 
 
 def polling_reader(directory: Path, count: int) -> Iterator[tuple[str, float]]:

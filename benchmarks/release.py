@@ -104,7 +104,7 @@ def child_main(argv: list[str]) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
+    from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 
     llm = LLM(
         model=args.model,

@@ -186,7 +186,7 @@ def scan_main(argv: list[str]) -> None:
     source.next(0)  # the initial scan: every name becomes known
     out["follow_scan_s"] = time.perf_counter() - t
     traced = tracemalloc.get_traced_memory()[0] - base
-    known = len(source._known)
+    known = source.tracked
     out["tracked"] = known
     out["bytes_per_tracked_sample"] = traced / max(1, known)
     source.close()

@@ -74,7 +74,7 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
+    from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 
     kw: dict[str, Any] = {
         "model": args.model,

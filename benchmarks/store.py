@@ -112,10 +112,10 @@ def _raw_child(source: str) -> None:
     keys = [data_key(client.settings.prefix, r.name) for r in records]
     size = max(r.size for r in records)
     buf = np.empty(size, dtype=np.uint8)
-    client._store.register_buffer(buf.ctypes.data, size)
+    client.raw_store.register_buffer(buf.ctypes.data, size)
     started, total = time.perf_counter(), 0
     for key in keys:
-        total += client._store.get_into(key, buf.ctypes.data, size)
+        total += client.raw_store.get_into(key, buf.ctypes.data, size)
     end = time.perf_counter()
     print(json.dumps({"seconds": end - started, "bytes": total, "samples": len(keys),
                       "steady_B_per_s": total / (end - started)}))  # fmt: skip
@@ -149,7 +149,7 @@ def _paths(samples: int = 40) -> dict[str, Any]:
     from hidden_state_reader.store.url import parse_store_url
 
     client = StoreClient(parse_store_url(URL.replace("128MiB", "256MiB")))
-    store = client._store
+    store = client.raw_store
     files, _ = _stage(Path(tempfile.mkdtemp(prefix="bench-paths-")), 4, 4096)
     keys = [f"paths-{i}" for i in range(len(files))]
     for key, path in zip(keys, files, strict=True):
@@ -171,26 +171,21 @@ def _paths(samples: int = 40) -> dict[str, Any]:
 
     def now(function: crc.Crc32) -> Any:
         def read(key: str) -> None:
-            load.crc32 = function  # the module's CRC, for this variant
             data = client.get_object(key, size)
             assert data is not None
-            load.check_bytes(key, data, None)
+            load.check_bytes(key, data, None, crc=function)  # this variant's CRC
             load.load_checked(key, data, LoadOptions())
 
         return read
 
     variants = {"raw": raw, "before": before}
     variants.update({f"now ({name})": now(f) for name, f in crc.implementations().items()})
-    chosen = load.crc32
     seconds: dict[str, list[float]] = {name: [] for name in variants}
-    try:
-        for i in range(samples):
-            for name, read in variants.items():
-                started = time.perf_counter()
-                read(keys[i % len(keys)])
-                seconds[name].append(time.perf_counter() - started)
-    finally:
-        load.crc32 = chosen
+    for i in range(samples):
+        for name, read in variants.items():
+            started = time.perf_counter()
+            read(keys[i % len(keys)])
+            seconds[name].append(time.perf_counter() - started)
     return {name: {"GB_per_s": size / median(ts) / 1e9,
                    "over_raw": median([r / t for r, t in zip(seconds["raw"], ts, strict=True)])}
             for name, ts in seconds.items()}  # fmt: skip

@@ -54,7 +54,7 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 def _connector(backend: str, out: str, master: str) -> dict[str, Any]:
-    from hidden_state_connector.server import kv_transfer_config
+    from hidden_state_connector.apps.server import kv_transfer_config
 
     extra: dict[str, Any] = {"stats_interval": 0}
     if backend == "store":
@@ -70,16 +70,12 @@ def _connector(backend: str, out: str, master: str) -> dict[str, Any]:
 
 def _time_puts(puts: dict[str, tuple[float, float]]) -> None:
     """Record (start, end) of every put by staged path (the trace's ``path``)."""
-    from hidden_state_connector.engine.write import store_backend
+    from hidden_state_reader.probes import STORE_PUT, add_probe
 
-    release = store_backend.StoreLock.release
+    def put(staged: str, began: float, ended: float) -> None:
+        puts[staged] = (began, ended)
 
-    def timed(self: Any) -> None:
-        start = time.monotonic()
-        release(self)
-        puts[self.staged] = (start, time.monotonic())
-
-    store_backend.StoreLock.release = timed  # type: ignore[method-assign]
+    add_probe(STORE_PUT, put)  # for the life of this benchmark process
 
 
 class _Published:
@@ -196,7 +192,7 @@ def worker_main(argv: list[str]) -> None:
     _time_puts(puts)
     from vllm import LLM
 
-    from hidden_state_connector.server import speculative_config
+    from hidden_state_connector.apps.server import speculative_config
 
     t0 = time.perf_counter()
     llm = LLM(

@@ -35,6 +35,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ class _Timers:
 
 
 class _CrcTimer:
-    """Stands in for ``crc32`` in ``files.publish``: times each call, per thread."""
+    """The ``crc`` a timed ``SampleFileWriter`` is given: times each call, per thread."""
 
     STAGE = "CRC32 of the written bytes (writer threads)"
 
@@ -140,7 +141,7 @@ class Variant:
             stats=WriteStats(0),
         )
         # Touch every slab once: a long-running server has faulted them in long ago.
-        for slab in list(self.pipeline.pool._free):
+        for slab in self.pipeline.pool.idle_slabs():
             slab.data.fill_(0)
 
     def trial(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
@@ -208,17 +209,15 @@ class Variant:
 
     def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
         """One more trial with timers around each stage (thread-seconds per stage)."""
-        from hidden_state_connector.engine.write import sample_file as writer_module
-        from hidden_state_reader.files import publish as publish_module
+        from hidden_state_reader.files.publish import SampleFileWriter
 
         timers = _Timers()
-        real_writer = writer_module.SampleFileWriter
         crc = _CrcTimer(timers)
 
-        class TimedWriter(real_writer):  # type: ignore[misc, valid-type]
+        class TimedWriter(SampleFileWriter):
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 with timers.timing("create file, header, token ids"):
-                    super().__init__(*args, **kwargs)
+                    super().__init__(*args, crc=crc.crc32, **kwargs)
 
             def write_hidden(self, chunk: Any) -> None:
                 t, c, crc_before = time.perf_counter(), time.thread_time(), crc.spent()
@@ -238,14 +237,12 @@ class Variant:
         saved = (ex.copy, ex.chunk_nonfinite)
         ex.copy = timers.wrap("gather out of the cache (engine thread)", ex.copy)  # type: ignore[method-assign]
         ex.chunk_nonfinite = timers.wrap("NaN/inf check (writer threads)", ex.chunk_nonfinite)  # type: ignore[method-assign]
-        writer_module.SampleFileWriter = TimedWriter  # type: ignore[misc]
-        real_crc32 = publish_module.crc32
-        publish_module.crc32 = crc.crc32
+        options = self.pipeline.file_options
+        self.pipeline.file_options = replace(options, writer_factory=TimedWriter)
         try:
             res = self.trial(directory, requests)
         finally:
-            writer_module.SampleFileWriter = real_writer  # type: ignore[misc]
-            publish_module.crc32 = real_crc32
+            self.pipeline.file_options = options
             ex.copy, ex.chunk_nonfinite = saved  # type: ignore[method-assign]
         res["thread_seconds"] = dict(timers.seconds)
         res["cpu_seconds"] = dict(timers.cpu_seconds)

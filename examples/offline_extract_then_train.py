@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
-from hidden_state_connector.demo.prompts import load_prompts
+from hidden_state_connector.apps.draft_head import DraftHead, next_token_loss
+from hidden_state_connector.apps.prompts import load_prompts
 from hidden_state_connector.tiny_model import build_tiny_model
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, pad_collate, read_header
 
@@ -101,7 +101,7 @@ def extract(model: str, prompts: Path, hs_dir: Path, layers: str | None) -> None
     cmd = [
         sys.executable,
         "-m",
-        "hidden_state_connector.cli.extract",
+        "hidden_state_connector.apps.cli.extract",
         model,
         "--input",
         str(prompts),

@@ -42,12 +42,11 @@ from pathlib import Path
 
 import torch
 
+from hidden_state_connector.apps.draft_head import DraftHead, next_token_loss
+from hidden_state_connector.apps.prompts import load_prompts
 from hidden_state_connector.client import complete_all
-from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
-from hidden_state_connector.demo.prompts import load_prompts
-from hidden_state_connector.demo.serving import free_port
 from hidden_state_connector.layers import default_layer_ids
-from hidden_state_connector.server import ServeOptions, VllmServer
+from hidden_state_connector.server import ServeOptions, VllmServer, free_port
 from hidden_state_connector.tiny_model import build_tiny_model
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, pad_collate
 

@@ -81,7 +81,7 @@ def holder() -> Iterator[LockHolder]:
 @pytest.fixture(scope="session")
 def tiny_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The public tiny random Llama (4 layers) in float32: exact comparisons with HF."""
-    from hidden_state_connector.tiny_model import build_tiny_model
+    from hidden_state_connector.apps.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-fp32", dtype="float32")
 
@@ -89,7 +89,7 @@ def tiny_model_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same architecture in bfloat16, as a server would usually run."""
-    from hidden_state_connector.tiny_model import build_tiny_model
+    from hidden_state_connector.apps.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-bf16", dtype="bfloat16")
 

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from hidden_state_connector.cli import extract as extract_cli
+from hidden_state_connector.apps.cli import extract as extract_cli
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.files.publish import write_sample
 from hidden_state_reader.format import sample_metadata
 
 # The CLI framework's stand-in: exactly what `hidden-state extract ...` does.
 RUNNER = (
-    "import argparse,sys; from hidden_state_connector.cli import extract; "
+    "import argparse,sys; from hidden_state_connector.apps.cli import extract; "
     "p=argparse.ArgumentParser(); s=p.add_subparsers(); extract.register(s); "
     "a=p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
 )
@@ -37,7 +37,7 @@ RESUME_RECORDS = 40
 def extract_argv(*args: str, module: bool = False) -> list[str]:
     """Command line of ``hidden-state extract ARGS`` through the runner (or ``-m``)."""
     if module:
-        return [sys.executable, "-m", "hidden_state_connector.cli.extract", *args]
+        return [sys.executable, "-m", "hidden_state_connector.apps.cli.extract", *args]
     return [sys.executable, "-c", RUNNER, "extract", *args]
 
 

@@ -24,7 +24,7 @@ that collects the test files.
 
 IN_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
-DEMO = [sys.executable, "-m", "hidden_state_connector.cli.demo"]
+DEMO = [sys.executable, "-m", "hidden_state_connector.apps.cli.demo"]
 """The ``hidden-state demo`` command, as the demo tests run it."""
 """Environment of an offline ``LLM`` whose engine runs in the calling process.
 

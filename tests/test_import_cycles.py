@@ -127,3 +127,19 @@ def test_the_graph_sees_lazy_and_type_checking_imports() -> None:
 def test_no_import_circles() -> None:
     found = [sorted(c) for c in circles(import_graph(all_modules()))]
     assert found == [], f"import circles: {found}"
+
+
+def test_applications_sit_above_the_libraries() -> None:
+    # Layers: library <- applications (``apps`` packages; tests/test_app_layering.py
+    # checks the rest of the layering). Contracted to two nodes, the graph has no circle.
+    def layer(module: str) -> str:
+        return "apps" if ".apps" in module or module.endswith((".server", ".tiny_model")) or (
+            module.startswith("hidden_state_reader.export")
+        ) else "library"
+
+    graph = import_graph(all_modules())
+    layers: dict[str, set[str]] = {"apps": set(), "library": set()}
+    for module, targets in graph.items():
+        layers[layer(module)].update(layer(t) for t in targets if layer(t) != layer(module))
+    assert layers == {"apps": {"library"}, "library": set()}
+    assert circles(layers) == []

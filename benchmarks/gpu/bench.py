@@ -44,7 +44,7 @@ def make_8b_model(root: Path) -> Path:
 
 
 def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, Any]:
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
+    from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 
     kw: dict[str, Any] = {
         "model": args.model,
@@ -310,7 +310,7 @@ def spawn_one(
 
 def validate(args: argparse.Namespace) -> int:
     """Values on CUDA vs HF transformers, chunked prefill, prefix caching, output tokens."""
-    from hidden_state_connector.tiny_model import build_tiny_model
+    from hidden_state_connector.apps.tiny_model import build_tiny_model
     from hidden_state_reader import HiddenStateReader
 
     # In-process engine: the path users of notebooks and offline scripts run, and no
@@ -352,7 +352,7 @@ def _validation_engine(args: argparse.Namespace, model_dir: Path, out: str) -> A
     """The tiny model with prefix caching and small prefill chunks, capturing 4 layers."""
     from vllm import LLM
 
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
+    from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 
     settings = {
         "chunk_bytes": 65536,

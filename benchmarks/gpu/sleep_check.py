@@ -50,7 +50,7 @@ def make_engine(model_dir: Path, out: str) -> Any:
     """The tiny bf16 model with sleep mode, prefix caching and small prefill chunks."""
     from vllm import LLM
 
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
+    from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 
     settings = {
         "chunk_bytes": 65536,  # small chunks and buffers: copies outlive generate()
@@ -108,8 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The rounds, then the read-back and the comparison with HF."""
     from bench import _compare_with_hf
 
+    from hidden_state_connector.apps.tiny_model import build_tiny_model
     from hidden_state_connector.engine import compat
-    from hidden_state_connector.tiny_model import build_tiny_model
     from hidden_state_reader import HiddenStateReader
 
     model_dir = build_tiny_model(Path(args.work) / "tiny-bfloat16", dtype="bfloat16")

@@ -273,7 +273,7 @@ def main() -> int:
     args.gpu_mem = 0.80
     args.tp = 1
     if args.cpu_smoke:
-        from hidden_state_connector.tiny_model import build_tiny_model
+        from hidden_state_connector.apps.tiny_model import build_tiny_model
 
         args.model = str(build_tiny_model(Path(args.work) / "tiny"))
         args.dummy, args.layers, hidden, args.vocab = False, [1, 2, 4], 128, 256

@@ -108,7 +108,7 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
     import torch
     from vllm import LLM
 
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
+    from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 
     settings: dict[str, Any] = {
         "chunk_bytes": 65536,  # small chunks and buffers: copies outlive generate()
@@ -189,8 +189,8 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     """Start the engine, run the rounds, account for every answered request."""
     import torch
 
+    from hidden_state_connector.apps.tiny_model import build_tiny_model
     from hidden_state_connector.engine import compat
-    from hidden_state_connector.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(Path(args.work) / "tiny-bfloat16", dtype="bfloat16")
     out = tempfile.mkdtemp(prefix="hs-verify-", dir="/tmp")

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.tiny_model import build_tiny_model
 from hidden_state_connector.engine.compat import vllm_version
-from hidden_state_connector.server import kv_transfer_config, speculative_config
-from hidden_state_connector.tiny_model import build_tiny_model
 from hidden_state_reader import HiddenStateReader, Sample
 
 from procs import IN_PROCESS_ENGINE

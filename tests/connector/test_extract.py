@@ -32,8 +32,8 @@ from extract_kit import (
     write_jsonl,
 )
 
+from hidden_state_connector.apps.offline.manifest import MANIFEST_NAME, Manifest
 from hidden_state_connector.engine.compat import vllm_version
-from hidden_state_connector.offline.manifest import MANIFEST_NAME, Manifest
 from hidden_state_reader import HiddenStateReader, read_header
 
 from conftest import HFReference, assert_matches_reference

@@ -11,8 +11,8 @@ import psutil
 import pytest
 import torch
 
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_connector.engine.compat import vllm_version
-from hidden_state_connector.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.files.header import read_header
 from hidden_state_reader.files.locks import probe
@@ -177,7 +177,7 @@ def test_custom_path_inside_root_is_used(engine: Engine) -> None:
 
 
 def test_one_changed_byte_in_a_default_file_fails_verify_checksums(engine: Engine) -> None:
-    from hidden_state_reader.cli.main import main as cli
+    from hidden_state_reader.apps.cli.main import main as cli
 
     [result] = generate(engine, [prompt(20, 7)], params={"hidden_states_path": "crc/a.safetensors"})
     path = Path(read(result["hidden_states_path"]).path)  # published (and its CRC verified)
@@ -284,7 +284,7 @@ def test_speculators_reads_the_connector_files_and_their_export(
     from speculators.data_generation.offline import check_hidden_states
     from speculators.train.data import ArrowDataset
 
-    from hidden_state_reader.export.speculators import export_speculators
+    from hidden_state_reader.apps.export.speculators import export_speculators
 
     p1, p2 = prompt(9, seed=901), prompt(24, seed=902)
     [r1] = generate(engine, [p1], params={"hidden_states_path": "spec/a.safetensors"})

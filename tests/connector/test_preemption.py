@@ -59,7 +59,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in th
 from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.files.locks import probe
 from hidden_state_reader.format import LockState, lock_path

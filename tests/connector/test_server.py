@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from hidden_state_connector.apps.server import ServeOptions, VllmServer
 from hidden_state_connector.client import complete, complete_all
-from hidden_state_connector.server import ServeOptions, VllmServer
 from hidden_state_reader import HiddenStateReader, Sample
 from hidden_state_reader.files.locks import SharedLock, read_status
 
@@ -193,7 +193,7 @@ def _keyed(server: VllmServer, key: str, seed: int, tokens: int = 40) -> dict[st
 def _clean_consumed_keys(out: Path) -> None:
     """``hidden-state clean`` forgetting every consumed key at once."""
     args = ["clean", str(out), "--consumed-keys-older-than", "0"]
-    run = subprocess.run([sys.executable, "-m", "hidden_state_reader.cli.main", *args],
+    run = subprocess.run([sys.executable, "-m", "hidden_state_reader.apps.cli.main", *args],
                          capture_output=True, text=True, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "consumed-key record" in run.stdout

@@ -18,7 +18,7 @@ import pytest
 START_LLM = textwrap.dedent(
     """
     import sys
-    from hidden_state_connector.server import kv_transfer_config, speculative_config
+    from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
     from vllm import LLM
 
     model, root = sys.argv[1], sys.argv[2]

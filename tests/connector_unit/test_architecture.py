@@ -95,7 +95,7 @@ def _model_folder(root: Path, name: str, config: dict[str, object]) -> Path:
 
 def _hidden_state(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "hidden_state_reader.cli.main", *args],
+        [sys.executable, "-m", "hidden_state_reader.apps.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_connector.demo.draft_head import DraftHead, next_token_loss
-from hidden_state_connector.demo.progress import ProgressLine, Snapshot
-from hidden_state_connector.demo.prompts import bundled_prompts, load_prompts, parse_jsonl
+from hidden_state_connector.apps.demo.progress import Snapshot, SnapshotLine
+from hidden_state_connector.apps.draft_head import DraftHead, next_token_loss
+from hidden_state_connector.apps.prompts import bundled_prompts, load_prompts, parse_jsonl
 
 from procs import DEMO
 
@@ -73,7 +73,7 @@ def test_help_has_description_and_examples() -> None:
 
 
 def test_demo_is_a_hidden_state_subcommand() -> None:
-    from hidden_state_reader.cli.main import build_parser
+    from hidden_state_reader.apps.cli.main import build_parser
 
     args = build_parser().parse_args(["demo", "--num-prompts", "7"])
     assert args.num_prompts == 7 and callable(args.handler)
@@ -144,7 +144,7 @@ def test_progress_line_is_rate_limited(tmp_path: Path) -> None:
             pass
 
     stream = Stream()
-    line = ProgressLine(stream, interval=1.0)  # type: ignore[arg-type]
+    line = SnapshotLine(stream, interval=1.0)  # type: ignore[arg-type]
 
     def snap(t: float, n: int) -> Snapshot:
         return Snapshot(t, n, 0, n, n * 10, n * 10, 1e5, n * 1000000, 2.5, 100)

@@ -26,14 +26,14 @@ ENGINE_MODULES = sorted(
 OTHER_MODULES = [
     "hidden_state_connector",
     "hidden_state_connector.plugin",
-    "hidden_state_connector.server",
+    "hidden_state_connector.apps.server",
     "hidden_state_connector.layers",
     "hidden_state_connector.client",
-    "hidden_state_connector.tiny_model",
-    "hidden_state_connector.cli.serve",
-    "hidden_state_connector.cli.tiny_model",
-    "hidden_state_connector.cli.extract",
-    "hidden_state_connector.offline.extract",
+    "hidden_state_connector.apps.tiny_model",
+    "hidden_state_connector.apps.cli.serve",
+    "hidden_state_connector.apps.cli.tiny_model",
+    "hidden_state_connector.apps.cli.extract",
+    "hidden_state_connector.apps.offline.extract",
 ]
 
 _PROBE = textwrap.dedent(

@@ -37,12 +37,12 @@ from extract_kit import (
     write_valid_sample,
 )
 
-from hidden_state_connector.offline.engine import VllmEngine
-from hidden_state_connector.offline.errors import UsageError
-from hidden_state_connector.offline.inputs import PromptEncoder, open_input
-from hidden_state_connector.offline.manifest import MANIFEST_NAME, Manifest, SampleRecord
-from hidden_state_connector.offline.progress import Progress, format_duration
-from hidden_state_connector.offline.resume import remove_stale_temp_files
+from hidden_state_connector.apps.offline.engine import VllmEngine
+from hidden_state_connector.apps.offline.errors import UsageError
+from hidden_state_connector.apps.offline.inputs import PromptEncoder, open_input
+from hidden_state_connector.apps.offline.manifest import MANIFEST_NAME, Manifest, SampleRecord
+from hidden_state_connector.apps.offline.progress import ExtractCounters, format_duration
+from hidden_state_connector.apps.offline.resume import remove_stale_temp_files
 from hidden_state_reader.files.publish import write_sample
 
 # -- fast: inputs, manifest, progress, CLI usage ------------------------------------------
@@ -180,7 +180,7 @@ def test_a_template_that_rewrites_earlier_turns_fails_the_chat_not_the_run(
 
 
 def test_verify_file_checks_the_stored_mask(tmp_path: Path) -> None:
-    from hidden_state_connector.offline.sample_check import verify_file
+    from hidden_state_connector.apps.offline.sample_check import verify_file
 
     path = tmp_path / "hs_0.safetensors"
     ids = list(range(10, 16))
@@ -254,7 +254,7 @@ def test_manifest_last_record_wins_and_a_torn_line_is_ignored(tmp_path: Path) ->
 def test_progress_line_rates_eta_and_throttling() -> None:
     now = [0.0]
     stream = io.StringIO()
-    progress = Progress(10, stream=stream, interval=1.0, clock=lambda: now[0])
+    progress = ExtractCounters(10, stream=stream, interval=1.0, clock=lambda: now[0])
     progress.mark_engine_ready()
     now[0] = 2.0
     progress.add_ok(100, 2_000_000, computed=True)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from engine_fakes import new_request, scheduler_output
 
+from hidden_state_connector.apps.server import ServeOptions
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.output_tokens import (
     NO_ASYNC_FLAG,
@@ -25,7 +26,6 @@ from hidden_state_connector.engine.output_tokens import (
 )
 from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.server import ServeOptions
 
 BLOCK_SIZE, HS_GROUP = 4, 1
 

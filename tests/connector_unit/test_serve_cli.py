@@ -20,16 +20,16 @@ from typing import Any
 
 import pytest
 
-from hidden_state_connector.layers import default_layer_ids, resolve_layers
-from hidden_state_connector.server import (
+from hidden_state_connector.apps.server import (
     CPU_KV_CACHE_BYTES,
     ServeOptions,
     cpu_kv_cache_args,
     server_argv,
     vllm_distribution,
 )
-from hidden_state_reader.cli.main import build_parser
-from hidden_state_reader.cli.toolkit import CliError
+from hidden_state_connector.layers import default_layer_ids, resolve_layers
+from hidden_state_reader.apps.cli.main import build_parser
+from hidden_state_reader.apps.cli.toolkit import CliError
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 HEAVY = ("torch", "vllm", "transformers", "numpy")
@@ -55,7 +55,7 @@ def hidden_state(
         env["HF_HOME"] = str(hf_home)
         env["HF_HUB_CACHE"] = str(hf_home / "hub")
     return subprocess.run(
-        [sys.executable, "-m", "hidden_state_reader.cli.main", *args],
+        [sys.executable, "-m", "hidden_state_reader.apps.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -177,7 +177,7 @@ def test_start_up_imports_no_torch_or_vllm(argv: list[str]) -> None:
     # check without timing a loaded machine.
     code = (
         "import sys\n"
-        "from hidden_state_reader.cli.main import main\n"
+        "from hidden_state_reader.apps.cli.main import main\n"
         f"rc = main({argv!r})\n"
         f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
     )
@@ -210,8 +210,8 @@ def test_extract_storage_dtype_flag_reaches_the_validated_connector_settings(
 ) -> None:
     import argparse
 
-    from hidden_state_connector.cli.extract import _options, add_extract_arguments
-    from hidden_state_connector.offline.settings import connector_settings
+    from hidden_state_connector.apps.cli.extract import _options, add_extract_arguments
+    from hidden_state_connector.apps.offline.settings import connector_settings
 
     model = tmp_path / "model"
     model.mkdir()
@@ -232,9 +232,9 @@ def test_no_checksum_flag_turns_the_default_crc32_off_in_serve_and_extract(
 ) -> None:
     import argparse
 
-    from hidden_state_connector.cli.extract import _options, add_extract_arguments
+    from hidden_state_connector.apps.cli.extract import _options, add_extract_arguments
+    from hidden_state_connector.apps.offline.settings import connector_settings
     from hidden_state_connector.engine.config import ConnectorConfig
-    from hidden_state_connector.offline.settings import connector_settings
 
     model = tmp_path / "model"
     model.mkdir()

@@ -1,4 +1,4 @@
-"""``hidden-state tiny-model`` / ``hidden_state_connector.tiny_model``: a local model to try.
+"""``hidden-state tiny-model`` / ``hidden_state_connector.apps.tiny_model``: a local model to try.
 
 The command runs as a subprocess, as a user types it; the folder it writes is loaded
 with Hugging Face the way vLLM loads a local model (config, tokenizer, weights).
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from hidden_state_connector.cli import tiny_model as command
-from hidden_state_reader.cli import main as cli_main
+from hidden_state_connector.apps.cli import tiny_model as command
+from hidden_state_reader.apps.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMAND = [sys.executable, "-m", "hidden_state_connector.cli.tiny_model"]
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+COMMAND = [sys.executable, "-m", "hidden_state_connector.apps.cli.tiny_model"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 
 
 DOC = ROOT / "docs" / "connector.md"
@@ -115,7 +115,7 @@ def test_help_has_examples_and_the_entry_point_registers_it(
     for target in declared.values():
         module, _, attr = target.partition(":")
         getattr(importlib.import_module(module), attr)(subparsers)
-    assert declared["tiny-model"] == "hidden_state_connector.cli.tiny_model:register"
+    assert declared["tiny-model"] == "hidden_state_connector.apps.cli.tiny_model:register"
     args = parser.parse_args(["tiny-model", "./m", "--layers", "3"])
     assert (args.handler, args.layers, args.hidden) == (command.run, 3, 128)
 

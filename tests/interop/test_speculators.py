@@ -26,9 +26,9 @@ import torch
 from safetensors.torch import save_file
 
 from hidden_state_reader import CorruptSampleError, load_sample
-from hidden_state_reader.cli import main as cli_main
-from hidden_state_reader.export.masks import DefaultMask, MaskSource, loss_mask
-from hidden_state_reader.export.speculators import export_speculators
+from hidden_state_reader.apps.cli import main as cli_main
+from hidden_state_reader.apps.export.masks import DefaultMask, MaskSource, loss_mask
+from hidden_state_reader.apps.export.speculators import export_speculators
 from hidden_state_reader.files.publish import write_sample
 from hidden_state_reader.format import lock_path, sample_metadata
 from hidden_state_reader.sample.sample import Sample
@@ -37,7 +37,7 @@ from procs import LockHolder
 from samples import make_tensors, write_samples
 from speculators_env import env, spec_packages, use_speculators
 
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 LAYERS, HIDDEN = 4, 16  # 3 auxiliary layers + the verifier's last, as EAGLE-3 trains
 PAST = time.time() - 3600
 
@@ -467,7 +467,7 @@ def test_a_capture_with_the_last_layer_exports_and_older_files_are_warned_about_
 
 def test_help_has_an_example_and_start_up_imports_no_torch() -> None:
     code = (
-        "import sys\nfrom hidden_state_reader.cli.main import main\n"
+        "import sys\nfrom hidden_state_reader.apps.cli.main import main\n"
         "rc = main(['export', '--help'])\n"
         "print('HEAVY', sorted(m for m in ('torch', 'numpy', 'datasets') if m in sys.modules))"
     )

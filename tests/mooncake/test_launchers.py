@@ -20,7 +20,7 @@ from store_cluster import MASTER, StoreCluster, needs_store
 
 pytestmark = needs_store
 
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 
 
 def cmdline(pid: int) -> list[str]:

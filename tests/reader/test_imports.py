@@ -47,8 +47,8 @@ def run_check(module: str, *, torch_free: bool) -> None:
         "hidden_state_reader.kernels",
         "hidden_state_reader.files.flockwait",
         "hidden_state_reader.errors",
-        "hidden_state_reader.cli.common",
-        "hidden_state_reader.cli.toolkit",
+        "hidden_state_reader.apps.cli.common",
+        "hidden_state_reader.apps.cli.toolkit",
     ],
 )
 def test_import_is_torch_free_and_installs_nothing(module: str) -> None:
@@ -62,7 +62,7 @@ def test_import_is_torch_free_and_installs_nothing(module: str) -> None:
         "hidden_state_reader.reader",
         "hidden_state_reader.training.dataset",
         "hidden_state_reader.training.loader",
-        "hidden_state_reader.cli.main",
+        "hidden_state_reader.apps.cli.main",
     ],
 )
 def test_import_installs_no_signal_handler(module: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hidden_state_connector.server import ServeOptions, VllmServer
+from hidden_state_connector.apps.server import ServeOptions, VllmServer
 
 from tools.relkit import Figures
 

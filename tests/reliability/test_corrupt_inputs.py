@@ -44,7 +44,7 @@ from hidden_state_reader import (
     read_header,
     write_sample,
 )
-from hidden_state_reader.cli.main import main as cli_main
+from hidden_state_reader.apps.cli.main import main as cli_main
 from hidden_state_reader.format.header import parse_header
 
 from bad_files import CASES, HIDDEN, LAYERS, TOKENS, foreign_good_bytes, good_bytes, spec

@@ -66,7 +66,7 @@ def small_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def full_server(
     tiny_model_bf16: Path, small_disk: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Any]:
-    from hidden_state_connector.server import VllmServer
+    from hidden_state_connector.apps.server import VllmServer
 
     log = tmp_path_factory.mktemp("full-log") / "server.log"
     options = serve_options(tiny_model_bf16, small_disk)

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def hostile(tiny_model_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from hidden_state_connector.server import VllmServer
+    from hidden_state_connector.apps.server import VllmServer
 
     base = tmp_path_factory.mktemp("hostile")
     root, outside = base / "hs", base / "outside"

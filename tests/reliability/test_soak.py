@@ -67,7 +67,7 @@ RSS_PER_REQUEST_BOUND = 128 * 1024
 
 @pytest.fixture(scope="module")
 def soak_server(tiny_model_bf16: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from hidden_state_connector.server import VllmServer
+    from hidden_state_connector.apps.server import VllmServer
 
     base = tmp_path_factory.mktemp("soak")
     # A small KV cache: the engine touches all of its pages (RSS grows until it has) in

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
 
 WAIT_S = 20.0  # generous: a loaded CI machine; the printed figure is what matters

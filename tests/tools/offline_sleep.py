@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from typing import Any
 
 # Import everything first: the interpreter itself may live where uid 65534 cannot read.
 from hidden_state_reader import HiddenStateReader, SampleError
-from hidden_state_reader.cli.main import main as cli_main
+from hidden_state_reader.apps.cli.main import main as cli_main
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -33,7 +33,7 @@ HEALTH_TIMEOUT = 30.0
 TESTS = Path(__file__).resolve().parents[1]
 TOOLS = TESTS / "tools"
 RESULTS = TESTS / "reliability" / ".results"
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 
 _DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 _NAME = re.compile(r"-t(\d+)-l(\d+)-h(\d+)-(bf16|f16|f32)\.safetensors$")
@@ -182,7 +182,7 @@ def serve_options(
     **connector: Any,
 ) -> Any:
     """A small, CPU-friendly ``vllm serve`` configuration writing to ``out_dir``."""
-    from hidden_state_connector.server import ServeOptions
+    from hidden_state_connector.apps.server import ServeOptions
 
     return ServeOptions(
         model=str(model),

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format.store_keys import data_key
 from hidden_state_reader.store.client import StoreClient
@@ -76,7 +76,7 @@ def keyed_retries(llm: Any, prompt: list[int], url: str) -> dict[str, Any]:
     retention (nothing written), then after ``hidden-state clean`` forgot the key."""
     from vllm import SamplingParams
 
-    from hidden_state_reader.cli.main import main as cli
+    from hidden_state_reader.apps.cli.main import main as cli
 
     def request() -> dict[str, Any]:
         params = SamplingParams(

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from hidden_state_connector.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.files.locks import probe, read_status
 from hidden_state_reader.format import LockState, lock_path

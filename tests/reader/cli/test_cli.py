@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hidden_state_reader.cli import main as cli_main
-from hidden_state_reader.cli.common import Progress
-from hidden_state_reader.cli.table import format_table
-from hidden_state_reader.cli.toolkit import format_bytes
+from hidden_state_reader.apps.cli import main as cli_main
+from hidden_state_reader.apps.cli.common import file_progress
+from hidden_state_reader.apps.cli.table import format_table
+from hidden_state_reader.apps.cli.toolkit import format_bytes
 from hidden_state_reader.files.locks import WriterLock
 from hidden_state_reader.files.publish import write_sample
 
@@ -28,7 +28,7 @@ from procs import LockHolder
 from samples import make_tensors, write_raw, write_samples, write_vllm_style
 
 PAST = time.time() - 3600
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 
 
 def run(*args: object, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -570,7 +570,7 @@ def test_plugins_broken_ones_are_skipped(
 
 def test_progress_lines() -> None:
     stream = io.StringIO()
-    progress = Progress("scanning x", True, every=2, stream=stream)
+    progress = file_progress("scanning x", True, every=2, stream=stream)
     for i in range(1, 6):
         progress(i, 5)
     assert stream.getvalue().splitlines() == [
@@ -579,7 +579,7 @@ def test_progress_lines() -> None:
         "hidden-state: scanning x: 5/5 files",
     ]
     quiet = io.StringIO()
-    Progress("x", False, stream=quiet)(1000, 1000)
+    file_progress("x", False, stream=quiet)(1000, 1000)
     assert quiet.getvalue() == ""
 
 

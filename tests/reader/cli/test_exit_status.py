@@ -14,7 +14,7 @@ from pathlib import Path
 
 from samples import write_samples
 
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 CONSUMER = """
 import sys
 from hidden_state_reader import HiddenStateReader

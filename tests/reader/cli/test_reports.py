@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from hidden_state_reader.cli.main import build_parser
+from hidden_state_reader.apps.cli.main import build_parser
 from hidden_state_reader.files.header import read_header
 from hidden_state_reader.files.locks import WriterLock
 from hidden_state_reader.files.publish import write_sample
 
 from samples import make_tensors, write_samples
 
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 PAST = time.time() - 3600
 
 

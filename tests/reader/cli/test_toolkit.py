@@ -1,4 +1,4 @@
-"""The CLI toolkit both packages share (``hidden_state_reader.cli.toolkit``)."""
+"""The CLI toolkit both packages share (``hidden_state_reader.apps.cli.toolkit``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from hidden_state_reader.cli import common, toolkit
-from hidden_state_reader.cli.toolkit import format_bytes
+from hidden_state_reader.apps.cli import common, toolkit
+from hidden_state_reader.apps.cli.toolkit import format_bytes
 from hidden_state_reader.files.header import read_header
 from hidden_state_reader.files.publish import write_sample
 

@@ -200,7 +200,7 @@ def test_plain_pairs_have_no_mask_and_bad_sample_masks_are_named() -> None:
 def test_inspect_shows_how_many_tokens_the_mask_trains(
     hs_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from hidden_state_reader.cli import main as cli_main
+    from hidden_state_reader.apps.cli import main as cli_main
 
     path = _write(hs_dir / "a.safetensors", MASK)
     assert cli_main.main(["inspect", path, "--verify"]) == 0

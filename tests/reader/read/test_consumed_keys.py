@@ -81,7 +81,10 @@ def test_a_record_that_cannot_be_written_keeps_the_sample(tmp_path: Path) -> Non
 
 def _clean(root: Path, *args: str) -> dict[str, object]:
     out = subprocess.run(
-        [sys.executable, "-m", "hidden_state_reader.cli.main", "clean", str(root), "--json", *args],
+        [
+            *(sys.executable, "-m", "hidden_state_reader.apps.cli.main"),
+            *("clean", str(root), "--json", *args),
+        ],
         capture_output=True,
         text=True,
         check=False,

@@ -32,7 +32,7 @@ from hidden_state_reader.format import encode_header
 from bad_files import CASES
 from samples import make_tensors, write_samples
 
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 PAST = time.time() - 3600
 T, L, H = 6, 2, 8
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.cli import main as cli_main
+from hidden_state_reader.apps.cli import main as cli_main
 from hidden_state_reader.files.identity import (
     WriterFate,
     check_writer,
@@ -34,7 +34,7 @@ from procs import WRITER, hold_lock
 from samples import write_samples
 
 HOUR = "3600"
-CLI = [sys.executable, "-m", "hidden_state_reader.cli.main"]
+CLI = [sys.executable, "-m", "hidden_state_reader.apps.cli.main"]
 
 
 def run(*args: object) -> subprocess.CompletedProcess[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, HiddenStateReader
-from hidden_state_reader.cli import main as cli_main
+from hidden_state_reader.apps.cli import main as cli_main
 from hidden_state_reader.files.locks import WriterLock
 from hidden_state_reader.files.publish import write_sample
 

@@ -11,9 +11,9 @@ After ``pip install hidden-state-connector`` vLLM finds the connector by name::
 
 The vLLM-facing class lives in ``hidden_state_connector.connector`` (``CONNECTOR_MODULE``,
 the path users give as ``kv_connector_module_path``); the parts behind it that run inside
-vLLM in ``hidden_state_connector.engine``; launchers and clients (``server``, ``layers``,
-``client``, ``cli``, ``demo``, ``offline``, ``tiny_model``) beside them. None is imported
-here, so this package can be imported without vLLM.
+vLLM in ``hidden_state_connector.engine``; ``layers`` and ``client`` beside them; the
+applications (command line, extract, demo, launcher, tiny models) in ``apps``. None is
+imported here, so this package can be imported without vLLM.
 """
 
 __version__ = "0.1.0"

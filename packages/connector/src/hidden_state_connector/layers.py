@@ -1,19 +1,18 @@
 """Which layers to capture for a model: ``--layers`` parsing and EAGLE-3's default.
 
-Shared by the launchers (``hidden-state serve``, ``extract``, ``demo``): a model is a
+Used by the launchers (``hidden-state serve``, ``extract``, ``demo``): a model is a
 local directory or a Hugging Face hub id, whose ``num_hidden_layers`` comes from its
 ``config.json`` (from the Hugging Face cache, or that one file downloaded).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from hidden_state_reader.cli.toolkit import CliError
+from hidden_state_reader.errors import InputError
 
 
 def default_layer_ids(num_hidden_layers: int) -> list[int]:
@@ -23,15 +22,13 @@ def default_layer_ids(num_hidden_layers: int) -> list[int]:
 
 
 def parse_layers(text: str) -> list[int]:
-    """``"2,16,29"`` -> ``[2, 16, 29]``."""
+    """``"2,16,29"`` -> ``[2, 16, 29]``; ValueError naming ``--layers`` otherwise."""
     try:
         layers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--layers takes integers like 2,16,29, got {text!r}"
-        ) from None
+        raise ValueError(f"--layers takes integers like 2,16,29, got {text!r}") from None
     if not layers or any(x < 0 for x in layers):
-        raise argparse.ArgumentTypeError(f"--layers needs non-negative layer ids, got {text!r}")
+        raise ValueError(f"--layers needs non-negative layer ids, got {text!r}")
     return layers
 
 
@@ -55,7 +52,7 @@ def hub_config_path(model: str) -> str:
         The path of the cached ``config.json``.
 
     Raises:
-        CliError: ``model`` is not a valid hub id, or its config is neither cached nor
+        InputError: ``model`` is not a valid hub id, or its config is neither cached nor
             downloadable (offline, no network, gated, unknown id).
     """
     hint = "pass --layers (e.g. --layers 2,16,29) or a local model directory"
@@ -70,18 +67,20 @@ def hub_config_path(model: str) -> str:
         )
         from huggingface_hub.errors import HFValidationError
     except ImportError:
-        raise CliError(
+        raise InputError(
             f"{model}: not a local directory, and huggingface_hub is not installed to "
             f"look it up on the Hugging Face hub; {hint}"
         ) from None
     try:
         cached = try_to_load_from_cache(model, "config.json")
     except HFValidationError:
-        raise CliError(f"{model}: no such model directory (nor a Hugging Face model id)") from None
+        raise InputError(
+            f"{model}: no such model directory (nor a Hugging Face model id)"
+        ) from None
     if isinstance(cached, str):
         return cached
     if constants.HF_HUB_OFFLINE:
-        raise CliError(
+        raise InputError(
             f"{model}: config.json is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) "
             f"and HF_HUB_OFFLINE is set; {hint}"
         )
@@ -92,7 +91,7 @@ def hub_config_path(model: str) -> str:
         return str(hf_hub_download(model, "config.json"))
     except Exception as exc:  # network, auth (gated models), unknown id: all the same advice
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CliError(
+        raise InputError(
             f"{model}: cannot get config.json from the Hugging Face hub ({reason}); {hint}"
         ) from None
 
@@ -104,7 +103,7 @@ def num_hidden_layers(model: str) -> int | None:
     hub id and resolved through the Hugging Face cache (see ``hub_config_path``).
 
     Raises:
-        CliError: A hub id whose config cannot be found, or an unreadable config.
+        InputError: A hub id whose config cannot be found, or an unreadable config.
     """
     if os.path.isdir(model):
         config = Path(model) / "config.json"
@@ -115,7 +114,7 @@ def num_hidden_layers(model: str) -> int | None:
     try:
         doc: dict[str, Any] = json.loads(config.read_text())
     except (OSError, ValueError) as exc:
-        raise CliError(f"{model}: cannot read {config}: {exc}; pass --layers") from None
+        raise InputError(f"{model}: cannot read {config}: {exc}; pass --layers") from None
     return _layers_in_config(doc) if isinstance(doc, dict) else None
 
 
@@ -131,7 +130,7 @@ def resolve_layers(model: str, layers: list[int] | None, include_last: bool) -> 
         The sorted layer ids.
 
     Raises:
-        CliError: The default cannot be computed (no config found and no --layers), or
+        InputError: The default cannot be computed (no config found and no --layers), or
             a layer id is out of range.
     """
     # Explicit layers need no config for a hub id (nothing to look up, nothing to download).
@@ -139,12 +138,12 @@ def resolve_layers(model: str, layers: list[int] | None, include_last: bool) -> 
     n = num_hidden_layers(model) if need_config else None
     if layers is None:
         if n is None:
-            raise CliError(f"{model}: no num_hidden_layers in config.json; pass --layers")
+            raise InputError(f"{model}: no num_hidden_layers in config.json; pass --layers")
         layers = default_layer_ids(n)
     if include_last:
         if n is None:
-            raise CliError(f"{model}: --include-last needs num_hidden_layers in config.json")
+            raise InputError(f"{model}: --include-last needs num_hidden_layers in config.json")
         layers = sorted(set(layers) | {n})
     if n is not None and any(x > n for x in layers):
-        raise CliError(f"--layers: layer ids must be <= {n} (num_hidden_layers), got {layers}")
+        raise InputError(f"--layers: layer ids must be <= {n} (num_hidden_layers), got {layers}")
     return layers

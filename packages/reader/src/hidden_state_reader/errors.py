@@ -9,6 +9,15 @@ class HiddenStateError(Exception):
     """Base class of every error raised by this package."""
 
 
+class InputError(HiddenStateError):
+    """Bad input a caller gave (a model id, a directory, an option value).
+
+    The message is one line that names the input and what to do. The ``hidden-state``
+    command reports it without a traceback, exit status 2 (``apps.cli.toolkit.CliError``
+    is this class).
+    """
+
+
 class SampleError(HiddenStateError):
     """A sample file cannot be used.
 

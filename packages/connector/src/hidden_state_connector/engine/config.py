@@ -7,7 +7,6 @@ warned about; a bad value is a start-up error naming the key.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -15,37 +14,13 @@ from typing import Any
 from hidden_state_connector.engine.store_config import check_store_keys
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.format import fp8
+from hidden_state_reader.sizes import parse_size
 from hidden_state_reader.store.client import StoreSettings
 
 log = get_logger(__name__)
 
 CAPTURE_EXTRACT = "extract"
 CAPTURE_FORWARD = "forward"
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
-_IUNITS = {"ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
-
-
-def parse_size(key: str, value: Any) -> int:
-    """Bytes from an int or a string such as ``"512MiB"`` / ``"2GB"``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: expected a size in bytes, got {value!r}")
-    if isinstance(value, int):
-        number, factor = float(value), 1
-    elif isinstance(value, str) and (m := _SIZE.match(value)):
-        unit = (m.group(2) or "").lower().rstrip("b")
-        factor = _IUNITS.get(unit) or _UNITS.get(unit, 0)
-        if not factor:
-            raise ValueError(f"{key}: unknown unit in {value!r}")
-        number = float(m.group(1))
-    else:
-        raise ValueError(f"{key}: expected a size such as 1073741824 or '1GiB', got {value!r}")
-    size = int(number * factor)
-    if size <= 0:
-        raise ValueError(f"{key}: must be positive, got {value!r}")
-    return size
-
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -215,7 +190,7 @@ def _coerce(key: str, annotation: object, raw: Any) -> Any:
         return _layer_ids(raw)
     if key.endswith("_bytes"):
         # Hosting no store memory is the point of mooncake_segment_bytes' default.
-        return 0 if key == "mooncake_segment_bytes" and raw in (0, "0") else parse_size(key, raw)
+        return parse_size(key, raw, allow_zero=key == "mooncake_segment_bytes")
     if kind == "bool":
         if isinstance(raw, bool):
             return raw

@@ -27,7 +27,7 @@ from hidden_state_reader.format.header import (
 )
 from hidden_state_reader.format.loss_mask import LOSS_MASK, as_mask_tensor
 from hidden_state_reader.format.names import temp_path
-from hidden_state_reader.kernels.crc import crc32
+from hidden_state_reader.kernels.crc import Crc32, crc32
 from hidden_state_reader.kernels.fp8 import quantize
 
 # Tensors written after hidden_states, in this order, when a file has them: the fp8
@@ -158,6 +158,8 @@ class SampleFileWriter:
             (``kernels.fp8.quantize``) and ``write_scales`` their scales. ``hidden_dtype`` is
             recorded as ``model_dtype`` (with ``"model"`` storage unless ``metadata``
             already has one).
+        crc: The CRC32 function (default: the fastest found, ``kernels.crc``); a
+            benchmark passes one that times its calls.
     """
 
     def __init__(
@@ -175,6 +177,7 @@ class SampleFileWriter:
         dir_fd: int | None = None,
         loss_mask: torch.Tensor | Sequence[int] | None = None,
         storage: str = fp8.STORAGE_MODEL,
+        crc: Crc32 = crc32,
     ) -> None:
         import torch
 
@@ -191,6 +194,7 @@ class SampleFileWriter:
             nonfinite=record_nonfinite,
         )
         self._crc: int | None = 0 if checksum else None
+        self._crc32 = crc
         self._tokens = _cpu_token_ids(token_ids, hidden_shape, final_path)
         self._tensors = {
             TOKEN_IDS: (torch.int64, (hidden_shape[0],)),
@@ -259,7 +263,7 @@ class SampleFileWriter:
     def _write(self, data: Any, *, checksum: bool = True) -> None:
         view = memoryview(data).cast("B")
         if checksum and self._crc is not None:
-            self._crc = crc32(view, self._crc)
+            self._crc = self._crc32(view, self._crc)
         assert self._fd is not None
         while view:
             written = os.write(self._fd, view)

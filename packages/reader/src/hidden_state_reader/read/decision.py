@@ -29,6 +29,7 @@ from hidden_state_reader.format.header import Meta
 from hidden_state_reader.format.lock_status import LockState
 from hidden_state_reader.format.names import lock_path
 from hidden_state_reader.options import LoadOptions
+from hidden_state_reader.probes import LOCK_ACQUIRE, probes
 from hidden_state_reader.read.backend import Outcome, OutcomeKind, judged, rejected
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
 from hidden_state_reader.read.claims import Claim, ClaimResult, ClaimStore
@@ -140,7 +141,7 @@ class Decider:
             if published is not None:
                 return published
         try:
-            lock = self.lock_type.acquire(data_path, timeout=wait, cancel=cancel)
+            lock = self._acquire(data_path, wait, cancel)
         except SampleError as exc:
             return rejected(name, SampleState.CORRUPT, exc)
         except OSError as exc:  # permissions, I/O errors: this sample only
@@ -167,6 +168,17 @@ class Decider:
         elif outcome.kind is OutcomeKind.RECHECK:
             settle(claim, Ending.RETURNED)
         return outcome
+
+    def _acquire(
+        self, data_path: str, wait: float, cancel: CancelToken | None
+    ) -> SharedLock | None:
+        """Take the shared lock, telling ``probes.LOCK_ACQUIRE`` how long it took."""
+        observers = probes(LOCK_ACQUIRE)
+        began = time.monotonic() if observers else 0.0
+        lock = self.lock_type.acquire(data_path, timeout=wait, cancel=cancel)
+        for callback in observers:
+            callback(path=data_path, began=began, acquired=time.monotonic())
+        return lock
 
     def _stand_in(self, name: str, data_path: str) -> Outcome | None:
         """Another member owns ``name``: wait for this one's turn, then look cheaply.

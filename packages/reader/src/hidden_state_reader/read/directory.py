@@ -115,7 +115,7 @@ class DirectoryBackend:
             claims=self._claims,
             grace=options.orphan_grace,
             claim_retry=max(options.rescan_interval, 1.0),
-            lock_type=SharedLock,  # looked up now: instrumentation may replace it
+            lock_type=SharedLock,
             membership=membership,
             steal_after=options.claim_steal_after,
             # A snapshot (or an epoch's names) yields a complete file of our writers

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from hidden_state_reader.files.flockwait import threads_ignore_signals
 from hidden_state_reader.format.names import Kind, classify
+from hidden_state_reader.probes import INOTIFY_EVENT, probes
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,9 @@ RESCAN = ""
 """Put into every sink when the kernel dropped events (``IN_Q_OVERFLOW``): rescan now."""
 
 
-_IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = 0x8, 0x80, 0x100
+IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE = 0x8, 0x80, 0x100
+"""Event masks a ``probes.INOTIFY_EVENT`` callback may test."""
+_IN_CLOSE_WRITE, _IN_MOVED_TO, _IN_CREATE = IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE
 _IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR, _IN_ONLYDIR = 0x4000, 0x8000, 0x40000000, 0x1000000
 _IN_CLOEXEC = 0o2000000
 # Appearances (created, renamed into place) and closes of files opened for writing (a
@@ -163,6 +166,8 @@ class Inotify:
     @classmethod
     def _dispatch(cls, buf: bytes) -> None:
         offset = 0
+        observers = probes(INOTIFY_EVENT)
+        now = time.time_ns() if observers else 0
         with cls._lock:
             while offset + _EVENT.size <= len(buf):
                 wd, mask, _, length = _EVENT.unpack_from(buf, offset)
@@ -180,6 +185,8 @@ class Inotify:
                 if mask & _IN_ISDIR or not length:
                     continue
                 name = os.fsdecode(raw.rstrip(b"\0"))
+                for observe in observers:
+                    observe(name=name, mask=mask, time_ns=now)
                 if classify(name) in (Kind.DATA, Kind.LOCK):
                     for sink in cls._sinks.get(wd, ()):
                         sink.put(name)

@@ -238,6 +238,11 @@ class FollowSource(_EventSource):
         self.rescans = 0
         self.overflows = 0
 
+    @property
+    def tracked(self) -> int:
+        """Names the source knows (its memory grows with this)."""
+        return len(self._known)
+
     def _admit(self, names: Iterable[str]) -> None:
         for name in names:
             if name in self._known:

@@ -140,6 +140,15 @@ class StoreClient:
         self._pool: ReceivePool | None = None  # registered on first use (get_object)
         self._pool_lock = threading.Lock()
 
+    @property
+    def raw_store(self) -> Any:
+        """The Mooncake store object beneath the client (``get_into``, ``register_buffer``).
+
+        For measuring the raw transfer under the client's own checks (benchmarks);
+        everything else goes through the client's methods.
+        """
+        return self._store
+
     def close(self) -> None:
         """Leave the store (objects in other clients' segments stay)."""
         if self._pool is not None:

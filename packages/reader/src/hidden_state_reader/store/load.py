@@ -20,13 +20,15 @@ import numpy as np
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, header_length, parse_header
 from hidden_state_reader.format.store_keys import CommitRecord
-from hidden_state_reader.kernels.crc import crc32
+from hidden_state_reader.kernels.crc import Crc32, crc32
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.load import load_buffer
 from hidden_state_reader.sample.sample import Sample
 
 
-def check_bytes(where: str, data: np.ndarray, record: CommitRecord | None) -> None:
+def check_bytes(
+    where: str, data: np.ndarray, record: CommitRecord | None, crc: Crc32 = crc32
+) -> None:
     """Check one sample's bytes as the store promises them: size and CRC32.
 
     The header is parsed (its structure rule: a short object is incomplete) to find the
@@ -36,6 +38,7 @@ def check_bytes(where: str, data: np.ndarray, record: CommitRecord | None) -> No
         where: The sample's address, for errors.
         data: The object read from the store (``StoreClient.get_object``).
         record: Its commit record (size and CRC to match), when known.
+        crc: The CRC32 function (default: the fastest found, ``kernels.crc``).
 
     Raises:
         IncompleteSampleError: Fewer bytes than the commit record or the header promise.
@@ -45,14 +48,16 @@ def check_bytes(where: str, data: np.ndarray, record: CommitRecord | None) -> No
         cls = IncompleteSampleError if len(data) < record.size else CorruptSampleError
         raise cls(where, f"{len(data)} bytes stored, the commit record says {record.size}")
     header = _header(where, data)
-    crc = header.metadata.get(Meta.CRC32)
-    if crc is None:
+    recorded = header.metadata.get(Meta.CRC32)
+    if recorded is None:
         raise CorruptSampleError(where, "no crc32 in the header (store samples always carry one)")
-    if record is not None and record.crc32 and record.crc32 != crc:
-        raise CorruptSampleError(where, f"header crc32 {crc}, commit record says {record.crc32}")
-    actual = f"{crc32(data[header.data_start :]) & 0xFFFFFFFF:08x}"
-    if actual != crc:
-        raise CorruptSampleError(where, f"CRC32 mismatch: file says {crc}, data is {actual}")
+    if record is not None and record.crc32 and record.crc32 != recorded:
+        raise CorruptSampleError(
+            where, f"header crc32 {recorded}, commit record says {record.crc32}"
+        )
+    actual = f"{crc(data[header.data_start :]) & 0xFFFFFFFF:08x}"
+    if actual != recorded:
+        raise CorruptSampleError(where, f"CRC32 mismatch: file says {recorded}, data is {actual}")
 
 
 def load_checked(where: str, data: np.ndarray, options: LoadOptions) -> Sample:

@@ -9,31 +9,19 @@ claiming reader's claim survives it, default 30; ``store.claims``).
 
 from __future__ import annotations
 
-import re
 from urllib.parse import parse_qs, urlsplit
 
 from hidden_state_reader.format.store_keys import check_prefix
+from hidden_state_reader.sizes import parse_size
 from hidden_state_reader.store.client import StoreSettings
 
 SCHEME = "mooncake://"
 _OPTIONS = {"metadata", "hostname", "protocol", "devices", "segment", "buffer", "lease"}
-_SIZE = re.compile(r"^(\d+)\s*([kmgt]i?b?|b)?$", re.IGNORECASE)
-_FACTORS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
-            "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}  # fmt: skip
 
 
 def is_store_url(path: object) -> bool:
     """Whether ``path`` names a store rather than a directory."""
     return isinstance(path, str) and path.startswith(SCHEME)
-
-
-def parse_size(what: str, text: str) -> int:
-    """Bytes from ``"1073741824"``, ``"1GiB"``, ``"512MB"``."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise ValueError(f"{what}: expected a size such as 268435456 or '256MiB', got {text!r}")
-    unit = (m.group(2) or "").lower().rstrip("b")
-    return int(m.group(1)) * (_FACTORS[unit] if unit else 1)
 
 
 def parse_store_url(url: str) -> StoreSettings:
@@ -63,8 +51,8 @@ def parse_store_url(url: str) -> StoreSettings:
         local_hostname=query.get("hostname", ""),
         protocol=query.get("protocol", "tcp"),
         device_names=query.get("devices", ""),
-        segment_bytes=parse_size(f"{url}: segment", query.get("segment", "0")),
-        buffer_bytes=parse_size(f"{url}: buffer", query.get("buffer", "256MiB")),
+        segment_bytes=parse_size(f"{url}: segment", query.get("segment", "0"), allow_zero=True),
+        buffer_bytes=parse_size(f"{url}: buffer", query.get("buffer", "256MiB"), allow_zero=True),
         claim_lease=_parse_lease(url, query.get("lease", "30")),
     )
 

@@ -75,6 +75,11 @@ class SlabPool:
         with self._lock:
             return self._allocated - len(self._free)
 
+    def idle_slabs(self) -> list[Slab]:
+        """The slabs allocated and not lent out now (a snapshot)."""
+        with self._lock:
+            return list(self._free)
+
     def preallocate(self) -> None:
         """Allocate every slab now, so no step ever pays for an allocation.
 

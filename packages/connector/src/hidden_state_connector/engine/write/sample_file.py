@@ -25,12 +25,15 @@ class FileOptions:
         check_nonfinite: Record NaN/inf flags.
         fsync: fsync each file before publishing.
         zero_rows: Fail samples holding an all-zero row (None: no check).
+        writer_factory: What creates each file's writer, with ``SampleFileWriter``'s
+            arguments (a subclass that times its stages, in ``benchmarks/write.py``).
     """
 
     checksum: bool
     check_nonfinite: bool
     fsync: bool
     zero_rows: ZeroRowCheck | None = None
+    writer_factory: Callable[..., SampleFileWriter] = SampleFileWriter
 
 
 def write_sample(
@@ -79,7 +82,7 @@ def write_sample(
 def _open(job: SaveJob, extractor: Extractor, options: FileOptions) -> SampleFileWriter | None:
     """Create the temp file with its header and token ids (None, and the job failed, if not)."""
     try:
-        return SampleFileWriter(
+        return options.writer_factory(
             job.path,
             token_ids=job.token_ids,
             hidden_shape=(

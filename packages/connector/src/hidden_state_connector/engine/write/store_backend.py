@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.write.target import SampleTarget
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.files.locks import WriterLock
+from hidden_state_reader.probes import STORE_PUT, probes
 from hidden_state_reader.store.client import StoreClient, StoreError, StoreSettings
 from hidden_state_reader.store.consumed import written
 from hidden_state_reader.store.publish import StorePublisher, publish_file
@@ -82,8 +84,12 @@ class StoreLock(WriterLock):
         """
         if self._settled:
             return
+        observers = probes(STORE_PUT)
+        began = time.monotonic() if observers else 0.0
         publish_file(self.publisher, self.name, self.staged)
         self._settled = True
+        for observe in observers:
+            observe(staged=self.staged, began=began, ended=time.monotonic())
 
     def mark_failed(self, reason: str, **detail: Any) -> None:
         """Record the failure in the store (``failed/NAME`` + a commit record)."""
