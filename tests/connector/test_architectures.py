@@ -13,7 +13,6 @@ the two equal. The core set runs in ``make test``; the rest with ``--long``.
 from __future__ import annotations
 
 import gc
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -21,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_reference import Reference, read_one
 
 from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_connector.apps.tiny_model import build_tiny_model
 from hidden_state_connector.engine.compat import vllm_version
-from hidden_state_reader import HiddenStateReader, Sample
 
 from procs import IN_PROCESS_ENGINE
 
@@ -112,39 +111,6 @@ def _generate(llm: object, prompts: list[list[int]], params: dict | None = None)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)  # type: ignore[attr-defined]
 
 
-def _read(path: str) -> Sample:
-    root, name = os.path.split(path)
-    samples = list(HiddenStateReader(root, names=[name], on_error="raise", verify_checksum=True))
-    assert len(samples) == 1
-    return samples[0]
-
-
-class Reference:
-    """Hugging Face's float32 residual stream: layer k = output of decoder layer k."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.last: torch.Tensor | None = None
-        self.model.model.layers[-1].register_forward_hook(self._keep_last)
-
-    def _keep_last(self, _module: object, _inputs: object, output: object) -> None:
-        self.last = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
-
-    @torch.no_grad()
-    def layer_errors(self, sample: Sample) -> dict[int, float]:
-        """Relative error of each captured layer against Hugging Face's values."""
-        out = self.model(sample.token_ids[None].long(), output_hidden_states=True)
-        errors = {}
-        for pos, layer_id in enumerate(sample.layer_ids):
-            assert self.last is not None
-            expected = self.last[0] if layer_id == NUM_LAYERS else out.hidden_states[layer_id][0]
-            got = sample.hidden_states[:, pos].float()
-            errors[layer_id] = ((got - expected).norm() / expected.norm()).item()
-        return errors
-
-
 def _prompts() -> tuple[list[list[int]], list[int]]:
     gen = torch.Generator().manual_seed(0)
     first = [torch.randint(0, 250, (n,), generator=gen).tolist() for n in (1, 17, 150)]
@@ -167,10 +133,10 @@ def test_captured_layers_equal_hugging_face(
         del llm
         gc.collect()
     assert outputs[-1].num_cached_tokens >= 64, "the last prompt must hit the prefix cache"  # type: ignore[attr-defined]
-    reference = Reference(model)
+    reference = Reference(model, NUM_LAYERS)
     worst = 0.0
     for output in outputs:
-        sample = _read(output.kv_transfer_params["hidden_states_path"])  # type: ignore[attr-defined]
+        sample = read_one(output.kv_transfer_params["hidden_states_path"])  # type: ignore[attr-defined]
         prompt = list(output.prompt_token_ids)  # type: ignore[attr-defined]
         generated = list(output.outputs[0].token_ids)  # type: ignore[attr-defined]
         # Generated tokens included, but the last one (never fed back: no hidden state).
@@ -224,10 +190,10 @@ def test_prompt_only_capture_of_recurrent_models(
         del llm
         gc.collect()
     assert "include_output_tokens is refused" in asked.kv_transfer_params["hidden_states_error"]  # type: ignore[attr-defined]
-    reference = Reference(model)
+    reference = Reference(model, NUM_LAYERS)
     worst = 0.0
     for output in outputs:
-        sample = _read(output.kv_transfer_params["hidden_states_path"])  # type: ignore[attr-defined]
+        sample = read_one(output.kv_transfer_params["hidden_states_path"])  # type: ignore[attr-defined]
         assert sample.token_ids.tolist() == list(output.prompt_token_ids)  # type: ignore[attr-defined]
         errors = reference.layer_errors(sample)
         assert max(errors.values()) < RTOL, f"{row}: relative errors {errors}"

@@ -9,17 +9,16 @@ The KV-cache capacity test starts three engines in turn (no capture, forward, ex
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hf_reference import Reference, read_one
 
 from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_connector.apps.tiny_model import build_tiny_model
-from hidden_state_reader import HiddenStateReader, Sample
 
 from procs import IN_PROCESS_ENGINE
 
@@ -76,39 +75,6 @@ def _generate(llm: Any, prompts: list[list[int]], params: dict[str, Any] | None)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)  # type: ignore[no-any-return]
 
 
-def _read(path: str) -> Sample:
-    root, name = os.path.split(path)
-    samples = list(HiddenStateReader(root, names=[name], on_error="raise", verify_checksum=True))
-    assert len(samples) == 1
-    return samples[0]
-
-
-class Reference:
-    """Hugging Face's float32 residual stream: id k = output of decoder layer k-1, pre-norm."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.last: torch.Tensor | None = None
-        self.model.model.layers[-1].register_forward_hook(self._keep_last)
-
-    def _keep_last(self, _module: object, _inputs: object, output: object) -> None:
-        self.last = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
-
-    @torch.no_grad()
-    def layer_errors(self, sample: Sample) -> dict[int, float]:
-        """Relative error of each captured layer against Hugging Face's values."""
-        out = self.model(sample.token_ids[None].long(), output_hidden_states=True)
-        errors = {}
-        for pos, layer_id in enumerate(sample.layer_ids):
-            assert self.last is not None
-            expected = self.last[0] if layer_id == NUM_LAYERS else out.hidden_states[layer_id][0]
-            got = sample.hidden_states[:, pos].float()
-            errors[layer_id] = ((got - expected).norm() / expected.norm()).item()
-        return errors
-
-
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (150, 1, 17, 90)]
@@ -127,10 +93,10 @@ def test_forward_capture_equals_hugging_face(
     finally:
         del llm
         gc.collect()
-    reference = Reference(model)
+    reference = Reference(model, NUM_LAYERS)
     worst = 0.0
     for output, include in [(o, True) for o in with_outputs] + [(o, False) for o in prompt_only]:
-        sample = _read(output.kv_transfer_params["hidden_states_path"])
+        sample = read_one(output.kv_transfer_params["hidden_states_path"])
         prompt = list(output.prompt_token_ids)
         generated = list(output.outputs[0].token_ids)
         assert len(generated) == MAX_TOKENS
