@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from disk_faults import StuckDisk
 
 from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.engine.stats import WriteStats
@@ -32,7 +33,6 @@ from hidden_state_connector.engine.write.job import SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.files.locks import WriterLock, read_status
-from hidden_state_reader.files.publish import SampleFileWriter
 from hidden_state_reader.format import sample_metadata
 
 BLOCK, LAYERS, HIDDEN, NUM_BLOCKS = 4, 3, 8, 8
@@ -87,21 +87,6 @@ class StreamOrderedExtractor(Extractor):
             return self.copied.wait_for(lambda: self.copies >= count, WAIT_S)
 
 
-class _StuckDisk:
-    """Makes every ``write_hidden`` wait until ``release``."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
-        real = SampleFileWriter.write_hidden
-
-        def write_hidden(writer: SampleFileWriter, chunk: Any) -> None:
-            self.entered.set()
-            self.release.wait(WAIT_S)
-            real(writer, chunk)
-
-        monkeypatch.setattr(SampleFileWriter, "write_hidden", write_hidden)
-
-
 class _SlabReturnedOnQueue(WriteStats):
     """Counters whose queue-depth report, made inside ``submit``, lets a writer return a slab.
 
@@ -111,7 +96,7 @@ class _SlabReturnedOnQueue(WriteStats):
     job's wait for the model's stream.
     """
 
-    def __init__(self, disk: _StuckDisk, extractor: StreamOrderedExtractor) -> None:
+    def __init__(self, disk: StuckDisk, extractor: StreamOrderedExtractor) -> None:
         super().__init__(0)
         self.disk, self.extractor = disk, extractor
         self.armed = False
@@ -154,7 +139,7 @@ def test_a_copy_a_writer_issues_waits_for_the_rows_of_its_job(
     layout = CacheLayout(1, BLOCK, LAYERS, HIDDEN)
     cache = torch.zeros(NUM_BLOCKS, BLOCK, LAYERS, HIDDEN)
     extractor = StreamOrderedExtractor(cache, layout)
-    disk = _StuckDisk(monkeypatch)
+    disk = StuckDisk(monkeypatch)
     stats = _SlabReturnedOnQueue(disk, extractor)
     pipeline = WritePipeline(
         extractor,

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from disk_faults import StuckDisk
 from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.engine import compat
@@ -174,23 +175,6 @@ def _temp_files(root: Path) -> list[str]:
     return [f for f in os.listdir(root) if ".tmp." in f]
 
 
-class _StuckDisk:
-    """Makes every ``write_hidden`` wait until ``release`` (or raise ``error``)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: OSError | None = None) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
-        real = SampleFileWriter.write_hidden
-
-        def write_hidden(writer: SampleFileWriter, chunk: Any) -> None:
-            self.entered.set()
-            if error is not None:
-                raise error
-            self.release.wait(WAIT_S)
-            real(writer, chunk)
-
-        monkeypatch.setattr(SampleFileWriter, "write_hidden", write_hidden)
-
-
 # -- scheduler side + worker side ------------------------------------------------------
 
 
@@ -222,7 +206,7 @@ def test_a_finished_requests_save_publishes_a_complete_readable_file(
 def test_blocks_are_reported_freed_only_after_the_copy(
     cache: torch.Tensor, engine_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    disk = _StuckDisk(monkeypatch)
+    disk = StuckDisk(monkeypatch)
     engine = engine_factory(cache, include_output_tokens=True)
     prompt, output, blocks = list(range(12)), [1], [3, 4, 5]  # 3 chunks, 1 slab
     assert (
@@ -243,7 +227,7 @@ def test_blocks_are_reported_freed_only_after_the_copy(
 def test_a_failed_write_records_why_in_the_lock_and_leaves_no_partial_file(
     cache: torch.Tensor, engine_factory: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    disk = _StuckDisk(monkeypatch, error=OSError(errno.ENOSPC, "No space left on device"))
+    disk = StuckDisk(monkeypatch, error=OSError(errno.ENOSPC, "No space left on device"))
     engine = engine_factory(cache)
     prompt, blocks = list(range(9)), [1, 6, 11]
     engine.step(scheduler_output(new=(new_request("full", prompt, blocks),), scheduled={"full": 9}))
@@ -277,7 +261,7 @@ def test_a_write_that_failed_before_the_request_finished_is_told_in_the_response
     cache: torch.Tensor, engine_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prompt-only save fails while the request still decodes: its response says why."""
-    _StuckDisk(monkeypatch, error=OSError(errno.ENOSPC, "No space left on device"))
+    StuckDisk(monkeypatch, error=OSError(errno.ENOSPC, "No space left on device"))
     stats = _FailureSeen()
     engine = engine_factory(cache, stats=stats)
     prompt, blocks = list(range(9)), [1, 6, 11]
@@ -453,7 +437,7 @@ def test_job_states_published_and_dropped(cache: torch.Tensor, tmp_path: Path) -
 def test_shutdown_fails_unwritten_jobs_with_the_reason_in_their_locks(
     cache: torch.Tensor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    disk = _StuckDisk(monkeypatch)
+    disk = StuckDisk(monkeypatch)
     pipeline = _pipeline(cache)
     first, second = (
         _job(pipeline, tmp_path, "first", [1, 2]),

@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 import torch
+from disk_faults import StuckDisk
 from engine_fakes import (
     TokenBuffer,
     finished_request,
@@ -48,7 +49,6 @@ from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.files.locks import read_status
-from hidden_state_reader.files.publish import SampleFileWriter
 from hidden_state_reader.format import lock_path, sample_tags
 
 BLOCK, LAYERS, HIDDEN = 4, 3, 8
@@ -236,25 +236,10 @@ def test_blocks_are_reported_by_transfer_results_only_after_their_copies(engines
 # -- sleep mode ----------------------------------------------------------------------------
 
 
-class _SlowDisk:
-    """Holds every chunk write until ``release``: copies wait for the only slab."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
-        real = SampleFileWriter.write_hidden
-
-        def write_hidden(writer: SampleFileWriter, chunk: Any) -> None:
-            self.entered.set()
-            self.release.wait(WAIT_S)
-            real(writer, chunk)
-
-        monkeypatch.setattr(SampleFileWriter, "write_hidden", write_hidden)
-
-
 def test_sleep_drains_every_copy_before_the_cache_is_released_and_capture_continues(
     engines: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    disk = _SlowDisk(monkeypatch)
+    disk = StuckDisk(monkeypatch)
     engine = engines(sleep_mode=True)
     assert engine.worker is not None
     prompt, blocks = TokenBuffer(range(16)), [4, 5, 6, 7]  # 4 chunks through 1 slab
@@ -280,7 +265,7 @@ def test_sleep_drains_every_copy_before_the_cache_is_released_and_capture_contin
 def test_a_copy_that_cannot_finish_before_the_release_fails_its_sample_loudly(
     engines: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    disk = _SlowDisk(monkeypatch)
+    disk = StuckDisk(monkeypatch)
     engine = engines(sleep_mode=True, shutdown_timeout=0.1)
     assert engine.worker is not None
     prompt, blocks = TokenBuffer(range(12)), [1, 2, 3]
