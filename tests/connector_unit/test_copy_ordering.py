@@ -10,7 +10,7 @@ blocks held before (zeros of a fresh block here), exactly what an H100 published
 (issue 35).
 
 The pipeline is real (threads, slabs, files, the reader); the one injected fault is a
-disk write that waits until released (``_StuckDisk``), which makes a writer thread
+disk write that waits until released (``disk_faults.StuckDisk``), which makes a writer thread
 return its slab at the moment the test chooses.
 """
 
