@@ -61,7 +61,6 @@ from hidden_state_reader.sample.health import (
     temp_owner_lock,
 )
 from hidden_state_reader.sample.states import GRACE, SampleState
-from hidden_state_reader.store.url import is_store_url
 
 log = logging.getLogger(__name__)
 
@@ -528,6 +527,8 @@ def clean_directory(
 
 def run_clean(args: argparse.Namespace) -> int:
     """``hidden-state clean``."""
+    from hidden_state_reader.store.url import is_store_url  # numpy: not at start-up
+
     if is_store_url(args.directory):
         return run_clean_store(args)
     root = require_dir(args.directory)
