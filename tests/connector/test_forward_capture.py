@@ -136,8 +136,6 @@ def test_refusals_name_the_setting(
     assert "--no-enable-prefix-caching" in message
     message = _refusal(llama, base / "hs", _forward([1, 9]))
     assert "layer_ids [1, 9]: the model has 4 layers" in message
-    message = _refusal(llama, base / "hs", _forward(), enforce_eager=False)
-    assert "--enforce-eager" in message
 
 
 def _capacity(llm: Any) -> tuple[int, int]:

@@ -13,7 +13,15 @@ log = get_logger(__name__)
 
 
 def register() -> None:
-    """Make ``kv_connector: "HiddenStateConnector"`` resolvable (idempotent)."""
+    """Make ``kv_connector: "HiddenStateConnector"`` resolvable; watch for forward capture.
+
+    Idempotent. Forward capture must hook a model while vLLM builds it (``engine.forward.
+    install``); the watch costs one check per registered module list and touches nothing
+    unless the engine's connector is this one with ``capture: "forward"``.
+    """
+    from hidden_state_connector.engine.forward.install import watch_model_construction
+
+    watch_model_construction()
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # vLLM absent or reorganised: kv_connector_module_path still works

@@ -3,9 +3,8 @@
 Refused for now: a ``speculative_config`` (forward capture takes no speculative slot; the
 two engines are not combined yet), prefix caching (tokens served from the cache are not
 recomputed, so their rows would be missing), pipeline parallelism (each stage would own
-its layers; not built yet), models with more than one KV-cache group, a compiled model
-(torch.compile; CUDA graphs need the capture as a graph op, not built yet), and families
-the adapter does not know.
+its layers; not built yet), models with more than one KV-cache group, and families the
+adapter does not know.
 """
 
 from __future__ import annotations
@@ -66,12 +65,6 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
             "layers; stage-local capture is not built). Use pipeline_parallel_size=1."
         )
     model_config = vllm_config.model_config
-    if compat.compiles_model(vllm_config):
-        raise ForwardCaptureError(
-            f"{where}: needs an eager model for now (torch.compile drops the capture hooks: "
-            "measured on the CPU build, captured rows stayed zero). Start vLLM with "
-            "--enforce-eager (enforce_eager=True)."
-        )
     try:
         family = family_of(list(getattr(model_config, "architectures", None) or []))
     except ValueError as exc:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hidden_state_connector.engine.forward.adapter import stream_after, stream_before
+from hidden_state_connector.engine.forward.capture_op import store_rows_op
 
 
 class StepStaging:
@@ -40,7 +41,8 @@ class StepStaging:
             self.rows = torch.zeros(
                 len(self.layer_ids), max_tokens, hidden_size, dtype=dtype, device=device
             )
-        self.num_tokens = 0  # rows (padding included) the last forward pass wrote
+        self._op = store_rows_op()
+        self.owner: Any = None  # the vLLM config of the engine whose model it is hooked into
         self._handles: list[Any] = []
 
     def install(self, layers: Sequence[torch.nn.Module]) -> None:
@@ -64,20 +66,9 @@ class StepStaging:
         """Write ``hidden (+ residual)`` into rows ``[0, n)`` of layer ``axis``, out of place.
 
         Out of place and right away: the next layer's fused add-norm updates its inputs in
-        place on CUDA.
+        place on CUDA. One operator call (``capture_op``), which compiled graphs keep.
         """
-        n = hidden.shape[0]
-        if n > self.rows.shape[1]:
-            raise RuntimeError(
-                f"forward capture: {n} tokens in one forward pass, staging holds "
-                f"{self.rows.shape[1]} (max_num_batched_tokens)"
-            )
-        out = self.rows[axis, :n]
-        if residual is None:
-            out.copy_(hidden)
-        else:
-            torch.add(hidden, residual, out=out)
-        self.num_tokens = n
+        self._op(self.rows, axis, hidden, residual)
 
     def _after_hook(self, axis: int) -> Any:
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:

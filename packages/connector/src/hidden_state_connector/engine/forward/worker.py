@@ -21,6 +21,7 @@ from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.adapter import Family
 from hidden_state_connector.engine.forward.arena import ArenaFullError, RowArena
+from hidden_state_connector.engine.forward.install import staging_for
 from hidden_state_connector.engine.forward.routing import RowRouter
 from hidden_state_connector.engine.forward.staging import StepStaging
 from hidden_state_connector.engine.layout import CacheLayout
@@ -69,19 +70,22 @@ class ForwardWorkerSide(WorkerSide):
         self._row_failures: dict[str, str] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Hook the model's decoder layers and start the writers over the host arena."""
+        """Take the staging hooked into the model at its construction; start the writers."""
         self.is_writer = compat.tensor_parallel_rank() == 0
         if not self.is_writer:  # the states are replicated; rank 0 captures them
             return
-        model = compat.runner_model()
-        layers = self.family.decoder_layers(model)
-        param = next(model.parameters())
+        self.staging = staging_for(self.vllm_config)
+        if self.staging is None:
+            raise RuntimeError(
+                "HiddenStateConnector (capture='forward'): the capture was not installed when "
+                "vLLM built the model, so nothing would be captured. vLLM installs it through "
+                "this package's plugin (entry point vllm.general_plugins: "
+                "hidden_state_connector): if VLLM_PLUGINS is set, add hidden_state_connector "
+                "to it; otherwise reinstall hidden-state-connector in vLLM's environment."
+            )
         model_config = self.vllm_config.model_config
         hidden = int(model_config.get_hidden_size())
         dtype = model_config.dtype
-        max_tokens = int(self.vllm_config.scheduler_config.max_num_batched_tokens)
-        self.staging = StepStaging(self.layer_ids, max_tokens, hidden, dtype, param.device)
-        self.staging.install(layers)
         self.arena = RowArena(
             self.config.capture_buffer_bytes, ARENA_BLOCK_TOKENS, len(self.layer_ids), hidden, dtype
         )
@@ -95,15 +99,13 @@ class ForwardWorkerSide(WorkerSide):
             storage=self.config.storage_dtype,
         )
         log.info(
-            "HiddenStateConnector (capture=forward): %s layers %s of %d, hidden %d, %s; "
+            "HiddenStateConnector (capture=forward): layers %s, hidden %d, %s; "
             "staging %s on %s; host arena %d blocks of %d tokens; writing to %s",
-            type(model).__name__,
             self.layer_ids,
-            len(layers),
             hidden,
             dtype,
             tuple(self.staging.rows.shape),
-            param.device,
+            self.staging.rows.device,
             self.arena.num_blocks,
             ARENA_BLOCK_TOKENS,
             self.root,

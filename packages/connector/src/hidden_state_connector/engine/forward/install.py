@@ -1,0 +1,120 @@
+"""Install the capture while vLLM builds the model, before anything compiles it.
+
+vLLM compiles the model (``torch.compile``, then CUDA graphs) during its memory profile,
+before the connector exists, and the compiled code never calls hooks added later. So the
+connector's plugin (``hidden_state_connector.plugin``, loaded by vLLM in every process)
+watches module registration: when a model under construction whose engine asks for
+``capture: "forward"`` registers its decoder layer list, the staging buffer is built and
+the layers hooked right there. The worker half picks the staging up with
+``staging_for(vllm_config)``. Any other model or engine is left untouched.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from hidden_state_connector.engine.forward.staging import StepStaging
+from hidden_state_connector.logs import get_logger
+
+log = get_logger(__name__)
+
+_LAYER_LIST_NAME = "layers"
+_installed: weakref.WeakValueDictionary[int, StepStaging] = weakref.WeakValueDictionary()
+_hook_handle: Any = None
+
+
+def watch_model_construction() -> None:
+    """Start watching module registration in this process (idempotent, cheap)."""
+    global _hook_handle
+    if _hook_handle is None:
+        _hook_handle = torch.nn.modules.module.register_module_module_registration_hook(
+            _on_module_registered
+        )
+
+
+def staging_for(vllm_config: Any) -> StepStaging | None:
+    """The staging installed when this engine's model was built (None: none was)."""
+    staging = _installed.get(id(vllm_config))
+    if staging is None or staging.owner is not vllm_config:
+        return None
+    return staging
+
+
+def _on_module_registered(parent: torch.nn.Module, name: str, module: Any) -> None:
+    """Registration hook: hook the decoder layers of a model built for forward capture."""
+    if name != _LAYER_LIST_NAME or not isinstance(module, torch.nn.ModuleList) or not module:
+        return None
+    try:
+        _install(module)
+    except Exception as exc:  # never break model construction; the worker refuses later
+        log.warning("forward capture: hooks not installed (%s: %s)", type(exc).__name__, exc)
+    return None
+
+
+def _install(layers: torch.nn.ModuleList) -> None:
+    vllm_config = _forward_capture_engine()
+    if vllm_config is None or staging_for(vllm_config) is not None:
+        return
+    from hidden_state_connector.engine import compat
+    from hidden_state_connector.engine.config import ConnectorConfig
+    from hidden_state_connector.engine.forward.adapter import UnsupportedFamilyError, family_of
+
+    model_config = vllm_config.model_config
+    try:
+        family = family_of(list(getattr(model_config, "architectures", None) or []))
+    except UnsupportedFamilyError:
+        return  # refused by name when the connector starts
+    if not _is_decoder_list(layers, family.layers_path):
+        return
+    if compat.tensor_parallel_rank() != 0:  # the states are replicated; rank 0 captures them
+        return
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    config = ConnectorConfig.from_extra_config(extra)
+    layer_ids = compat.captured_layer_ids(list(config.layer_ids or ()))
+    if any(i > len(layers) for i in layer_ids):
+        return  # the connector's start-up check names the bad ids
+    staging = StepStaging(
+        layer_ids,
+        int(vllm_config.scheduler_config.max_num_batched_tokens),
+        int(model_config.get_hidden_size()),
+        model_config.dtype,
+        torch.get_default_device(),
+    )
+    staging.install(list(layers))
+    staging.owner = vllm_config
+    _installed[id(vllm_config)] = staging
+
+
+def _forward_capture_engine() -> Any:
+    """The vLLM config being built, if its connector is ours with ``capture: "forward"``."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    vllm_config = get_current_vllm_config_or_none()
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None:
+        return None
+    from hidden_state_connector import CONNECTOR_NAME
+
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    if transfer.kv_connector != CONNECTOR_NAME or extra.get("capture") != "forward":
+        return None
+    return vllm_config
+
+
+def _is_decoder_list(layers: torch.nn.ModuleList, layers_path: str) -> bool:
+    """Whether this list is the language model's decoder layers (not a vision tower's).
+
+    vLLM names each attention layer by its path in the model (``model.layers.3.self_attn.
+    attn``): the list is the family's ``layers_path`` when its layers' names say so.
+    """
+    prefix = f"{layers_path}."
+    for sub in layers.modules():
+        name = getattr(sub, "layer_name", None)
+        if isinstance(name, str):
+            return name.startswith(prefix)
+    return False
