@@ -22,6 +22,7 @@ log = get_logger(__name__)
 CAPTURE_EXTRACT = "extract"
 CAPTURE_FORWARD = "forward"
 
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Validated connector settings (see ``docs/connector.md`` for each key).

@@ -81,9 +81,12 @@ class HiddenStateConnectorMetadata:
             before they finished: their blocks may be reused by this step, so the
             worker finishes copying them before the forward pass.
         steps: Forward capture only: the captured requests this step computes rows for.
+        batch_tokens: Forward capture only: tokens the step computes in all (the rows of
+            the batch that are not padding).
     """
 
     new_samples: list[NewSample] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     steps: list[StepRows] = field(default_factory=list)
+    batch_tokens: int = 0

@@ -192,6 +192,8 @@ class SchedulerSide:
                 continue
             if step.computed_before + step.scheduled >= len(tracked.prompt):
                 meta.saves.append(self._prompt_order(step.req_id, tracked))
+        if meta.steps:
+            meta.batch_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         for req_id in compat.preempted_request_ids(scheduler_output):
             tracked = self._requests.get(req_id)
             if tracked is not None and tracked.ordered:

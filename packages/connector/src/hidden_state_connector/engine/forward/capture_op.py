@@ -42,7 +42,9 @@ def store_rows_op() -> Any:
             torch.add(hidden, residual, out=out)
 
     @store_rows.register_fake
-    def _(rows: torch.Tensor, axis: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+    def _(
+        rows: torch.Tensor, axis: int, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> None:
         return None
 
     return torch.ops.hidden_state_capture.store_rows.default

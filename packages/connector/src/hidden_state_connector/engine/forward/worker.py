@@ -3,16 +3,16 @@
 It is a ``WorkerSide`` whose rows come from the forward pass instead of a hidden-state
 KV-cache group: locks, save orders, tags, idempotency, the write pipeline and its
 back-pressure are the same. Per step (``after_forward``, vLLM's ``wait_for_save``, still
-inside the step's forward context): route the staging rows of captured requests to their
-positions, store them in the host arena, then start the saves this step completed. A
-save's ``block_ids`` are its arena blocks; they go back to the arena once its copies are
-done.
+inside the step's forward context) the engine's thread only starts copying the step's
+staging rows to the host (``StepTransfer``); the ingest thread then routes them to their
+requests' positions in the host arena and starts the saves, strictly after every earlier
+step's rows (``IngestThread``). A save's ``block_ids`` are its arena blocks; they go back
+to the arena once its copies are done.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,9 +21,11 @@ from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.adapter import Family
 from hidden_state_connector.engine.forward.arena import ArenaFullError, RowArena
+from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.install import staging_for
 from hidden_state_connector.engine.forward.routing import RowRouter
 from hidden_state_connector.engine.forward.staging import StepStaging
+from hidden_state_connector.engine.forward.transfer import StepCopy, StepTransfer
 from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
 from hidden_state_connector.engine.stats import WriteStats
@@ -67,6 +69,8 @@ class ForwardWorkerSide(WorkerSide):
         self.router = RowRouter(block_size)
         self.staging: StepStaging | None = None
         self.arena: RowArena | None = None
+        self.transfer: StepTransfer | None = None
+        self.ingest: IngestThread | None = None
         self._row_failures: dict[str, str] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -110,31 +114,92 @@ class ForwardWorkerSide(WorkerSide):
             ARENA_BLOCK_TOKENS,
             self.root,
         )
+        self.transfer = StepTransfer(self.staging.rows)
+        self.ingest = IngestThread("hidden-state-ingest", self._ingest_failed)
         self._start_writers(extractor)
 
     def after_forward(self, meta: HiddenStateConnectorMetadata) -> None:
-        """Store this step's rows of captured requests, then start the saves it completed."""
-        if self.is_writer and self.staging is not None and meta.steps:
-            with self._mutex, torch.inference_mode():
-                self._take_rows(meta)
-        super().after_forward(meta)
+        """Start copying this step's rows to the host; the ingest thread does the rest."""
+        if not self.is_writer or self.pipeline is None or self.ingest is None:
+            return
+        with self._mutex:
+            self.create_locks(meta)
+        copy = None
+        if meta.steps and self.transfer is not None:
+            with torch.inference_mode():
+                slots = compat.step_slot_mapping(self.slot_layer)
+                copy = self.transfer.submit(meta.batch_tokens or slots.shape[0], slots)
+        orders = [order for order in meta.saves if order.written_this_step]
+        if copy is not None or orders:
+            steps = list(meta.steps)
+            self.ingest.put(lambda: self._ingest(copy, steps, orders))
 
-    def _take_rows(self, meta: HiddenStateConnectorMetadata) -> None:
-        assert self.staging is not None and self.arena is not None
-        self.router.update(meta.steps)
-        slots = compat.step_slot_mapping(self.slot_layer)
-        slots = slots[: self.staging.rows.shape[1]]
-        for req_id, routed in self.router.route(slots, meta.steps).items():
+    def accept(self, order: SaveOrder) -> None:
+        """A save handed over between steps: started after the rows already in flight."""
+        if self.ingest is not None:
+            self.ingest.put(lambda: self._ingest(None, [], [order]))
+        else:
+            super().accept(order)
+
+    def get_finished(
+        self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """``WorkerSide.get_finished``, with saves queued behind the rows in flight."""
+        if meta is not None and self.ingest is not None and self.is_writer:
+            with self._mutex:
+                self.create_locks(meta)
+            orders = [order for order in meta.saves if not order.written_this_step]
+            if orders:
+                self.ingest.put(lambda: self._ingest(None, [], orders))
+            meta = dataclasses.replace(meta, saves=[], new_samples=[])
+        done, received = super().get_finished(meta, finished_req_ids)
+        if self.arena is not None:
+            with self._mutex:
+                for req_id in done or ():
+                    self.arena.release(req_id)
+                    self.router.forget(req_id)
+        return done, received
+
+    def _ingest(self, copy: StepCopy | None, steps: list[Any], orders: list[SaveOrder]) -> None:
+        """Ingest thread: this step's rows into the arena, then its saves (always started)."""
+        try:
+            if copy is not None:
+                self._ingest_rows(copy, steps)
+        finally:
+            with self._mutex:
+                for order in orders:
+                    self._start(order, engine_thread=False)
+
+    def _ingest_rows(self, copy: StepCopy, steps: list[Any]) -> None:
+        assert self.transfer is not None
+        try:
+            copy.wait()
+            with self._mutex, torch.inference_mode():
+                self._take_rows(copy, steps)
+        except Exception as exc:  # their samples fail with the reason; the engine runs on
+            with self._mutex:
+                for step in steps:
+                    self._row_failures.setdefault(step.req_id, f"rows not stored: {exc!r}")
+            raise
+        finally:
+            self.transfer.done(copy)
+
+    def _take_rows(self, copy: StepCopy, steps: list[Any]) -> None:
+        assert self.arena is not None
+        self.router.update(steps)
+        for req_id, routed in self.router.route(copy.slots, steps).items():
             failure = routed.failure
             if failure is None:
-                rows = self.staging.rows[:, routed.rows.to(self.staging.rows.device)]
                 try:
-                    failure = self.arena.write(req_id, routed.positions, rows)
+                    failure = self.arena.write(req_id, routed.positions, copy.rows[:, routed.rows])
                 except ArenaFullError as exc:
                     failure = str(exc)
             if failure is not None and req_id not in self._row_failures:
                 self._row_failures[req_id] = failure
                 log.warning("request %s: %s; its sample will fail", req_id, failure)
+
+    def _ingest_failed(self, exc: BaseException) -> None:
+        log.error("forward capture: a step's rows could not be stored: %r", exc)
 
     def _start(self, order: SaveOrder, *, engine_thread: bool = True) -> None:
         """Point the order at the request's arena blocks (or fail it: rows missing)."""
@@ -148,24 +213,10 @@ class ForwardWorkerSide(WorkerSide):
         )
         super()._start(order, engine_thread=engine_thread)
 
-    def get_finished(
-        self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
-        """``WorkerSide.get_finished``; arena blocks of copied samples go back."""
-        done, received = super().get_finished(meta, finished_req_ids)
-        if self.arena is not None:
-            with self._mutex:
-                for req_id in _copied(done, self._copied):
-                    self.arena.release(req_id)
-                    self.router.forget(req_id)
-        return done, received
-
     def shutdown(self) -> None:
-        """``WorkerSide.shutdown``, and the hooks come off."""
+        """Rows in flight stored and their saves started (bounded); then the base's."""
+        if self.ingest is not None and not self.ingest.stop(self.config.shutdown_timeout):
+            log.warning("forward capture: rows still in flight at shutdown were dropped")
         super().shutdown()
         if self.staging is not None:
             self.staging.remove()
-
-
-def _copied(done: set[str] | None, copied: Sequence[str] | set[str]) -> set[str]:
-    return set(done or ()) | set(copied)
