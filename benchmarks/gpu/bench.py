@@ -64,6 +64,11 @@ def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, An
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if kind == "none":
         return kw
+    if kind == "forward":  # capture from the forward pass: no speculative config
+        extra = {"stats_interval": 0, **json.loads(args.connector)}
+        extra.update(capture="forward", layer_ids=args.layers)
+        kw["kv_transfer_config"] = kv_transfer_config(out, extra)
+        return kw
     kw["speculative_config"] = speculative_config(args.layers)
     if kind == "ours":
         extra = {"stats_interval": 0, **json.loads(args.connector)}
@@ -154,7 +159,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     out = tempfile.mkdtemp(prefix="hs-", dir=args.storage)
     trace = Path(tempfile.mkdtemp(prefix="trace-")) / "stages.jsonl"
-    if args.kind == "ours":  # the connector's per-sample stage times (same clock as ours)
+    if args.kind in ("ours", "forward"):  # the connector's per-sample stage times (same clock as ours)
         os.environ["HIDDEN_STATE_CONNECTOR_TRACE"] = str(trace)
     llm = LLM(**engine_kwargs(args, args.kind, out))
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -178,6 +183,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
     paths = [p for p in paths if p]
     result = _throughput_row(args, paths, t0, elapsed, in_process)
+    cache = llm.llm_engine.vllm_config.cache_config  # vLLM's KV-cache capacity, as it reports
+    result["kv_blocks"] = cache.num_gpu_blocks
+    result["kv_block_size"] = cache.block_size
+    result["kv_tokens"] = getattr(cache, "kv_cache_size_tokens", None)
     if smi is not None:
         result["peak_extra_device_mb_smi"] = smi.stop()
     if in_process:

@@ -169,6 +169,30 @@ case "$plan" in
     timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" \
       2>"$OUT/verify.log" | cut -c1-1500
     ;;
+  # Issue 36: forward capture on CUDA. v36a: the correctness sweep for the forward engine
+  # (eager and CUDA graphs, sync and async scheduling), one extract engine as reference.
+  v36a)
+    timeout 420 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --configs \
+"capture=forward,pc=off,graphs=off,storage=bf16,sleep=on,async=off;\
+capture=forward,pc=off,graphs=on,storage=fp8,sleep=off,async=off;\
+capture=forward,pc=off,graphs=on,storage=bf16,sleep=off;\
+capture=extract,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
+      2>"$OUT/v36a.log" | cut -c1-1500
+    ;;
+  # v36b/v36c: throughput, no extraction / forward / extract interleaved, CUDA graphs, the
+  # 8B-shaped model (dummy weights); prefill-heavy (1024-token prompts, 1 generated) and
+  # decode-heavy (512-token prompts, 256 generated). KV capacity is in every row.
+  v36b)
+    $B throughput --num-prompts 256 --kinds none,forward,ours --graph-modes graphs \
+      --timeout 170 --json "$OUT/t.json" 2>>"$OUT/v36b.log" | tail -5
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  v36c)
+    $B throughput --num-prompts 256 --prompt-len 512 --max-tokens 256 --max-model-len 1024 \
+      --kinds none,forward,ours --graph-modes graphs --timeout 170 --json "$OUT/t.json" \
+      2>>"$OUT/v36c.log" | tail -5
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
   # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
   fork)
     (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \

@@ -59,13 +59,14 @@ class Config:
     storage: str  # "bf16" (the model's dtype) or "fp8"
     sleep: bool
     async_scheduling: bool | None = None  # None: vLLM's default
+    capture: str = "extract"  # or "forward" (no speculative config; prefix caching off)
 
     @classmethod
     def parse(cls, text: str) -> Config:
         """``pc=on,graphs=off,storage=bf16,sleep=on[,async=off]``."""
         fields = dict(part.split("=", 1) for part in text.split(",") if part)
         flag = {"on": True, "off": False}
-        unknown = set(fields) - {"pc", "graphs", "storage", "sleep", "async"}
+        unknown = set(fields) - {"pc", "graphs", "storage", "sleep", "async", "capture"}
         if unknown or fields.get("storage", "bf16") not in ROW_TOL:
             raise SystemExit(f"bad --config {text!r}: keys pc, graphs, storage(bf16|fp8), sleep")
         return cls(
@@ -74,6 +75,7 @@ class Config:
             storage=fields.get("storage", "bf16"),
             sleep=flag[fields.get("sleep", "off")],
             async_scheduling=flag[fields["async"]] if "async" in fields else None,
+            capture=fields.get("capture", "extract"),
         )
 
 
@@ -131,6 +133,10 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
         extra.update(kv_cache_memory_bytes=1 << 30)
     if cfg.async_scheduling is not None:
         extra["async_scheduling"] = cfg.async_scheduling
+    if cfg.capture == "forward":
+        settings.update(capture="forward", layer_ids=LAYERS)
+    else:
+        extra["speculative_config"] = speculative_config(LAYERS)
     return LLM(
         model=str(model_dir),
         dtype="bfloat16",
@@ -141,7 +147,6 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
         max_num_batched_tokens=512,
         enable_sleep_mode=cfg.sleep,
         seed=0,
-        speculative_config=speculative_config(LAYERS),
         kv_transfer_config={
             **kv_transfer_config(out, settings),
             "kv_connector_module_path": module,
@@ -233,6 +238,7 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         "storage_dtype": "fp8_e4m3" if cfg.storage == "fp8" else "bfloat16",
         "sleep": cfg.sleep,
         "async_scheduling": cfg.async_scheduling,
+        "capture": cfg.capture,
         "max_num_batched_tokens": 512,
         "row_tolerance": ROW_TOL[cfg.storage],
         **account,
