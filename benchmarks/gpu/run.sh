@@ -11,6 +11,14 @@ if compgen -G ".gpu/extra/*.whl" >/dev/null; then
 fi
 # The repo root too: the null-sink baseline connector is benchmarks.null_sink.
 export PYTHONPATH=$PWD/packages/reader/src:$PWD/packages/connector/src:$PWD:$PYTHONPATH
+# The packages run from the checkout (not pip-installed): declare the connector's vLLM
+# plugin entry point (pyproject.toml) so vLLM loads it in every process, as after a pip
+# install. Forward capture needs it (engine/forward/install.py).
+dist=/tmp/site/hidden_state_connector-0.1.0.dist-info
+mkdir -p "$dist"
+printf 'Metadata-Version: 2.1\nName: hidden-state-connector\nVersion: 0.1.0\n' >"$dist/METADATA"
+printf '[vllm.general_plugins]\nhidden_state_connector = hidden_state_connector.plugin:register\n' \
+  >"$dist/entry_points.txt"
 export VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-WARNING}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # The reader's native fp8 kernel (the image has a C compiler; without it the reader uses

@@ -26,12 +26,16 @@ def async_scheduling(vllm_config: Any) -> bool:
     return bool(getattr(scheduler, "async_scheduling", False))
 
 
-def output_tokens_refusal(vllm_config: Any) -> str | None:
-    """Why this engine cannot store generated tokens right, or None if it can."""
+def output_tokens_refusal(vllm_config: Any, *, forward: bool = False) -> str | None:
+    """Why this engine cannot store generated tokens right, or None if it can.
+
+    Forward capture (``forward``) takes each step's rows as they are computed, not from
+    cache blocks at the end, so async scheduling does not concern it.
+    """
     recurrent = recurrent_state_refusal(vllm_config)
     if recurrent is not None:
         return recurrent
-    if async_scheduling(vllm_config):
+    if async_scheduling(vllm_config) and not forward:
         return (
             "vLLM's async scheduling does not keep the hidden states of a request's last "
             "generated tokens in its cache blocks, so include_output_tokens is refused; "

@@ -22,6 +22,8 @@ from hidden_state_connector.logs import get_logger
 log = get_logger(__name__)
 
 _LAYER_LIST_NAME = "layers"
+COMPILE_CACHE_KEY = "hidden_state_connector"
+"""The ``additional_config`` entry that keys compiled code with the capture apart."""
 _installed: weakref.WeakValueDictionary[int, StepStaging] = weakref.WeakValueDictionary()
 _hook_handle: Any = None
 
@@ -86,6 +88,25 @@ def _install(layers: torch.nn.ModuleList) -> None:
     staging.install(list(layers))
     staging.owner = vllm_config
     _installed[id(vllm_config)] = staging
+    key_compile_cache(vllm_config, layer_ids)
+
+
+def key_compile_cache(vllm_config: Any, layer_ids: list[int]) -> None:
+    """Give compiled code with the capture a compile-cache key of its own.
+
+    vLLM keys its compile cache (and loads compiled code without tracing) by a hash of its
+    config that leaves ``kv_transfer_config`` out: a model compiled once without the capture
+    would be loaded without it, and every row would stay zero (seen on an H100 with vLLM
+    0.26). ``additional_config`` is in that hash, so the capture is recorded there.
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict):
+        extra[COMPILE_CACHE_KEY] = {"capture": "forward", "layer_ids": list(layer_ids)}
+    else:
+        log.warning(
+            "forward capture: additional_config is not a dict; if this model was compiled "
+            "before without the capture, set VLLM_DISABLE_COMPILE_CACHE=1"
+        )
 
 
 def _forward_capture_engine() -> Any:
