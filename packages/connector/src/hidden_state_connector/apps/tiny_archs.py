@@ -138,6 +138,10 @@ def _gemma3(size: TinySize) -> tuple[Any, Any]:
         num_key_value_heads=1,
         head_dim=size.head_dim,
         sliding_window=16,
+        # Sliding-window and full-attention layers in turn (Gemma 3 has five to one).
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(size.num_layers)
+        ],
     )
     return config, Gemma3ForCausalLM
 
