@@ -76,7 +76,6 @@ def run_and_check(
     layers: list[int],
     num_layers: int,
     lengths: tuple[int, ...],
-    **engine_kwargs: Any,
 ) -> tuple[float, list[str]]:
     """Capture ``layers`` with and without generated tokens; every row checked against HF.
 
@@ -84,7 +83,7 @@ def run_and_check(
         The worst relative error of any captured layer of any sample, and the engine's
         KV-cache groups (``kv_cache_groups``).
     """
-    llm = engine(model, out, forward_extra(layers, include_output_tokens=True), **engine_kwargs)
+    llm = engine(model, out, forward_extra(layers, include_output_tokens=True))
     try:
         groups = kv_cache_groups(llm)
         with_outputs = generate(llm, prompts(lengths), None)

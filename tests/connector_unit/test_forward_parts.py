@@ -98,18 +98,30 @@ def test_an_unknown_family_is_refused_naming_it_and_the_known_ones() -> None:
         assert name in str(info.value) and family_of([name]) is FAMILIES[name]
 
 
+@pytest.mark.vllm
 def test_deepseek_is_refused_where_its_layers_leave_hfs_stream() -> None:
     family = FAMILIES["DeepseekV2ForCausalLM"]
 
-    def engine(dtype: torch.dtype, sequence_parallel_moe: bool) -> SimpleNamespace:
+    yarn = {"rope_type": "yarn", "factor": 40.0}
+
+    def engine(
+        dtype: torch.dtype, sp_moe: bool = False, rope: dict | None = yarn, ops: tuple = ("all",)
+    ) -> SimpleNamespace:
+        hf_config = SimpleNamespace(rope_parameters=rope)
         return SimpleNamespace(
-            model_config=SimpleNamespace(dtype=dtype),
-            parallel_config=SimpleNamespace(use_sequence_parallel_moe=sequence_parallel_moe),
+            model_config=SimpleNamespace(dtype=dtype, hf_config=hf_config),
+            parallel_config=SimpleNamespace(use_sequence_parallel_moe=sp_moe),
+            compilation_config=SimpleNamespace(custom_ops=list(ops)),
         )
 
-    assert family.refusal(engine(torch.bfloat16, False)) is None
-    assert "in float16" in str(family.refusal(engine(torch.float16, False)))
-    assert "sequence-parallel MoE" in str(family.refusal(engine(torch.float32, True)))
+    assert family.refusal(engine(torch.bfloat16)) is None
+    assert "in float16" in str(family.refusal(engine(torch.float16)))
+    assert "sequence-parallel MoE" in str(family.refusal(engine(torch.float32, sp_moe=True)))
+    # This is the CPU build: plain RoPE goes through its rotary kernel unless turned off.
+    plain = {"rope_type": "default"}
+    assert "'-rotary_embedding'" in str(family.refusal(engine(torch.float32, rope=plain)))
+    off = ("all", "-rotary_embedding")
+    assert family.refusal(engine(torch.float32, rope=plain, ops=off)) is None
 
 
 @pytest.mark.vllm

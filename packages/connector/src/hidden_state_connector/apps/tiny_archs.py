@@ -125,6 +125,17 @@ def _deepseek_v2(size: TinySize) -> tuple[Any, Any]:
         topk_method="greedy",
         n_group=1,
         topk_group=1,
+        # DeepSeek-V2's own YaRN scaling (vLLM's deepseek_yarn rotary embedding).
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
     )
     return config, DeepseekV2ForCausalLM
 

@@ -53,7 +53,7 @@ class Family:
 
 
 def _deepseek_refusal(vllm_config: Any) -> str | None:
-    """DeepSeek-V2's layers depart from HF's stream in float16 and with sequence-parallel MoE."""
+    """Why DeepSeek-V2's stream in vLLM would not be HF's here (float16, SP MoE, CPU RoPE)."""
     if str(getattr(vllm_config.model_config, "dtype", "")) == "torch.float16":
         return (
             "DeepseekV2ForCausalLM in float16: vLLM scales its residual stream by "
@@ -66,7 +66,32 @@ def _deepseek_refusal(vllm_config: Any) -> str | None:
             "parallel): its layers return each rank's slice of the tokens; turn off "
             "expert parallelism or data parallelism"
         )
+    if _cpu_rotary_kernel(vllm_config):
+        return (
+            "DeepseekV2ForCausalLM with plain RoPE on vLLM's CPU build: its in-place rotary "
+            "kernel rotates MLA's multi-head query and strided key wrongly, so the model's "
+            "values are not HF's; start vLLM with compilation_config={'custom_ops': "
+            "['-rotary_embedding']} (PyTorch's rotary op)"
+        )
     return None
+
+
+def _cpu_rotary_kernel(vllm_config: Any) -> bool:
+    """Whether vLLM's CPU rotary kernel would rotate this model's MLA query and key.
+
+    DeepSeek's YaRN scaling (``DeepseekScalingRotaryEmbedding``) uses PyTorch ops on CPU;
+    plain RoPE uses the ``rotary_embedding`` custom op unless it is turned off.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    hf_config = vllm_config.model_config.hf_config
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    ops = list(getattr(vllm_config.compilation_config, "custom_ops", None) or [])
+    turned_off = "-rotary_embedding" in ops or ("none" in ops and "+rotary_embedding" not in ops)
+    return rope_type == "default" and not turned_off
 
 
 # Llama-style layers: ``layer(positions, hidden_states, residual) -> (hidden, residual)``.
