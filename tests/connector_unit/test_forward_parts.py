@@ -1,11 +1,20 @@
-"""Forward capture's parts without an engine: its config keys, row routing, the host arena."""
+"""Forward capture's parts without an engine: config keys, routing, the arena, family adapters."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.forward.adapter import (
+    FAMILIES,
+    UnsupportedFamilyError,
+    family_of,
+    stream_before,
+)
 from hidden_state_connector.engine.forward.arena import ArenaFullError, RowArena
 from hidden_state_connector.engine.forward.routing import RowRouter
 from hidden_state_connector.engine.metadata import StepRows
@@ -63,3 +72,72 @@ def test_arena_stores_by_position_and_reports_gaps_and_full() -> None:
         arena.write("b", torch.arange(1), rows[:, :1])
     arena.release("a")
     assert arena.write("b", torch.arange(6, 7), rows[:, :1]) is not None  # rows [0, 6) missing
+
+
+def test_the_embeddings_are_found_whatever_the_layer_signature() -> None:
+    positions = torch.arange(3)
+    embeddings = torch.randn(3, 8)
+    # Llama-style (positions, hidden_states, residual); gpt-oss (hidden_states, positions,
+    # residual); Nemotron-H by keyword; DeepSeek-V2 with a float scaling argument after.
+    assert stream_before((positions, embeddings, None), {}) is embeddings
+    assert stream_before((embeddings, positions, None), {}) is embeddings
+    assert stream_before((), {"positions": positions, "hidden_states": embeddings}) is embeddings
+    scaling = torch.ones(3, 1)
+    assert stream_before((positions, embeddings, None, scaling), {}) is embeddings
+    with pytest.raises(RuntimeError, match="got a residual"):
+        stream_before((positions, embeddings, torch.randn(3, 8)), {})
+    with pytest.raises(RuntimeError, match="got no embeddings"):
+        stream_before((positions,), {})
+
+
+def test_an_unknown_family_is_refused_naming_it_and_the_known_ones() -> None:
+    with pytest.raises(UnsupportedFamilyError) as info:
+        family_of(["MistralForCausalLM"])
+    assert "capture='forward' does not support MistralForCausalLM yet" in str(info.value)
+    for name in ("Gemma3ForCausalLM", "GptOssForCausalLM", "NemotronHForCausalLM"):
+        assert name in str(info.value) and family_of([name]) is FAMILIES[name]
+
+
+@pytest.mark.vllm
+def test_deepseek_is_refused_where_its_layers_leave_hfs_stream() -> None:
+    family = FAMILIES["DeepseekV2ForCausalLM"]
+
+    yarn = {"rope_type": "yarn", "factor": 40.0}
+
+    def engine(
+        dtype: torch.dtype, sp_moe: bool = False, rope: dict | None = yarn, ops: tuple = ("all",)
+    ) -> SimpleNamespace:
+        hf_config = SimpleNamespace(rope_parameters=rope)
+        return SimpleNamespace(
+            model_config=SimpleNamespace(dtype=dtype, hf_config=hf_config),
+            parallel_config=SimpleNamespace(use_sequence_parallel_moe=sp_moe),
+            compilation_config=SimpleNamespace(custom_ops=list(ops)),
+        )
+
+    assert family.refusal(engine(torch.bfloat16)) is None
+    assert "in float16" in str(family.refusal(engine(torch.float16)))
+    assert "sequence-parallel MoE" in str(family.refusal(engine(torch.float32, sp_moe=True)))
+    # This is the CPU build: plain RoPE goes through its rotary kernel unless turned off.
+    plain = {"rope_type": "default"}
+    assert "'-rotary_embedding'" in str(family.refusal(engine(torch.float32, rope=plain)))
+    off = ("all", "-rotary_embedding")
+    assert family.refusal(engine(torch.float32, rope=plain, ops=off)) is None
+
+
+@pytest.mark.vllm
+def test_rows_are_routed_through_a_group_that_holds_every_token() -> None:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    shape = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.float32}
+    sliding = KVCacheGroupSpec(["l.0"], SlidingWindowSpec(block_size=16, sliding_window=8, **shape))
+    full = KVCacheGroupSpec(["l.1", "l.3"], FullAttentionSpec(block_size=32, **shape))
+    mla = KVCacheGroupSpec(["m.0"], MLAAttentionSpec(block_size=16, **shape))
+    assert compat.attention_group(SimpleNamespace(kv_cache_groups=[sliding, full])) == (1, "l.1")
+    assert compat.attention_group(SimpleNamespace(kv_cache_groups=[mla])) == (0, "m.0")
+    with pytest.raises(ValueError, match=r"has none \(groups: SlidingWindowSpec\)"):
+        compat.attention_group(SimpleNamespace(kv_cache_groups=[sliding]))

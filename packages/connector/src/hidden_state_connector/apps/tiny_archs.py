@@ -125,6 +125,17 @@ def _deepseek_v2(size: TinySize) -> tuple[Any, Any]:
         topk_method="greedy",
         n_group=1,
         topk_group=1,
+        # DeepSeek-V2's own YaRN scaling (vLLM's deepseek_yarn rotary embedding).
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
     )
     return config, DeepseekV2ForCausalLM
 
@@ -138,6 +149,10 @@ def _gemma3(size: TinySize) -> tuple[Any, Any]:
         num_key_value_heads=1,
         head_dim=size.head_dim,
         sliding_window=16,
+        # Sliding-window and full-attention layers in turn (Gemma 3 has five to one).
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(size.num_layers)
+        ],
     )
     return config, Gemma3ForCausalLM
 

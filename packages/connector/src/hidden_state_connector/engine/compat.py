@@ -400,16 +400,39 @@ def step_slot_mapping(layer_name: str) -> torch.Tensor:
 def attention_group(kv_cache_config: Any) -> tuple[int, str]:
     """The KV-cache group forward capture routes rows through, and one of its layers.
 
+    Rows are routed by a request's block table, so the group must hold a block for every
+    token: full attention (MLA included). Sliding-window, chunked-local and recurrent
+    (Mamba, linear attention) groups drop or reuse blocks, so they are passed over; of
+    several full-attention groups the first is taken (each holds every token).
+
     Raises:
-        ValueError: Not exactly one group (hybrid models: not yet supported).
+        ValueError: No group holds every token; the message names the groups' kinds.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-    if len(groups) != 1 or not groups[0].layer_names:
-        raise ValueError(
-            f"capture='forward' supports models with one KV-cache group for now; this one has "
-            f"{len(groups)} (hybrid or sliding-window models); use capture='extract'"
-        )
-    return 0, str(groups[0].layer_names[0])
+    for index, group in enumerate(groups):
+        if group.layer_names and _holds_every_token(group):
+            return index, str(group.layer_names[0])
+    kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
+    raise ValueError(
+        f"capture='forward' routes rows through a full-attention KV-cache group; this model "
+        f"has none (groups: {kinds}); use capture='extract'"
+    )
+
+
+# KV-cache specs whose vLLM manager keeps one block per block_size tokens of the request,
+# from position 0, for as long as it runs (a sliding window set on a FullAttentionSpec is
+# computed, not evicted). Subclasses that evict or prepend blocks (R-SWA, circular
+# buffers, sinks) are not listed, so they are refused rather than misrouted.
+_WHOLE_REQUEST_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+
+def _holds_every_token(group: Any) -> bool:
+    """Whether a KV-cache group keeps a block for every token of a running request."""
+    spec = group.kv_cache_spec
+    spec = getattr(spec, "first_spec", spec)  # UniformTypeKVCacheSpecs: one kind inside
+    return type(spec).__name__ in _WHOLE_REQUEST_SPECS and not getattr(
+        group, "is_eagle_group", False
+    )
 
 
 def compiles_model(vllm_config: Any) -> bool:

@@ -3,7 +3,8 @@
 Two engine set-ups capture the prompt right but not the generated tokens, so a sample
 with generated tokens is refused there rather than published wrong:
 
-- a model with a recurrent state (``architecture.recurrent_state_refusal``);
+- a model with a recurrent state (``architecture.recurrent_state_refusal``), with the
+  extract engine;
 - vLLM's async scheduling (on by default for ``extract_hidden_states`` on the GPU; the
   CPU build turns it off). Measured on an H100 with vLLM 0.26: at ``request_finished``
   the rows of the last step's tokens are not in the request's cache blocks (zeros in a
@@ -29,10 +30,12 @@ def async_scheduling(vllm_config: Any) -> bool:
 def output_tokens_refusal(vllm_config: Any, *, forward: bool = False) -> str | None:
     """Why this engine cannot store generated tokens right, or None if it can.
 
-    Forward capture (``forward``) takes each step's rows as they are computed, not from
-    cache blocks at the end, so async scheduling does not concern it.
+    ``forward``: forward capture, which takes no speculative slot, so a recurrent state
+    is advanced only by the model's own tokens (checked on Nemotron-H); and it takes each
+    step's rows as they are computed, not from cache blocks at the end, so async
+    scheduling does not concern it (checked on an H100 with vLLM 0.26).
     """
-    recurrent = recurrent_state_refusal(vllm_config)
+    recurrent = None if forward else recurrent_state_refusal(vllm_config)
     if recurrent is not None:
         return recurrent
     if async_scheduling(vllm_config) and not forward:

@@ -1,30 +1,43 @@
 """What forward capture needs from a model family: its decoder layers, how they pass the residual.
 
 A family is listed here only once its values were checked against Hugging Face float32
-(tests/connector/test_forward_capture.py). Any other architecture is refused at start-up
-by name (``family_of``).
+(tests/connector/test_forward_capture.py, test_forward_families.py). Any other
+architecture is refused at start-up by name (``family_of``); so is a listed family in a
+setting where its layers do not carry HF's residual stream (``Family.refusal``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
+def _accepts(_vllm_config: Any) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Family:
     """How one model family's vLLM implementation exposes its residual stream.
 
+    Every family listed passes the stream the same way: each decoder layer returns
+    ``(hidden, residual)`` and the stream after it is their sum; the first layer gets
+    the embeddings (scaled already where the model scales them, as Gemma does inside
+    ``embed_input_ids``) as ``hidden_states`` with no residual (``stream_before``).
+
     Attributes:
         name: Human name, for messages.
         layers_path: Attribute path from the loaded model to its decoder layer list.
+        refusal: Given the engine's ``VllmConfig``, why this family's layers would not
+            carry HF's values there (None: they do).
     """
 
     name: str
     layers_path: str = "model.layers"
+    refusal: Callable[[Any], str | None] = _accepts
 
     def decoder_layers(self, model: torch.nn.Module) -> Sequence[torch.nn.Module]:
         """The model's decoder layers, in order (all of them: pipeline parallelism is refused)."""
@@ -39,15 +52,69 @@ class Family:
         return list(found)
 
 
-# vLLM's Llama-style layers: ``layer(positions, hidden_states, residual)`` returns
-# ``(hidden_states, residual)``; the pre-norm residual stream after the layer is their sum
-# (the next layer's fused add-RMSNorm computes exactly that), before the first layer it is
-# the embeddings (``hidden_states`` with ``residual`` None).
+def _deepseek_refusal(vllm_config: Any) -> str | None:
+    """Why DeepSeek-V2's stream in vLLM would not be HF's here (float16, SP MoE, CPU RoPE)."""
+    if str(getattr(vllm_config.model_config, "dtype", "")) == "torch.float16":
+        return (
+            "DeepseekV2ForCausalLM in float16: vLLM scales its residual stream by "
+            "1/routed_scaling_factor against overflow, so the rows would not be the model's "
+            "values; use dtype bfloat16 or float32"
+        )
+    if getattr(vllm_config.parallel_config, "use_sequence_parallel_moe", False):
+        return (
+            "DeepseekV2ForCausalLM with sequence-parallel MoE (expert + data + tensor "
+            "parallel): its layers return each rank's slice of the tokens; turn off "
+            "expert parallelism or data parallelism"
+        )
+    if _cpu_rotary_kernel(vllm_config):
+        return (
+            "DeepseekV2ForCausalLM with plain RoPE on vLLM's CPU build: its in-place rotary "
+            "kernel rotates MLA's multi-head query and strided key wrongly, so the model's "
+            "values are not HF's; start vLLM with compilation_config={'custom_ops': "
+            "['-rotary_embedding']} (PyTorch's rotary op)"
+        )
+    return None
+
+
+def _cpu_rotary_kernel(vllm_config: Any) -> bool:
+    """Whether vLLM's CPU rotary kernel would rotate this model's MLA query and key.
+
+    DeepSeek's YaRN scaling (``DeepseekScalingRotaryEmbedding``) uses PyTorch ops on CPU;
+    plain RoPE uses the ``rotary_embedding`` custom op unless it is turned off.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    hf_config = vllm_config.model_config.hf_config
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
+    ops = list(getattr(vllm_config.compilation_config, "custom_ops", None) or [])
+    turned_off = "-rotary_embedding" in ops or ("none" in ops and "+rotary_embedding" not in ops)
+    return rope_type == "default" and not turned_off
+
+
+# Llama-style layers: ``layer(positions, hidden_states, residual) -> (hidden, residual)``.
 LLAMA_STYLE = Family("Llama-style (hidden, residual) decoder layers")
+# Routed experts inside the layer; the layer's contract is Llama's.
+QWEN3_MOE = Family("Qwen3-MoE decoder layers")
+# ``layer(hidden_states, positions, residual)``: Llama's contract, arguments reordered.
+GPT_OSS = Family("gpt-oss decoder layers (hidden_states first; sliding and full attention)")
+# Embeddings scaled by sqrt(hidden) inside ``embed_input_ids``, before layer 0, as in HF.
+GEMMA3 = Family("Gemma 3 decoder layers (sliding and full attention, scaled embeddings)")
+# MLA attention, dense then MoE layers; Llama's contract, with refusals.
+DEEPSEEK_V2 = Family("DeepSeek-V2 (MLA) decoder layers", refusal=_deepseek_refusal)
+# Mamba-2, MLP and attention layers, called with keywords; each returns (hidden, residual).
+NEMOTRON_H = Family("Nemotron-H hybrid (Mamba-2, MLP, attention) layers")
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": LLAMA_STYLE,
     "Qwen3ForCausalLM": LLAMA_STYLE,
+    "Qwen3MoeForCausalLM": QWEN3_MOE,
+    "GptOssForCausalLM": GPT_OSS,
+    "Gemma3ForCausalLM": GEMMA3,
+    "DeepseekV2ForCausalLM": DEEPSEEK_V2,
+    "NemotronHForCausalLM": NEMOTRON_H,
 }
 
 
@@ -80,10 +147,23 @@ def stream_after(output: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     raise RuntimeError(f"forward capture: unexpected decoder layer output {type(output)}")
 
 
+def _is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
 def stream_before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The residual stream entering the first decoder layer (the embeddings)."""
-    hidden = kwargs.get("hidden_states", args[1] if len(args) > 1 else None)
-    residual = kwargs.get("residual", args[2] if len(args) > 2 else None)
-    if not isinstance(hidden, torch.Tensor) or residual is not None:
+    """The residual stream entering the first decoder layer (the embeddings).
+
+    Found by type, not by position, so every family's argument order works: the
+    ``hidden_states`` keyword, else the first floating-point positional argument
+    (positions are integers). A second floating-point argument of its shape would be
+    a residual, which the first layer never gets.
+    """
+    floats = [a for a in args if _is_float(a)]
+    hidden = kwargs.get("hidden_states", floats[0] if floats else None)
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
         raise RuntimeError("forward capture: the first decoder layer got no embeddings")
+    others = [*floats, kwargs.get("residual")]
+    if any(_is_float(t) and t is not hidden and t.shape == hidden.shape for t in others):
+        raise RuntimeError("forward capture: the first decoder layer got a residual")
     return hidden

@@ -3,8 +3,9 @@
 Refused for now: a ``speculative_config`` (forward capture takes no speculative slot; the
 two engines are not combined yet), prefix caching (tokens served from the cache are not
 recomputed, so their rows would be missing), pipeline parallelism (each stage would own
-its layers; not built yet), models with more than one KV-cache group, and families the
-adapter does not know.
+its layers; not built yet), models with no full-attention KV-cache group (rows are
+routed by a block table that holds every token), families the adapter does not know,
+and settings a known family refuses (``Family.refusal``).
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
             "layers; stage-local capture is not built). Use pipeline_parallel_size=1."
         )
     model_config = vllm_config.model_config
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    model_name = "/".join(architectures) or "this model"
     try:
-        family = family_of(list(getattr(model_config, "architectures", None) or []))
+        family = family_of(architectures)
     except ValueError as exc:
         raise ForwardCaptureError(f"{where}: {exc}") from None
+    reason = family.refusal(vllm_config)
+    if reason is not None:
+        raise ForwardCaptureError(f"{where}: {reason}")
     n = num_hidden_layers(model_config)
     assert config.layer_ids is not None  # ConnectorConfig checks it for capture='forward'
     if n is not None and not all(0 <= i <= n for i in config.layer_ids):
@@ -76,13 +82,17 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
             f"{where}: layer_ids {list(config.layer_ids)}: the model has {n} layers, so layer "
             f"ids run from 0 (embeddings) to {n} (the last layer's output, before the norm)"
         )
-    if kv_cache_config is None:
-        group, layer = 0, ""
-    else:
-        try:
-            group, layer = compat.attention_group(kv_cache_config)
-        except ValueError as exc:
-            raise ForwardCaptureError(f"{where}: {exc}") from None
+    group, layer = _routing_group(kv_cache_config, f"{where}: {model_name}")
     block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
     layer_ids = compat.captured_layer_ids(config.layer_ids)
     return ForwardSetup(family, layer_ids, group, block_size, layer)
+
+
+def _routing_group(kv_cache_config: Any, where: str) -> tuple[int, str]:
+    """The KV-cache group rows are routed through and one of its layers (``compat``)."""
+    if kv_cache_config is None:
+        return 0, ""
+    try:
+        return compat.attention_group(kv_cache_config)
+    except ValueError as exc:
+        raise ForwardCaptureError(f"{where}: {exc}") from None
