@@ -170,6 +170,29 @@ def test_fp8_files_of_different_model_dtypes_need_a_dtype_in_one_device_batch(
     assert batch["hidden_states"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_a_batch_mixing_fp8_and_bf16_files_is_delivered_as_without_device(
+    hs_dir: Path, dtype: torch.dtype | None
+) -> None:
+    write(hs_dir, 4)
+    for i in range(4, 8):  # files of a writer that stored its model dtype
+        tokens, hidden = make_tensors(i, tokens=3 + i % 4, layers=2, hidden=8)
+        meta = sample_metadata(layer_ids=[0, 1])
+        write_sample(hs_dir / f"hs_{i}.safetensors", tokens, hidden, metadata=meta)
+
+    def batches(**kw: Any) -> list[dict[str, Any]]:
+        ds = HiddenStateDataset(hs_dir, shuffle=True, seed=3, dtype=dtype)
+        return list(HiddenStateLoader(ds, 3, collate_fn=pack_collate, **kw))
+
+    got, plain = batches(num_workers=2, device="cpu"), batches()
+    fp8_files = {f"hs_{i}.safetensors" for i in range(4)}
+    kinds = [{Path(p).name in fp8_files for p in b["paths"]} for b in got]
+    assert {True, False} in kinds  # some batch mixes both (seed 3)
+    assert len(got) == len(plain) == 3
+    for g, p in zip(got, plain, strict=True):
+        assert_same(g, p)
+
+
 def test_finishing_a_batch_equals_finishing_its_samples(hs_dir: Path) -> None:
     write(hs_dir, 3)
     raw = [load_sample(hs_dir / f"hs_{i}.safetensors", LoadOptions(raw_fp8=True)) for i in range(3)]

@@ -43,10 +43,15 @@ class InPlaceCollate(Protocol):
     finishes it on the device (fp8 dequantized, ``dtype`` applied). A collate without
     ``build_into`` gets samples the reader finished on the host, is called as
     ``collate_fn(samples)``, and its batch is copied to the device as it is.
-    ``PadCollate`` and ``PackCollate`` build in place.
+    ``PadCollate`` and ``PackCollate`` build in place. Without ``device=`` every collate
+    is called as ``collate_fn(samples)``, so an in-place one is callable too.
     """
 
-    def build_into(self, samples: Sequence[Any], allocate: Allocate) -> dict[str, Any]:
+    def __call__(self, samples: Sequence[Any], /) -> Any:
+        """The batch of ``samples`` in memory of the collate's choosing."""
+        ...
+
+    def build_into(self, samples: Sequence[Any], allocate: Allocate, /) -> dict[str, Any]:
         """Build the batch of ``samples`` in the tensors ``allocate`` gives.
 
         Args:

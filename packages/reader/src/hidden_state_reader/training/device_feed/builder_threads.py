@@ -203,8 +203,8 @@ class DeviceFeed:
         samples = [item for item in chunk if not isinstance(item, Skipped)]
         if not samples:
             return _Built(len(chunk), None, None)
-        batch = build.build(samples)
         finishing = self.finishing
+        batch = build.build(finishing.batchable(samples))
         moved, event = copy.move(batch, lambda on_device: finishing.finish(on_device, samples))
         build.copied(event)
         return _Built(len(chunk), moved, event)

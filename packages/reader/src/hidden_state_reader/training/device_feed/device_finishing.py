@@ -4,13 +4,16 @@ Where the collate builds in place (``batch_memory.InPlaceCollate``), the builder
 read samples as stored: an fp8 file crosses to the device as fp8 codes plus scales
 (half the bytes of bf16) and a bf16 file asked for in float32 crosses as bf16. The batch
 is finished after its copy, on the thread's stream, by the sample layer's one finishing
-(``sample.finishing.finish_hidden_states``) applied to the whole batch. A batch of any
-other collate was made of samples the reader finished on the host: it passes as it is.
+(``sample.finishing.finish_hidden_states``) applied to the whole batch. A batch that
+mixes fp8 files with others cannot hold codes and values in one tensor: its samples are
+finished on the host first, one by one, by the same function. A batch of any other
+collate was made of samples the reader finished on the host: it passes as it is.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from hidden_state_reader.format.fp8 import SCALES
@@ -43,6 +46,29 @@ class DeviceFinishing:
         if self.on_device:
             changes.update(raw_fp8=True, dtype=None)
         return changes
+
+    def batchable(self, samples: list[Sample]) -> list[Sample]:
+        """The samples, finished on the host where fp8 files and others share the batch.
+
+        As the reader would finish them (e.g. a directory whose writers changed their
+        storage dtype); then only the finishing left on the device is a no-op.
+        """
+        if not self.on_device:
+            return samples
+        stored_fp8 = {sample.hidden_states_scales is not None for sample in samples}
+        if len(stored_fp8) == 1:
+            return samples
+        return [self._on_host(sample) for sample in samples]
+
+    def _on_host(self, sample: Sample) -> Sample:
+        hidden, scales = finish_hidden_states(
+            sample.hidden_states,
+            sample.hidden_states_scales,
+            raw_fp8=self.raw_fp8,
+            dtype=self.dtype,
+            writers=[(sample.metadata, sample.path)],
+        )
+        return replace(sample, hidden_states=hidden, hidden_states_scales=scales)
 
     def finish(self, batch: Any, samples: Sequence[Sample]) -> Any:
         """``batch`` (on the device) finished: ``hidden_states`` and their fp8 scales.
