@@ -22,7 +22,7 @@ from hidden_state_reader.format import sample_metadata
 from hidden_state_reader.kernels.fp8 import dequantize
 from hidden_state_reader.training.collate import PackCollate, PadCollate, pack_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
-from hidden_state_reader.training.device_feed import HostArenas
+from hidden_state_reader.training.device_feed.host_build import HostArenas
 from hidden_state_reader.training.loader import HiddenStateLoader
 
 from samples import make_tensors

@@ -28,11 +28,16 @@ from hidden_state_reader.files.publish import write_sample
 from hidden_state_reader.format import sample_metadata
 from hidden_state_reader.training.collate import PackCollate
 from hidden_state_reader.training.dataset import HiddenStateDataset
-from hidden_state_reader.training.device_feed import DeviceFeed, HostArenas
+from hidden_state_reader.training.device_feed.builder_threads import DeviceFeed
+from hidden_state_reader.training.device_feed.device_finishing import DeviceFinishing
+from hidden_state_reader.training.device_feed.host_build import HostArenas, HostBuild
+from hidden_state_reader.training.device_feed.to_device import ToDevice
 from hidden_state_reader.training.loader import HiddenStateLoader
 
 from samples import make_tensors
 
+# What the device feed makes: the feed and its stages (``training/device_feed/``).
+FEED_OBJECTS = (DeviceFeed, HostArenas, HostBuild, ToDevice, DeviceFinishing)
 CHILD_TIMEOUT = 60.0  # seconds: a child that has not answered by then is stuck
 
 
@@ -104,7 +109,7 @@ def test_a_finished_or_abandoned_device_pass_leaves_no_feed_for_the_collector(
         gc.set_debug(gc.DEBUG_SAVEALL)
         try:
             gc.collect()
-            left = [o for o in gc.garbage if isinstance(o, (DeviceFeed, HostArenas))]
+            left = [o for o in gc.garbage if isinstance(o, FEED_OBJECTS)]
         finally:
             gc.set_debug(0)
             gc.garbage.clear()

@@ -3,10 +3,10 @@
 A small file (under ``MMAP_MIN_BYTES``) is read whole, length prefix, header and data,
 with a single ``preadv`` into one byte buffer (pinned if asked); a large one has its
 header read and its data mapped (or read with one ``preadv``). Every tensor is a view
-into that buffer; layer selection, dtype conversion, dequantization and the move to
-``LoadOptions.device`` happen after. The header is validated before any tensor is made
-(``hidden_state_reader.format.header``), so a truncated or malformed file raises a typed
-error naming it instead of yielding garbage.
+into that buffer; layer selection, the move to ``LoadOptions.device`` and the finishing
+(dequantization, dtype conversion: ``finishing.py``) happen after. The header is
+validated before any tensor is made (``hidden_state_reader.format.header``), so a
+truncated or malformed file raises a typed error naming it instead of yielding garbage.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from hidden_state_reader.format.header import (
 )
 from hidden_state_reader.format.loss_mask import LOSS_MASK, loss_mask_view
 from hidden_state_reader.format.tensors import dtype_tables
-from hidden_state_reader.kernels.fp8 import dequantize
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.content import check_content
+from hidden_state_reader.sample.finishing import finish_hidden_states
 from hidden_state_reader.sample.placement import to_device
 from hidden_state_reader.sample.sample import Sample
 
@@ -223,12 +223,14 @@ def _sample(header: SampleHeader, file: np.ndarray, path: str, options: LoadOpti
         token_ids, hidden = to_device(token_ids, options.device), to_device(hidden, options.device)
         scales = None if scales is None else to_device(scales, options.device)
         loss_mask = None if loss_mask is None else to_device(loss_mask, options.device)
-    if scales is not None and not options.raw_fp8:
-        target = options.dtype or fp8.model_dtype(header.metadata.get(Meta.MODEL_DTYPE), path)
-        pin = options.pin_memory and options.device is None
-        hidden, scales = dequantize(hidden, scales, target, pin_memory=pin), None
-    elif scales is None and options.dtype is not None and hidden.dtype != options.dtype:
-        hidden = hidden.to(options.dtype)
+    hidden, scales = finish_hidden_states(
+        hidden,
+        scales,
+        raw_fp8=options.raw_fp8,
+        dtype=options.dtype,
+        writers=[(header.metadata, path)],
+        pin_memory=options.pin_memory and options.device is None,
+    )
     return Sample(
         token_ids,
         hidden,

@@ -8,8 +8,10 @@ collates:
 * ``allocate_plain``: ordinary memory in the training process; in a DataLoader worker
   process, one shared-memory block, so the batch crosses to the training process as a
   handle instead of being copied into shared memory when it is sent.
-* ``HostArena`` (``DeviceFeed``): a reused page-locked buffer, from which the batch is
-  copied to the GPU without a staging copy.
+* ``HostArenas`` (the device feed's ``host_build``): a reused page-locked buffer, from
+  which the batch is copied to the GPU without a staging copy.
+
+A collate says it builds this way by having ``build_into`` (``InPlaceCollate``).
 
 ``copy_rows`` and ``zero`` move bytes on the CPU with numpy (one thread, the GIL
 released), so several builder threads never start torch's intra-op thread pools at
@@ -19,7 +21,7 @@ once.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeAlias
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import torch
@@ -29,6 +31,41 @@ TensorSpec: TypeAlias = tuple[str, tuple[int, ...], torch.dtype]
 """``(name, shape, dtype)`` of one output tensor of a batch."""
 Allocate: TypeAlias = Callable[[Sequence[TensorSpec]], dict[str, torch.Tensor]]
 """Gives uninitialised tensors for every spec (by name), carved from one buffer."""
+
+
+@runtime_checkable
+class InPlaceCollate(Protocol):
+    """A collate that builds its batch in memory the caller gives: it has ``build_into``.
+
+    ``HiddenStateLoader(..., device=...)`` hands such a collate samples as stored (fp8
+    codes with their ``hidden_states_scales``, the stored dtype) and a reused buffer
+    (page-locked for CUDA) to build in, copies the batch to the device from there and
+    finishes it on the device (fp8 dequantized, ``dtype`` applied). A collate without
+    ``build_into`` gets samples the reader finished on the host, is called as
+    ``collate_fn(samples)``, and its batch is copied to the device as it is.
+    ``PadCollate`` and ``PackCollate`` build in place. Without ``device=`` every collate
+    is called as ``collate_fn(samples)``, so an in-place one is callable too.
+    """
+
+    def __call__(self, samples: Sequence[Any], /) -> Any:
+        """The batch of ``samples`` in memory of the collate's choosing."""
+        ...
+
+    def build_into(self, samples: Sequence[Any], allocate: Allocate, /) -> dict[str, Any]:
+        """Build the batch of ``samples`` in the tensors ``allocate`` gives.
+
+        Args:
+            samples: ``Sample`` objects, raw fp8 ones included (with their scales).
+            allocate: Called once, with the spec of every tensor of the batch; its
+                tensors may be reused for a later batch once this one is copied out.
+
+        Returns:
+            A dict holding ``hidden_states`` and, for raw fp8 samples, their scales as
+            ``hidden_states_scales`` laid out like it (the device dequantizes them);
+            other entries are copied to the device as they are.
+        """
+        ...
+
 
 ALIGN = 256
 """Byte alignment of each tensor in a batch buffer (enough for any dtype and DMA)."""

@@ -20,8 +20,8 @@ Raw fp8 samples (``raw_fp8=True``) keep their scales: the batch carries
 ``hidden_state_reader.dequantize(batch["hidden_states"], batch["hidden_states_scales"])`` gives
 the values. fp8 hidden states without scales are refused, never batched as numbers.
 
-Each batch is built once: its tensors are carved out of one buffer given by an
-allocator (``batch_memory``) and every sample's rows are copied straight into place.
+Each batch is built once (``build_into``, ``batch_memory.InPlaceCollate``): its tensors
+are carved out of one buffer an allocator gives, each sample's rows copied into place.
 """
 
 from __future__ import annotations
@@ -219,9 +219,6 @@ class PadCollate:
         max_length: Truncate longer sequences to this many tokens (their ends are cut).
     """
 
-    builds_in_place = True
-    """Takes an ``allocate`` argument: the batch is built in memory the caller gives."""
-
     def __init__(
         self,
         pad_token_id: int = 0,
@@ -248,7 +245,11 @@ class PadCollate:
             batch: The samples.
             allocate: Where the batch's tensors are made (default: ``allocate_plain``).
         """
-        items = _items(batch)
+        return self.build_into(batch, allocate or allocate_plain)
+
+    def build_into(self, samples: Sequence[Any], allocate: Allocate) -> dict[str, Any]:
+        """Build the batch in the tensors ``allocate`` gives (``InPlaceCollate``)."""
+        items = _items(samples)
         lengths = [_cap(item.token_ids.shape[0], self.max_length) for item in items]
         width = max(lengths)
         if self.pad_to_multiple_of:
@@ -303,9 +304,6 @@ class PackCollate:
             renumbered).
     """
 
-    builds_in_place = True
-    """Takes an ``allocate`` argument: the batch is built in memory the caller gives."""
-
     def __init__(self, max_tokens: int | None = None) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -318,7 +316,11 @@ class PackCollate:
             batch: The samples.
             allocate: Where the batch's tensors are made (default: ``allocate_plain``).
         """
-        items = _items(batch)
+        return self.build_into(batch, allocate or allocate_plain)
+
+    def build_into(self, samples: Sequence[Any], allocate: Allocate) -> dict[str, Any]:
+        """Build the batch in the tensors ``allocate`` gives (``InPlaceCollate``)."""
+        items = _items(samples)
         lengths = self._lengths(items)
         total, size, hidden0 = sum(lengths), len(items), items[0].hidden_states
         specs: list[TensorSpec] = [

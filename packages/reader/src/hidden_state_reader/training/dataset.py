@@ -27,8 +27,10 @@ fixed sample list, its epoch orders, lengths and the reading of one epoch) or
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -50,6 +52,34 @@ from hidden_state_reader.training.dataset_modes import (
 from hidden_state_reader.training.sharding import distributed_context
 
 STATE_VERSION = 1
+
+Share = Generator[tuple[int, Sample | Skipped], None, None]
+"""A consumer's share of a pass: ``(position, sample or Skipped stand-in)`` in order."""
+
+
+@dataclass(frozen=True)
+class LoaderBinding:
+    """What a loader drives on the dataset it took over (``HiddenStateDataset.bind_loader``).
+
+    The loader and its device feed reach the dataset through this and the dataset's
+    public members only.
+
+    Attributes:
+        acknowledgements: Takes each batch's ticket and records its samples as consumed
+            once the loop is past them (``training.acknowledgement``).
+        begin_pass: Start (or continue) a pass: publish the cursor to the workers.
+        advance: Count positions the training loop received.
+        end_pass: A complete pass: a static dataset's next pass is its next epoch.
+        thread_share: ``(thread, threads, reading)``: one builder thread's share of the
+            pass from the cursor (chunks of ``batch_size`` dealt round-robin, as to
+            DataLoader workers; in follow mode its own claiming reader).
+    """
+
+    acknowledgements: Acknowledgements
+    begin_pass: Callable[[], None]
+    advance: Callable[[int], None]
+    end_pass: Callable[[], None]
+    thread_share: Callable[[int, int, Reading], Share]
 
 
 class HiddenStateDataset(IterableDataset[Sample]):
@@ -134,7 +164,7 @@ class HiddenStateDataset(IterableDataset[Sample]):
             else StaticSamples(self.root, self.options, sharding, names, max_samples)
         )
         self._cursor = Cursor()
-        self._bound = False  # set by HiddenStateLoader
+        self._bound = False  # set by bind_loader
         # What says when a loader's loop is past a sample (inactive until bound).
         self._acknowledgements = Acknowledgements()
 
@@ -245,12 +275,21 @@ class HiddenStateDataset(IterableDataset[Sample]):
         if not self.follow:  # a followed stream has no epochs: keep counting
             self._cursor.next_epoch()
 
-    def _bind(self, batch_size: int, workers: int) -> None:
-        """Called by ``HiddenStateLoader`` (``workers`` processes): chunk, count, acknowledge."""
+    def bind_loader(self, batch_size: int, workers: int) -> LoaderBinding:
+        """Hand the dataset over to a loader (``HiddenStateLoader`` calls it): what it drives.
+
+        From now on the dataset deals chunks of ``batch_size``, counts only what the loader
+        reports, and records samples as consumed when the loader acknowledges them;
+        ``workers``: the loader's worker processes (0: none, or builder threads).
+        """
         self.batch_size = _positive(batch_size, "batch_size")
         self._bound = True
         if self.options.claim or self.options.on_consumed != "keep":
             self._acknowledgements.activate(workers)
+        share = partial(_thread_share, self, self._acknowledgements)
+        return LoaderBinding(
+            self._acknowledgements, self._begin_pass, self._advance, self._end_pass, share
+        )
 
     # -- iteration ----------------------------------------------------------------------
 
@@ -283,17 +322,6 @@ class HiddenStateDataset(IterableDataset[Sample]):
         if counting:
             self._end_pass()
 
-    def _worker_items(
-        self, worker_id: int, num_workers: int, reading: Reading
-    ) -> Generator[tuple[int, Sample | Skipped], None, None]:
-        """One of ``num_workers`` threads' share of the pass, from the cursor (``DeviceFeed``).
-
-        Static mode deals chunks of ``batch_size`` positions round-robin, as to DataLoader
-        workers; follow mode gives each its own claiming reader.
-        """
-        ledger = self._acknowledgements.start(worker_id, in_worker=False)
-        return _share(self, self.epoch, self.consumed, worker_id, num_workers, ledger, reading)
-
     def __repr__(self) -> str:
         mode = "follow" if self.follow else f"{self.num_samples} samples"
         return (
@@ -302,10 +330,23 @@ class HiddenStateDataset(IterableDataset[Sample]):
         )
 
 
+def _thread_share(
+    dataset: HiddenStateDataset, acknowledgements: Acknowledgements, thread: int, threads: int,
+    reading: Reading,
+) -> Share:  # fmt: skip
+    """One of ``threads`` builder threads' share of the pass, from the cursor (``DeviceFeed``).
+
+    Static mode deals chunks of ``batch_size`` positions round-robin, as to DataLoader
+    workers; follow mode gives each its own claiming reader.
+    """
+    ledger = acknowledgements.start(thread, in_worker=False)
+    return _share(dataset, dataset.epoch, dataset.consumed, thread, threads, ledger, reading)
+
+
 def _share(
     dataset: HiddenStateDataset, epoch: int, start: int, worker_id: int, num_workers: int,
     ledger: Ledger | None, reading: Reading | None = None,
-) -> Generator[tuple[int, Sample | Skipped], None, None]:  # fmt: skip
+) -> Share:  # fmt: skip
     """One consumer's share of a pass from ``start`` (see the modes' ``iterate``).
 
     With a ``ledger``, each item's delivery is handed to it (``training.acknowledgement``).

@@ -15,8 +15,11 @@ a run resumed with another ``num_workers`` (or ``batch_size``) continues with ex
 the sample that comes next in the uninterrupted run.
 
 With ``device=`` the batches are built by threads of this process instead of worker
-processes (``device_feed.DeviceFeed``), dealt the same chunks, so all of the above holds
-there too.
+processes (``device_feed``: build on the host, copy, finish on the device), dealt the
+same chunks, so all of the above holds there too.
+
+The loader reaches its dataset through public members and the ``LoaderBinding`` that
+``HiddenStateDataset.bind_loader`` returns (pass, cursor, acknowledgements).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import torch
 from torch.utils.data import DataLoader, get_worker_info
 
 from hidden_state_reader.sample.placement import check_device
-from hidden_state_reader.training.acknowledgement import Ticket
+from hidden_state_reader.training.acknowledgement import Acknowledgements, Ticket
 from hidden_state_reader.training.collate import pad_collate
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.dataset_modes import Skipped
-from hidden_state_reader.training.device_feed import DeviceFeed, HostArenas
+from hidden_state_reader.training.device_feed.builder_threads import DeviceFeed, FeedSettings
+from hidden_state_reader.training.device_feed.host_build import HostArenas
 
 _NOT_HERE = ("sampler", "batch_sampler", "shuffle")
 # DataLoader arguments that mean something to builder threads (or nothing, harmlessly).
@@ -57,16 +61,18 @@ class _CountingCollate:
     takes the ticket of the items just read there.
     """
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any], dataset: HiddenStateDataset) -> None:
+    def __init__(
+        self, collate_fn: Callable[[list[Any]], Any], acknowledgements: Acknowledgements
+    ) -> None:
         self.collate_fn = collate_fn
-        self.dataset = dataset
+        self.acknowledgements = acknowledgements
 
     def __call__(self, items: Sequence[Any]) -> _Counted:
         samples = [item for item in items if not isinstance(item, Skipped)]
         batch = self.collate_fn(samples) if samples else None
         info = get_worker_info()
         consumer = 0 if info is None else info.id
-        return _Counted(len(items), batch, self.dataset._acknowledgements.ticket(consumer))
+        return _Counted(len(items), batch, self.acknowledgements.ticket(consumer))
 
 
 class HiddenStateLoader(DataLoader[Any]):
@@ -138,29 +144,31 @@ class HiddenStateLoader(DataLoader[Any]):
         self._idle_arenas: list[list[HostArenas]] = []  # kept for the next pass
         if device is None:
             _check_device_workers(dataset, kwargs.get("num_workers", 0))
-        dataset._bind(batch_size, 0 if device else kwargs.get("num_workers", 0) or 0)
+        self._binding = dataset.bind_loader(
+            batch_size, 0 if device else kwargs.get("num_workers", 0) or 0
+        )
         self.batch_collate_fn = collate_fn if collate_fn is not None else pad_collate
         self._handed_out: Ticket | None = None  # the batch the loop has now
         super().__init__(
             dataset,
             batch_size=batch_size,
-            collate_fn=_CountingCollate(self.batch_collate_fn, dataset),
+            collate_fn=_CountingCollate(self.batch_collate_fn, self._binding.acknowledgements),
             drop_last=drop_last,
             **kwargs,
         )
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        dataset = self.dataset
-        acknowledgements = dataset._acknowledgements
+        binding = self._binding
+        acknowledgements = binding.acknowledgements
         # Before workers start (or resume) and read the cursor.
-        dataset._begin_pass()
+        binding.begin_pass()
         acknowledgements.begin_pass(
             fresh_workers=not (self.persistent_workers and self.num_workers)
         )
         batches = self._batches()
         try:
             for positions, batch, ticket in batches:
-                dataset._advance(positions)
+                binding.advance(positions)
                 if batch is None:  # every sample skipped: nothing for the loop to train
                     acknowledgements.acknowledge(ticket)
                     continue
@@ -171,7 +179,7 @@ class HiddenStateLoader(DataLoader[Any]):
             batches.close()  # the workers or threads stop before the rest is given back
             self._handed_out = None
             acknowledgements.close_pass()
-        dataset._end_pass()
+        binding.end_pass()
 
     def commit(self) -> None:
         """Record the samples of the batch the loop has now as consumed (e.g. at a checkpoint).
@@ -181,7 +189,7 @@ class HiddenStateLoader(DataLoader[Any]):
         when it stops early (``break``, an exception) or dies is delivered again.
         """
         ticket, self._handed_out = self._handed_out, None
-        self.dataset._acknowledgements.acknowledge(ticket)
+        self._binding.acknowledgements.acknowledge(ticket)
 
     def _batches(self) -> Generator[tuple[int, Any, Ticket | None], None, None]:
         """``(positions, batch, ticket)`` from the worker processes, or the feed's threads."""
@@ -189,16 +197,16 @@ class HiddenStateLoader(DataLoader[Any]):
             yield from super().__iter__()
             return
         arenas = self._idle_arenas.pop() if self._idle_arenas else None
-        feed = DeviceFeed(
-            self.dataset,
+        settings = FeedSettings(
             self.batch_size or 1,
             self.batch_collate_fn,
             self.drop_last,
             threads=self._feed_threads,
             prefetch=self._feed_prefetch,
             device=self.device,
-            arenas=arenas,
         )
+        dataset = self.dataset
+        feed = DeviceFeed(self._binding, dataset.options, dataset.follow, settings, arenas)
         arenas = feed.arenas  # made by the feed on its first pass
         try:
             yield from feed
