@@ -4,16 +4,17 @@
   the model still writes every captured layer into the hidden-state cache, but the
   connector frees each request's blocks at once (``request_finished`` returns
   ``(False, None)``): extraction without any copy-out or disk.
-* ``DiscardConnector``: ``HiddenStateConnector`` with its write path replaced by one that
-  drops the data: locks, scheduling, slab pool and the gather out of the cache all run as
-  in production, only the files are never written. Separates "gather" from "disk" in the
-  connector's cost.
+* ``DiscardConnector``: ``HiddenStateConnector`` with its write path replaced, through its
+  ``write_hooks`` seam, by one that drops the data: locks, scheduling, slab pool and the
+  gather out of the cache all run as in production, only the files are never written.
+  Separates "gather" from "disk" in the connector's cost.
 
 Both only run inside vLLM's engine processes (this module imports vLLM).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -24,8 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hidden_state_connector.connector import HiddenStateConnector
+from hidden_state_connector.engine.write.buffers import Slab
+from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import SaveJob
-from hidden_state_connector.engine.write.pipeline import WritePipeline
+from hidden_state_connector.engine.write.sample_file import FileOptions, WriteHooks
 
 
 class NullSinkConnector(KVConnectorBase_V1, SupportsHMA):
@@ -70,25 +73,31 @@ class NullSinkConnector(KVConnectorBase_V1, SupportsHMA):
         return False, None
 
 
-def _discard_write(pipeline: WritePipeline, job: SaveJob) -> None:
-    """Drain a job's chunks (the gather already happened), write nothing, release the lock."""
+def discard_sample(
+    job: SaveJob,
+    extractor: Extractor,
+    options: FileOptions,
+    return_slab: Callable[[Slab], None],
+    copies_done: Callable[[], None],
+) -> str | None:
+    """Drain a job's chunks (the gather already happened), write nothing, release the lock.
+
+    A ``SampleWriter`` (``WriteHooks.write_sample``): the pipeline counts the sample as
+    written, as it would a published file.
+    """
     while True:
         item = job.ready.get()
         if item is None:
             break
         _chunk, slab = item
-        pipeline.pool.release(slab)
+        return_slab(slab)
+    copies_done()
     if job.lock is not None:
         job.lock.release()
+    return None
 
 
 class DiscardConnector(HiddenStateConnector):
     """``HiddenStateConnector`` whose writer threads drop the gathered chunks."""
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        super().register_kv_caches(kv_caches)
-        worker = self._worker
-        if worker is not None and worker.pipeline is not None:
-            pipeline = worker.pipeline
-            # Writer threads look ``_write`` up on each job: the instance attribute wins.
-            pipeline._write = lambda job: _discard_write(pipeline, job)  # type: ignore[method-assign]
+    write_hooks = WriteHooks(write_sample=discard_sample)

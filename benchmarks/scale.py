@@ -107,7 +107,7 @@ def _follow(
         if n % bucket == 0:
             t, cpu = time.perf_counter(), time.process_time()
             main, inotify = _thread_cpu(proc, main_tid)
-            source = reader._backend.source
+            watch = reader.watch_counters
             rows.append(
                 {
                     "samples": n,
@@ -118,9 +118,9 @@ def _follow(
                     "consumer_cpu_s": main - main_prev,
                     "inotify_cpu_s": inotify - inotify_prev,
                     "rss_mb": proc.memory_info().rss / 2**20,
-                    "rescans": getattr(source, "rescans", None),
-                    "overflows": getattr(source, "overflows", None),
-                    "known": len(getattr(source, "_known", ())),
+                    "rescans": watch.rescans if watch else None,
+                    "overflows": watch.overflows if watch else None,
+                    "known": watch.tracked if watch else 0,
                 }
             )
             t_prev, cpu_prev, main_prev, inotify_prev = t, cpu, main, inotify
@@ -139,7 +139,7 @@ def follower_main(argv: list[str]) -> None:
 
     print("following", flush=True)
     n, t_last, rows = _follow(reader, proc, count, bucket)
-    source = reader._backend.source
+    watch = reader.watch_counters
     print(
         json.dumps(
             {
@@ -149,8 +149,8 @@ def follower_main(argv: list[str]) -> None:
                 "rss_start_mb": rss0 / 2**20,
                 "rss_end_mb": proc.memory_info().rss / 2**20,
                 "stats": reader.stats.as_dict(),
-                "inotify_overflows": getattr(source, "overflows", None),
-                "rescans": getattr(source, "rescans", None),
+                "inotify_overflows": watch.overflows if watch else None,
+                "rescans": watch.rescans if watch else None,
             }
         ),
         flush=True,

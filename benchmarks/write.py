@@ -35,7 +35,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -112,18 +111,94 @@ class _CrcTimer:
             self._timers.add(self.STAGE, wall, cpu)
 
 
+class _Profiling:
+    """Whether a ``Variant``'s pipeline is being profiled: its timers, else None.
+
+    The pipeline is built once with timing seams (``_timed_extractor``, ``_timed_writers``)
+    that do nothing extra until ``timers`` is set for the one profiling trial.
+    """
+
+    def __init__(self) -> None:
+        self.timers: _Timers | None = None
+        self.crc: _CrcTimer | None = None
+
+
+def _timed_extractor(profiling: _Profiling, *args: Any, **kwargs: Any) -> Any:
+    """An ``Extractor`` that times its gathers and NaN/inf checks while profiling.
+
+    Handed to ``WritePipeline`` like the production one (its documented seam).
+    """
+    from hidden_state_connector.engine.write.gather import Extractor
+
+    class TimedExtractor(Extractor):
+        def copy(self, *a: Any, **kw: Any) -> None:
+            timers = profiling.timers
+            if timers is None:
+                return super().copy(*a, **kw)
+            with timers.timing("gather out of the cache (engine thread)"):
+                return super().copy(*a, **kw)
+
+        def chunk_nonfinite(self, *a: Any, **kw: Any) -> bool:
+            timers = profiling.timers
+            if timers is None:
+                return super().chunk_nonfinite(*a, **kw)
+            with timers.timing("NaN/inf check (writer threads)"):
+                return super().chunk_nonfinite(*a, **kw)
+
+    return TimedExtractor(*args, **kwargs)
+
+
+def _timed_writers(profiling: _Profiling) -> Any:
+    """A ``WriteHooks.writer_factory``: ``SampleFileWriter``, timed per stage while profiling."""
+    from hidden_state_reader.files.publish import SampleFileWriter
+
+    def timers() -> tuple[_Timers, _CrcTimer]:
+        assert profiling.timers is not None and profiling.crc is not None
+        return profiling.timers, profiling.crc
+
+    class TimedWriter(SampleFileWriter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            stages, crc = timers()
+            with stages.timing("create file, header, token ids"):
+                super().__init__(*args, crc=crc.crc32, **kwargs)
+
+        def write_hidden(self, chunk: Any) -> None:
+            stages, crc = timers()
+            t, c, crc_before = time.perf_counter(), time.thread_time(), crc.spent()
+            super().write_hidden(chunk)
+            crc_after = crc.spent()
+            stages.add(
+                "write hidden states (os.write)",
+                time.perf_counter() - t - (crc_after[0] - crc_before[0]),
+                time.thread_time() - c - (crc_after[1] - crc_before[1]),
+            )
+
+        def publish(self) -> str:
+            with timers()[0].timing("publish (rename, unlock, fsync if on)"):
+                return str(super().publish())
+
+    def factory(*args: Any, **kwargs: Any) -> SampleFileWriter:
+        """Timed while profiling (the trial ends before profiling does), else plain."""
+        on = profiling.timers is not None
+        return (TimedWriter if on else SampleFileWriter)(*args, **kwargs)
+
+    return factory
+
+
 class Variant:
     """One connector configuration with its own pipeline (threads and slabs live across trials)."""
 
     def __init__(self, name: str, cache: Any, layout: Any, settings: dict[str, Any]) -> None:
         from hidden_state_connector.engine.stats import WriteStats
-        from hidden_state_connector.engine.write.gather import Extractor
         from hidden_state_connector.engine.write.pipeline import WritePipeline
+        from hidden_state_connector.engine.write.sample_file import WriteHooks
 
         self.name = name
         self.settings = settings
+        self.profiling = _Profiling()
         block_bytes = layout.block_size * layout.num_layers * layout.hidden_size * 2
-        self.extractor = Extractor(
+        self.extractor = _timed_extractor(
+            self.profiling,
             cache,
             layout,
             max(1, settings["chunk_bytes"] // block_bytes),
@@ -139,6 +214,7 @@ class Variant:
             check_nonfinite=settings["check_nonfinite"],
             fsync=settings["fsync"],
             stats=WriteStats(0),
+            hooks=WriteHooks(writer_factory=_timed_writers(self.profiling)),
         )
         # Touch every slab once: a long-running server has faulted them in long ago.
         for slab in self.pipeline.pool.idle_slabs():
@@ -209,41 +285,12 @@ class Variant:
 
     def profile(self, directory: Path, requests: list[tuple[int, list[int]]]) -> dict[str, Any]:
         """One more trial with timers around each stage (thread-seconds per stage)."""
-        from hidden_state_reader.files.publish import SampleFileWriter
-
         timers = _Timers()
-        crc = _CrcTimer(timers)
-
-        class TimedWriter(SampleFileWriter):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                with timers.timing("create file, header, token ids"):
-                    super().__init__(*args, crc=crc.crc32, **kwargs)
-
-            def write_hidden(self, chunk: Any) -> None:
-                t, c, crc_before = time.perf_counter(), time.thread_time(), crc.spent()
-                super().write_hidden(chunk)
-                crc_after = crc.spent()
-                timers.add(
-                    "write hidden states (os.write)",
-                    time.perf_counter() - t - (crc_after[0] - crc_before[0]),
-                    time.thread_time() - c - (crc_after[1] - crc_before[1]),
-                )
-
-            def publish(self) -> str:
-                with timers.timing("publish (rename, unlock, fsync if on)"):
-                    return str(super().publish())
-
-        ex = self.extractor
-        saved = (ex.copy, ex.chunk_nonfinite)
-        ex.copy = timers.wrap("gather out of the cache (engine thread)", ex.copy)  # type: ignore[method-assign]
-        ex.chunk_nonfinite = timers.wrap("NaN/inf check (writer threads)", ex.chunk_nonfinite)  # type: ignore[method-assign]
-        options = self.pipeline.file_options
-        self.pipeline.file_options = replace(options, writer_factory=TimedWriter)
+        self.profiling.timers, self.profiling.crc = timers, _CrcTimer(timers)
         try:
             res = self.trial(directory, requests)
         finally:
-            self.pipeline.file_options = options
-            ex.copy, ex.chunk_nonfinite = saved  # type: ignore[method-assign]
+            self.profiling.timers = self.profiling.crc = None
         res["thread_seconds"] = dict(timers.seconds)
         res["cpu_seconds"] = dict(timers.cpu_seconds)
         return res

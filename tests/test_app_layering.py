@@ -11,7 +11,8 @@ from the source (``ast``), lazy imports included:
 - one ``parse_size`` and one progress-reporter class in the packages;
 - nothing outside the applications (library, examples, benchmarks, tools) imports the demo;
 - benchmarks assign to no attribute of a library module or class (no monkey-patching):
-  they hook in through ``hidden_state_reader.probes`` and injected factories.
+  they hook in through ``hidden_state_reader.probes`` and injected factories
+  (``test_benchmark_seams`` extends this to instance attributes and private reads).
 """
 
 from __future__ import annotations

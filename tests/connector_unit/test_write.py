@@ -20,6 +20,11 @@ from hidden_state_connector.engine.write.buffers import SlabPool
 from hidden_state_connector.engine.write.gather import Extractor, plan_chunks
 from hidden_state_connector.engine.write.job import SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
+from hidden_state_connector.engine.write.sample_file import (
+    PRODUCTION_HOOKS,
+    FileOptions,
+    WriteHooks,
+)
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.files.locks import WriterLock, probe, read_status
 from hidden_state_reader.files.publish import SampleFileWriter
@@ -47,7 +52,11 @@ def cache(request: pytest.FixtureRequest) -> tuple[torch.Tensor, CacheLayout]:
 
 
 def _pipeline(
-    cache: torch.Tensor, layout: CacheLayout, threads: int = 1, layer_ids: list[int] = LAYER_IDS
+    cache: torch.Tensor,
+    layout: CacheLayout,
+    threads: int = 1,
+    layer_ids: list[int] = LAYER_IDS,
+    hooks: WriteHooks = PRODUCTION_HOOKS,
 ) -> WritePipeline:
     extractor = Extractor(cache, layout, blocks_per_chunk=1, check_nonfinite=True)
     return WritePipeline(
@@ -61,6 +70,7 @@ def _pipeline(
         fsync=False,
         stats=WriteStats(0),
         layer_ids=layer_ids,
+        hooks=hooks,
     )
 
 
@@ -283,3 +293,55 @@ def test_rows_must_add_up_to_the_token_ids() -> None:
     assert "do not follow the 8 rows" in (rows.add(9, 10) or "")
     assert "within 10 token ids" in (RowCounter(10).add(0, 11) or "")
     assert RowCounter(3).add(0, 3) is None
+
+
+def test_injected_write_hooks_see_every_gathered_chunk_and_create_every_writer(
+    cache: tuple[torch.Tensor, CacheLayout], tmp_path: Path
+) -> None:
+    """The seams benchmarks use: ``write_sample`` (drop the data) and ``writer_factory``."""
+    data, layout = cache
+    drained: dict[str, list[torch.Tensor]] = {}
+
+    def drain(job: SaveJob, extractor: Extractor, options: FileOptions, return_slab: Any,
+              copies_done: Any) -> str | None:  # fmt: skip
+        while (item := job.ready.get()) is not None:
+            chunk, slab = item
+            rows = extractor.chunk_bytes(slab, chunk).clone().view(data.dtype)
+            drained.setdefault(job.req_id, []).append(rows.reshape(-1, LAYERS, HIDDEN))
+            return_slab(slab)
+        copies_done()
+        assert job.lock is not None
+        job.lock.release()
+        return None
+
+    requests = {"r0": ([9, 3, 0], 2 * BLOCK_SIZE + 1), "r1": ([4], 2)}
+    pipeline = _pipeline(data, layout, threads=2, hooks=WriteHooks(write_sample=drain))
+    try:
+        jobs = [_job(pipeline, tmp_path, r, b, n) for r, (b, n) in requests.items()]
+        for job in jobs:
+            pipeline.submit(job)
+        assert all(job.finished.wait(WAIT_S) for job in jobs)
+        for req_id, (blocks, n) in requests.items():
+            assert torch.equal(torch.cat(drained[req_id]), _gathered(data, layout, blocks, n))
+        assert not list(tmp_path.glob("*.safetensors"))  # nothing written ...
+        assert pipeline.stats.total.files == 2 and pipeline.pool.in_use == 0  # ... all counted
+    finally:
+        assert pipeline.close(WAIT_S) == 0
+
+    created: list[str] = []
+
+    class CountedWriter(SampleFileWriter):
+        def __init__(self, path: str, **kwargs: Any) -> None:
+            created.append(os.path.basename(path))
+            super().__init__(path, **kwargs)
+
+    pipeline = _pipeline(data, layout, hooks=WriteHooks(writer_factory=CountedWriter))
+    try:
+        assert pipeline.file_options.writer_factory is CountedWriter
+        jobs = [_job(pipeline, tmp_path, r, b, n) for r, (b, n) in requests.items()]
+        for job in jobs:
+            pipeline.submit(job)
+        samples = _read_all(tmp_path, [f"{r}.safetensors" for r in requests])
+        assert sorted(created) == sorted(samples) == ["r0.safetensors", "r1.safetensors"]
+    finally:
+        assert pipeline.close(WAIT_S) == 0

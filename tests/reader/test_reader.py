@@ -227,3 +227,17 @@ def test_large_files_read_the_same_mapped_or_copied(hs_dir: Path, mmap: bool) ->
     assert torch.equal(sample.hidden_states, hidden)  # ...the tensors stay valid
     sample.hidden_states[0, 0, 0] = 1.0  # and writable (private to this process)
     assert torch.equal(sample.token_ids, token_ids)
+
+
+def test_watch_counters_report_the_follow_watch_and_are_none_otherwise(hs_dir: Path) -> None:
+    write_samples(hs_dir, 3)
+    snapshot = HiddenStateReader(hs_dir)
+    assert [s.num_tokens for s in snapshot] == [8, 8, 8]
+    assert snapshot.watch_counters is None  # not following: no watch
+    follower = HiddenStateReader(hs_dir, follow=True, max_samples=3, watch="poll")
+    assert follower.watch_counters is None  # nothing opened before iteration
+    assert len(list(follower)) == 3
+    counters = follower.watch_counters
+    assert counters is not None
+    assert counters.tracked == 3 and counters.rescans >= 1 and counters.overflows == 0
+    follower.close()

@@ -10,7 +10,7 @@ A thin adapter: vLLM's KV-connector interface on one side, ``SchedulerSide`` and
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -32,6 +32,7 @@ from hidden_state_connector.engine.scheduler_side import SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.storage_check import check_storage_root
 from hidden_state_connector.engine.worker_side import WorkerSide
+from hidden_state_connector.engine.write.sample_file import PRODUCTION_HOOKS, WriteHooks
 from hidden_state_connector.logs import get_logger
 
 if TYPE_CHECKING:
@@ -46,7 +47,15 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     Configure through ``kv_connector_extra_config`` (see ``ConnectorConfig``). Clients get
     the file path in ``kv_transfer_params["hidden_states_path"]`` and can sleep on
     ``LOCK_SH`` of ``path + ".lock"`` until it is complete.
+
+    Attributes:
+        write_hooks: The write path's seams (``WriteHooks``), for benchmarks and profilers:
+            a subclass sets its own (``benchmarks/null_sink.py``'s ``DiscardConnector``
+            writes nothing). Used by the extract capture (``capture: "forward"`` writes
+            with the production hooks).
     """
+
+    write_hooks: ClassVar[WriteHooks] = PRODUCTION_HOOKS
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
@@ -98,7 +107,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
                 slot_layer=forward.slot_layer,
             )
         else:
-            self._worker = WorkerSide(self.config, vllm_config, block_size, captured, self._stats)
+            self._worker = WorkerSide(
+                self.config, vllm_config, block_size, captured, self._stats, self.write_hooks
+            )
 
     def _capture_plan(
         self, vllm_config: Any, kv_cache_config: Any, found: str

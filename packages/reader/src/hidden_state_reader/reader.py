@@ -18,7 +18,7 @@ from hidden_state_reader.format.consumed import DEFAULT_RETENTION
 from hidden_state_reader.options import OnConsumed, OnError, ReaderOptions, Watch
 from hidden_state_reader.read.backend import Backend, Outcome, Receipt
 from hidden_state_reader.read.claim_lifecycle import Ending, settle
-from hidden_state_reader.read.counters import ReaderStats
+from hidden_state_reader.read.counters import ReaderStats, WatchCounters
 from hidden_state_reader.read.directory import DirectoryBackend
 from hidden_state_reader.read.holding import Holding
 from hidden_state_reader.read.policy import ErrorPolicy
@@ -128,16 +128,14 @@ class HiddenStateReader:
             remembered after ``on_consumed`` deleted or moved it (7 days; 0: not at all):
             a retry of its key writes nothing meanwhile (docs/connector.md).
         layers: Keep only these positions of the layer axis (e.g. ``[-1]`` for the last).
-        layer_ids: Keep only these captured layer ids (needs the writer's ``layer_ids``
-            metadata).
+        layer_ids: Keep only these captured layer ids (needs the writer's ``layer_ids`` metadata).
         dtype: Convert hidden states to this dtype.
         pin_memory: Read into page-locked memory (faster host-to-GPU copies).
         verify_checksum: Check the writer's CRC32 where there is one (a 2nd pass; ``LoadOptions``).
         mmap: Map files of ``MMAP_MIN_BYTES`` or more instead of copying them; turn off
             if your writer rewrites published files in place (``LoadOptions``).
-        raw_fp8: Give fp8 files as stored (float8_e4m3fn plus
-            ``Sample.hidden_states_scales``) instead of dequantizing them on the CPU
-            (``LoadOptions``).
+        raw_fp8: Give fp8 files as stored (float8_e4m3fn plus ``Sample.hidden_states_scales``)
+            instead of dequantizing them on the CPU (``LoadOptions``).
         device: Put the sample's tensors on this torch device, fp8 files crossing as fp8
             and dequantized there (``LoadOptions``); None (the default): the CPU.
 
@@ -250,6 +248,11 @@ class HiddenStateReader:
         """Names of samples whose writer held the lock at the last look (still coming)."""
         return self._backend.pending()
 
+    @property
+    def watch_counters(self) -> WatchCounters | None:
+        """The directory watch's counters while following, else None (``WatchCounters``)."""
+        return self._backend.watch_counters()
+
     # -- iteration ---------------------------------------------------------------
 
     def __iter__(self) -> Generator[Sample, None, None]:
@@ -297,10 +300,7 @@ class HiddenStateReader:
         max_samples: int | None,
         defer: Callable[[Delivery], None] | None = None,
     ) -> Generator[Sample, None, None]:
-        """The consume stage over one pass of the backend: policy, yield, record.
-
-        With ``defer``, recording is left to the receiver of each ``Delivery``.
-        """
+        """One pass of the backend: policy, yield, record (``defer``: its receiver records)."""
         if self._closed or max_samples == 0:
             return
         policy = ErrorPolicy(

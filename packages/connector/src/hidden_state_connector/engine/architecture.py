@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import os
 import re
 from collections.abc import Sequence
 from typing import Any
+
+from hidden_state_connector.model_config import ModelConfigError, read_model_config
 
 INTERFACE = "SupportsEagle3"
 _REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
@@ -280,22 +281,14 @@ def check_engine_model(vllm_config: Any, vllm_version: str, include_output_token
 
 
 def _cached_config(model: str) -> dict[str, Any] | None:
-    """A model folder's ``config.json``, or a hub model's from the Hugging Face cache."""
-    path: str | None = os.path.join(model, "config.json") if os.path.isdir(model) else None
-    if path is None:
-        try:
-            from huggingface_hub import try_to_load_from_cache
+    """A model folder's ``config.json``, or a hub model's from the Hugging Face cache.
 
-            cached = try_to_load_from_cache(model, "config.json")
-        except Exception:  # not a hub id, no huggingface_hub: vLLM will say
-            return None
-        path = cached if isinstance(cached, str) else None
+    None when there is none to read: vLLM will say what is wrong.
+    """
     try:
-        with open(path or "", encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
+        return read_model_config(model, hub="cache")
+    except ModelConfigError:
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 def _installed_vllm() -> str:

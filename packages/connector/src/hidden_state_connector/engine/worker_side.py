@@ -38,6 +38,7 @@ from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
+from hidden_state_connector.engine.write.sample_file import PRODUCTION_HOOKS, WriteHooks
 from hidden_state_connector.engine.write.store_backend import StoreBackend
 from hidden_state_connector.engine.write.target import SampleTarget, pin_sample
 from hidden_state_connector.logs import get_logger
@@ -45,6 +46,7 @@ from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import tag_metadata
 
 log = get_logger(__name__)
+SHUT_DOWN = "HiddenStateConnector shut down: %d files, %.2f GB, %d failed, %d abandoned"
 
 
 class WorkerSide:
@@ -56,6 +58,7 @@ class WorkerSide:
         block_size: Block size of the hidden-state cache group.
         layer_ids: Captured layer ids, in layer-axis order.
         stats: Shared counters.
+        hooks: Handed to the ``WritePipeline`` (``HiddenStateConnector.write_hooks``).
     """
 
     def __init__(
@@ -65,8 +68,10 @@ class WorkerSide:
         block_size: int,
         layer_ids: list[int],
         stats: WriteStats,
+        hooks: WriteHooks = PRODUCTION_HOOKS,
     ) -> None:
         self.config = config
+        self.hooks = hooks
         self.root = os.path.abspath(config.shared_storage_path)
         self.block_size = block_size
         self.layer_ids = layer_ids
@@ -154,6 +159,7 @@ class WorkerSide:
             fsync=self.config.fsync,
             stats=self.stats,
             layer_ids=self.layer_ids,
+            hooks=self.hooks,
         )
         same_process.register(self._engine_key, self.accept, self.stats.recent_failure)
         try:
@@ -290,13 +296,7 @@ class WorkerSide:
         if self.store is not None:
             self.store.close()
         total = self.stats.total
-        log.info(
-            "HiddenStateConnector shut down: %d files, %.2f GB, %d failed, %d abandoned",
-            total.files,
-            total.bytes / 1e9,
-            total.failures,
-            abandoned,
-        )
+        log.info(SHUT_DOWN, total.files, total.bytes / 1e9, total.failures, abandoned)
 
 
 def _mask_tensor(mask: list[int] | None) -> torch.Tensor | None:

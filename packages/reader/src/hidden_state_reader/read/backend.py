@@ -31,6 +31,7 @@ from hidden_state_reader.errors import (
     StaleLockError,
 )
 from hidden_state_reader.read.claim_lifecycle import HeldClaim
+from hidden_state_reader.read.counters import WatchCounters
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.sample.states import SampleState, Verdict
 
@@ -194,6 +195,10 @@ class Backend(Protocol):
 
     def released(self, name: str, claim: HeldClaim | None) -> None:
         """The sample's receipt was settled elsewhere: let go of its claim, stop tracking it."""
+        ...
+
+    def watch_counters(self) -> WatchCounters | None:
+        """What a directory watch did while following (None: no such watch)."""
         ...
 
     def close(self) -> None:

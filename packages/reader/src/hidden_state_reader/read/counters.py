@@ -57,3 +57,18 @@ class ReaderStats:
         """Add another reader's counters to these."""
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass(frozen=True)
+class WatchCounters:
+    """What a following reader's directory watch has done so far (a snapshot).
+
+    Attributes:
+        rescans: Full listings of the directory (the first scan, safety rescans, polls).
+        overflows: inotify queue overflows (each one answered by a rescan).
+        tracked: Sample names the watch knows (its memory grows with this).
+    """
+
+    rescans: int
+    overflows: int
+    tracked: int

@@ -25,6 +25,7 @@ from hidden_state_reader.read.backend import Outcome, OutcomeKind
 from hidden_state_reader.read.claim_lifecycle import Ending, HeldClaim, settle
 from hidden_state_reader.read.claims import Claim, ClaimStore, settle_claim_file
 from hidden_state_reader.read.consumed_keys import drops_copy, record_consumed, sample_key
+from hidden_state_reader.read.counters import WatchCounters
 from hidden_state_reader.read.decision import Decider
 from hidden_state_reader.read.disposal import dispose, quarantine
 from hidden_state_reader.read.membership import Membership
@@ -229,6 +230,13 @@ class DirectoryBackend:
             os.path.join(self.root, name)
         ):
             self.forget(name)
+
+    def watch_counters(self) -> WatchCounters | None:
+        """The follow source's counters (None: not following, or not started yet)."""
+        source = self.source
+        if not isinstance(source, FollowSource):
+            return None
+        return WatchCounters(source.rescans, source.overflows, source.tracked)
 
     def close(self) -> None:
         """Stop watching the directory; a wait in progress returns."""

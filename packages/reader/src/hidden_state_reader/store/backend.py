@@ -180,6 +180,10 @@ class StoreBackend:
         """Always empty: the store shows a sample only once it is complete."""
         return []
 
+    def watch_counters(self) -> None:
+        """None: a store has no directory watch."""
+        return None
+
     def set_aside(self, name: str, reason: str) -> bool:
         """Nothing to move aside: a bad object stays where it is."""
         return False

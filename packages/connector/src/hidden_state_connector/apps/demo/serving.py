@@ -7,7 +7,6 @@ suit a CPU-only machine or leave GPU memory to the trainer.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from hidden_state_connector.apps.demo.options import (
     DemoOptions,
 )
 from hidden_state_connector.apps.server import ServeOptions, cpu_kv_cache_args, free_port
+from hidden_state_connector.model_config import ModelConfigError, read_model_config
 
 
 def model_config(model: str) -> dict[str, Any]:
@@ -32,11 +32,10 @@ def model_config(model: str) -> dict[str, Any]:
     Raises:
         DemoError: There is no readable ``config.json``.
     """
-    path = Path(model) / "config.json"
     try:
-        doc: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise DemoError(f"{model}: not a Hugging Face model directory ({exc})") from None
+        doc = read_model_config(model, hub="off")
+    except ModelConfigError as exc:
+        raise DemoError(f"{exc} (the demo serves a Hugging Face model directory)") from None
     text = doc.get("text_config")
     return {**doc, **text} if isinstance(text, dict) else doc
 

@@ -30,13 +30,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from functools import partial
 
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.buffers import Slab, SlabPool
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import JobState, SaveJob
 from hidden_state_connector.engine.write.row_guard import ZeroRowCheck
-from hidden_state_connector.engine.write.sample_file import FileOptions, write_sample
+from hidden_state_connector.engine.write.sample_file import (
+    PRODUCTION_HOOKS,
+    FileOptions,
+    WriteHooks,
+)
 from hidden_state_connector.engine.write.trace import StageTrace
 from hidden_state_reader.files.flockwait import threads_ignore_signals
 
@@ -99,6 +105,8 @@ class WritePipeline:
         stats: Where counters go.
         layer_ids: Captured layer ids, in layer-axis order, for the all-zero row guard
             (``row_guard``; None: ids 1..n, every layer checked).
+        hooks: What writes each sample and creates each file's writer (``WriteHooks``:
+            the production ones unless a benchmark or profiler injects its own).
     """
 
     def __init__(
@@ -114,13 +122,16 @@ class WritePipeline:
         fsync: bool,
         stats: WriteStats,
         layer_ids: Sequence[int] | None = None,
+        hooks: WriteHooks = PRODUCTION_HOOKS,
     ) -> None:
         self.extractor = extractor
+        self.hooks = hooks
         self.pool = SlabPool(extractor.slab_bytes, host_budget, pinned=extractor.on_cuda)
         self.pool.preallocate()
         self.when_full = when_full
         self.max_queued_bytes = max_queued_bytes
-        self.file_options = _file_options(extractor, layer_ids, checksum, check_nonfinite, fsync)
+        options = _file_options(extractor, layer_ids, checksum, check_nonfinite, fsync)
+        self.file_options = replace(options, writer_factory=hooks.writer_factory)
         self.stats = stats
         self.trace = StageTrace()
         self._jobs: deque[SaveJob] = deque()  # submitted, not yet fully produced
@@ -283,13 +294,9 @@ class WritePipeline:
 
     def _write(self, job: SaveJob) -> None:
         started = time.monotonic()
-        failure = write_sample(
-            job,
-            self.extractor,
-            self.file_options,
-            self._return_slab,
-            lambda: self.trace.mark(job.stages, "copies_done"),
-        )
+        copies_done = partial(self.trace.mark, job.stages, "copies_done")
+        write = self.hooks.write_sample
+        failure = write(job, self.extractor, self.file_options, self._return_slab, copies_done)
         if failure is None:
             job.state = JobState.PUBLISHED
             self.stats.written(job.nbytes, time.monotonic() - started)
@@ -306,11 +313,7 @@ class WritePipeline:
     # -- shutdown ------------------------------------------------------------------
 
     def close(self, timeout: float) -> int:
-        """Drain queued writes for up to ``timeout`` seconds, then fail the rest.
-
-        Returns:
-            Number of samples that had to be abandoned.
-        """
+        """Drain queued writes for up to ``timeout`` seconds, fail the rest; return how many."""
         with self._cond:
             self._closed = True
             jobs = list(self._jobs) + [j for j in self._unreported.values() if j not in self._jobs]

@@ -26,7 +26,7 @@ class FileOptions:
         fsync: fsync each file before publishing.
         zero_rows: Fail samples holding an all-zero row (None: no check).
         writer_factory: What creates each file's writer, with ``SampleFileWriter``'s
-            arguments (a subclass that times its stages, in ``benchmarks/write.py``).
+            arguments (``WriteHooks.writer_factory``; ``benchmarks/write.py`` times stages).
     """
 
     checksum: bool
@@ -34,6 +34,12 @@ class FileOptions:
     fsync: bool
     zero_rows: ZeroRowCheck | None = None
     writer_factory: Callable[..., SampleFileWriter] = SampleFileWriter
+
+
+SampleWriter = Callable[
+    [SaveJob, Extractor, FileOptions, Callable[[Slab], None], Callable[[], None]], str | None
+]
+"""What a writer thread does with one job: ``write_sample``'s arguments and result."""
 
 
 def write_sample(
@@ -153,3 +159,20 @@ def _check_rows(
         found = zero_rows.first_zero_row(extractor.chunk_rows(slab, chunk), chunk.start)
         wrong = None if found is None else found.reason()
     return wrong
+
+
+@dataclass(frozen=True)
+class WriteHooks:
+    """Seams for benchmarks and profilers into the write path (``WritePipeline``'s ``hooks``).
+
+    Attributes:
+        write_sample: What the writer threads do with each job (``SampleWriter``):
+            ``benchmarks/null_sink.py`` drains the chunks and writes nothing.
+        writer_factory: What creates each file's writer (``FileOptions.writer_factory``).
+    """
+
+    write_sample: SampleWriter = write_sample
+    writer_factory: Callable[..., SampleFileWriter] = SampleFileWriter
+
+
+PRODUCTION_HOOKS = WriteHooks()
