@@ -159,7 +159,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
     out = tempfile.mkdtemp(prefix="hs-", dir=args.storage)
     trace = Path(tempfile.mkdtemp(prefix="trace-")) / "stages.jsonl"
-    if args.kind in ("ours", "forward"):  # the connector's per-sample stage times (same clock as ours)
+    if args.kind in ("ours", "forward"):  # the connector's per-sample stage times
         os.environ["HIDDEN_STATE_CONNECTOR_TRACE"] = str(trace)
     llm = LLM(**engine_kwargs(args, args.kind, out))
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"

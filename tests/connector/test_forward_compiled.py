@@ -30,17 +30,17 @@ SCRIPT = """
 import json, sys
 from vllm import LLM, SamplingParams
 
-model, out, prompts, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+model, prompts = sys.argv[1], json.loads(sys.argv[2])
 if __name__ == "__main__":
     llm = LLM(model=model, dtype="float32", max_model_len=1024, max_num_batched_tokens=64,
               enable_prefix_caching=False, kv_cache_memory_bytes=64 * 1024**2,
-              skip_tokenizer_init=True, seed=0, kv_transfer_config=json.loads(sys.argv[5]))
-    params = SamplingParams(max_tokens=%d, temperature=0.0, detokenize=False)
+              skip_tokenizer_init=True, seed=0, kv_transfer_config=json.loads(sys.argv[3]))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     rows = [[list(o.prompt_token_ids), list(o.outputs[0].token_ids),
              o.kv_transfer_params["hidden_states_path"]] for o in outs]
     print("RESULT " + json.dumps(rows))
-""" % MAX_TOKENS
+""".replace("MAX_TOKENS", str(MAX_TOKENS))
 
 
 def _prompts() -> list[list[int]]:
@@ -64,16 +64,17 @@ def test_compiled_model_captures_the_same_rows(tmp_path: Path) -> None:
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script), str(model), str(tmp_path / "hs"), json.dumps(_prompts()),
-         json.dumps(extra), json.dumps(transfer)],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, str(script), str(model), json.dumps(_prompts()), json.dumps(transfer)],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "Dynamo bytecode transform time" in done.stderr  # the model was compiled
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     reference = Reference(model, NUM_LAYERS)
     worst = 0.0
-    for prompt, generated, path in json.loads(line[len("RESULT "):]):
+    for prompt, generated, path in json.loads(line[len("RESULT ") :]):
         sample = read_one(path)
         assert sample.token_ids.tolist() == prompt + generated[:-1]
         errors = reference.layer_errors(sample)
