@@ -10,7 +10,7 @@ if compgen -G ".gpu/extra/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/extra/*.whl || exit 4
 fi
 # The repo root too: the null-sink baseline connector is benchmarks.null_sink.
-export PYTHONPATH=$PWD/packages/reader/src:$PWD/packages/connector/src:$PWD:$PYTHONPATH
+export PYTHONPATH=$PWD/packages/reader/src:$PWD/packages/connector/src:$PWD:${PYTHONPATH:-}
 # The packages run from the checkout (not pip-installed): declare the connector's vLLM
 # plugin entry point (pyproject.toml) so vLLM loads it in every process, as after a pip
 # install. Forward capture needs it (engine/forward/install.py).
@@ -200,6 +200,17 @@ capture=extract,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       --kinds none,forward,ours --graph-modes graphs --timeout 170 --json "$OUT/t.json" \
       2>>"$OUT/v36c.log" | tail -5
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  # Issue 37: the device feed as stages. The fork check, then the feed rows that cover
+  # each stage (no vLLM needed: run with --no-install).
+  v37)
+    (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \
+      | tee "$OUT/fork.log" | grep -v "^\s*File\|^  " | tail -6
+    grep RESULT "$OUT/fork.log" | sed 's/^RESULT //' >> "$OUT/results.jsonl"
+    timeout 300 python3 benchmarks/gpu/train_feed.py --batch-samples 5 --seconds 10 \
+      --alone-seconds 5 --unique 32 --copies 10 --jsonl "$OUT/results.jsonl" \
+      --rows synthetic,hsl_bf16_static,hsl_fp8_static,hsl_bf16_follow,dl_bf16_static,synthetic \
+      2>"$OUT/v37.log" | grep RESULT | cut -c1-400
     ;;
   # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
   fork)
