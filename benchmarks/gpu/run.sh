@@ -212,6 +212,14 @@ capture=extract,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       --rows synthetic,hsl_bf16_static,hsl_fp8_static,hsl_bf16_follow,dl_bf16_static,synthetic \
       2>"$OUT/v37.log" | grep RESULT | cut -c1-400
     ;;
+  v36d)  # after vectorising the ingest: decode-heavy, then prefill-heavy; none / forward
+    $B throughput --num-prompts 256 --prompt-len 512 --max-tokens 256 --max-model-len 1024 \
+      --kinds forward,none --graph-modes graphs --timeout 150 --json "$OUT/t.json" \
+      2>>"$OUT/v36d.log" | tail -3
+    $B throughput --num-prompts 256 --kinds none,forward --graph-modes graphs \
+      --timeout 150 --json "$OUT/t.json" 2>>"$OUT/v36d.log" | tail -3
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
   # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
   fork)
     (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \

@@ -11,7 +11,12 @@ positions with the same values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+ArenaEntry = tuple[str, int, int, torch.Tensor, torch.Tensor]
+"""``(req_id, start, stop, row_index, positions)``: one request's rows of a step."""
 
 
 class ArenaFullError(RuntimeError):
@@ -46,6 +51,7 @@ class RowArena:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._blocks: dict[str, list[int]] = {}
         self._filled: dict[str, int] = {}  # rows [0, filled) of each request are stored
+        self._full_message = f"capture_buffer_bytes holds {num_blocks} blocks, all in use"
 
     @property
     def num_blocks(self) -> int:
@@ -73,22 +79,56 @@ class RowArena:
         if positions.numel() == 0:
             return None
         start, stop = int(positions.min()), int(positions.max()) + 1
-        have = self._blocks.setdefault(req_id, [])
-        need = -(-stop // self.block_size) - len(have)
-        if need > len(self._free):
-            raise ArenaFullError(f"capture_buffer_bytes holds {self.num_blocks} blocks, all in use")
-        for _ in range(need):
-            have.append(self._free.pop())
-        table = torch.tensor(have, dtype=torch.int64)
-        pos = positions.to("cpu", torch.int64)
-        index = table[pos // self.block_size] * self.block_size + pos % self.block_size
-        with torch.inference_mode():
-            self._flat[index] = rows.transpose(0, 1).to("cpu")
-        filled = self._filled.get(req_id, 0)
-        if start > filled:
-            return f"rows of tokens [{filled}, {start}) were never computed in a captured step"
-        self._filled[req_id] = max(filled, stop)
-        return None
+        index = torch.arange(positions.numel())
+        failure = self.write_many([(req_id, start, stop, index, positions)], rows).get(req_id)
+        if failure == self._full_message:
+            raise ArenaFullError(failure)
+        return failure
+
+    def write_many(self, entries: Sequence[ArenaEntry], rows: torch.Tensor) -> dict[str, str]:
+        """Store the rows of several requests in one scatter.
+
+        Args:
+            entries: ``(req_id, start, stop, row_index, positions)`` per request: its rows
+                are ``rows[:, row_index]``, for ``positions``, which cover ``[start, stop)``.
+            rows: The step's host rows, ``[layers, tokens, hidden]``.
+
+        Returns:
+            Why a request's sample cannot be complete, by request (no free block; or a gap
+            before these positions: its earlier rows were never stored).
+        """
+        bs = self.block_size
+        failures: dict[str, str] = {}
+        spanned: list[int] = []
+        offsets: list[int] = []
+        picks: list[torch.Tensor] = []
+        places: list[torch.Tensor] = []
+        for req_id, start, stop, row_index, positions in entries:
+            have = self._blocks.setdefault(req_id, [])
+            need = -(-stop // bs) - len(have)
+            if need > len(self._free):
+                failures[req_id] = self._full_message
+                continue
+            for _ in range(need):
+                have.append(self._free.pop())
+            filled = self._filled.get(req_id, 0)
+            if start > filled:
+                failures[req_id] = (
+                    f"rows of tokens [{filled}, {start}) were never computed in a captured step"
+                )
+            else:
+                self._filled[req_id] = max(filled, stop)
+            offsets.extend([len(spanned) - start // bs] * positions.numel())
+            spanned.extend(have[start // bs : -(-stop // bs)])
+            picks.append(row_index)
+            places.append(positions)
+        if picks:
+            pos = torch.cat(places).to(torch.int64)
+            table = torch.tensor(spanned, dtype=torch.int64)
+            block = table[torch.tensor(offsets, dtype=torch.int64) + pos // bs]
+            with torch.inference_mode():
+                self._flat[block * bs + pos % bs] = rows[:, torch.cat(picks)].transpose(0, 1)
+        return failures
 
     def release(self, req_id: str) -> None:
         """Give a request's blocks back (its copies are done, or it failed)."""

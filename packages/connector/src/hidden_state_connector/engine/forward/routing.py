@@ -85,18 +85,13 @@ class RowRouter:
                 keys.append(table[i])
                 owner.append(index)
                 first_pos.append(i * bs)
-        slots = slots.to(torch.int64)
-        found = self._lookup(slots, keys, owner, first_pos)
+        found, outside = self._lookup(slots.to(torch.int64), keys, owner, first_pos, steps)
         out = {}
         for index, step in enumerate(steps):
             rows, positions = found.get(index, (_EMPTY, _EMPTY))
             failure = failures.get(index)
             stop = step.computed_before + step.scheduled
-            if failure is None and (
-                rows.numel() != step.scheduled
-                or (positions.numel() and (positions.min() < step.computed_before))
-                or (positions.numel() and positions.max() >= stop)
-            ):
+            if failure is None and (rows.numel() != step.scheduled or index in outside):
                 failure = (
                     f"{rows.numel()} rows of the batch map to tokens [{step.computed_before}, "
                     f"{stop}) of this request, expected {step.scheduled}"
@@ -105,11 +100,20 @@ class RowRouter:
         return out
 
     def _lookup(
-        self, slots: torch.Tensor, keys: list[int], owner: list[int], first_pos: list[int]
-    ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Rows of ``slots`` whose block is one of ``keys``, grouped by owner index."""
+        self,
+        slots: torch.Tensor,
+        keys: list[int],
+        owner: list[int],
+        first_pos: list[int],
+        steps: Sequence[StepRows],
+    ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], set[int]]:
+        """Rows of ``slots`` whose block is one of ``keys``, grouped by owner index.
+
+        Also the owners with a row outside the tokens their step computes. Vectorised: one
+        pass over the batch, whatever the number of requests.
+        """
         if not keys or slots.numel() == 0:
-            return {}
+            return {}, set()
         device = slots.device
         key_t = torch.tensor(keys, dtype=torch.int64, device=device)
         order = torch.argsort(key_t)
@@ -123,11 +127,16 @@ class RowRouter:
         at = at[rows]
         who = owner_t[at]
         positions = first_t[at] + slots[rows] % self.block_size
-        grouped = {}
-        for index in torch.unique(who).tolist():
-            mine = who == index
-            grouped[int(index)] = (rows[mine], positions[mine])
-        return grouped
+        start = torch.tensor([s.computed_before for s in steps], dtype=torch.int64, device=device)
+        stop = start + torch.tensor([s.scheduled for s in steps], dtype=torch.int64, device=device)
+        bad = (positions < start[who]) | (positions >= stop[who])
+        outside = set(who[bad].tolist())
+        by_owner = torch.argsort(who, stable=True)
+        counts = torch.bincount(who, minlength=len(steps)).tolist()
+        row_groups = torch.split(rows[by_owner], counts)
+        pos_groups = torch.split(positions[by_owner], counts)
+        grouped = {i: (row_groups[i], pos_groups[i]) for i, n in enumerate(counts) if n}
+        return grouped, outside
 
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)

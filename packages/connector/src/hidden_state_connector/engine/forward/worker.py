@@ -20,7 +20,7 @@ import torch
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.adapter import Family
-from hidden_state_connector.engine.forward.arena import ArenaFullError, RowArena
+from hidden_state_connector.engine.forward.arena import RowArena
 from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.install import staging_for
 from hidden_state_connector.engine.forward.routing import RowRouter
@@ -185,16 +185,22 @@ class ForwardWorkerSide(WorkerSide):
             self.transfer.done(copy)
 
     def _take_rows(self, copy: StepCopy, steps: list[Any]) -> None:
+        """Route the step's rows to their requests and store them in one scatter."""
         assert self.arena is not None
         self.router.update(steps)
-        for req_id, routed in self.router.route(copy.slots, steps).items():
-            failure = routed.failure
-            if failure is None:
-                try:
-                    failure = self.arena.write(req_id, routed.positions, copy.rows[:, routed.rows])
-                except ArenaFullError as exc:
-                    failure = str(exc)
-            if failure is not None and req_id not in self._row_failures:
+        routed = self.router.route(copy.slots, steps)
+        entries = []
+        failures: dict[str, str] = {}
+        for step in steps:
+            found = routed[step.req_id]
+            if found.failure is not None:
+                failures[step.req_id] = found.failure
+            elif step.scheduled > 0:
+                start, stop = step.computed_before, step.computed_before + step.scheduled
+                entries.append((step.req_id, start, stop, found.rows, found.positions))
+        failures.update(self.arena.write_many(entries, copy.rows))
+        for req_id, failure in failures.items():
+            if req_id not in self._row_failures:
                 self._row_failures[req_id] = failure
                 log.warning("request %s: %s; its sample will fail", req_id, failure)
 
