@@ -83,6 +83,10 @@ class StepTransfer:
         Called on the engine's thread after the forward pass was enqueued; may wait for a
         free host buffer.
         """
+        with torch.inference_mode():  # the buffers are inference tensors
+            return self._submit(num_rows, slots)
+
+    def _submit(self, num_rows: int, slots: torch.Tensor) -> StepCopy:
         n = min(num_rows, self.staging.shape[1], slots.shape[0])
         index = self._free.get()
         rows, host_slots = self._host[index][:, :n], self._host_slots[index][:n]

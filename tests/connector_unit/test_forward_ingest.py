@@ -1,0 +1,87 @@
+"""Forward capture's per-step hand-off: host copies, the ingest thread, the compile-cache key.
+
+The engine's thread only starts a step's copy and queues a work item; the ingest thread
+runs items strictly in order and survives a failing one. The compile-cache key is checked
+on a real vLLM config: code compiled without the capture must hash apart.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from hidden_state_connector.engine.forward.arena import RowArena
+from hidden_state_connector.engine.forward.ingest import IngestThread
+from hidden_state_connector.engine.forward.install import COMPILE_CACHE_KEY, key_compile_cache
+from hidden_state_connector.engine.forward.transfer import StepTransfer
+
+
+def test_ingest_runs_items_in_order_and_survives_a_failing_one() -> None:
+    errors: list[BaseException] = []
+    ran: list[int] = []
+    ingest = IngestThread("test-ingest", errors.append)
+    gate = threading.Event()
+    ingest.put(gate.wait)  # items queue up behind a slow one
+    for i in range(50):
+        ingest.put(lambda i=i: ran.append(i))
+    ingest.put(lambda: 1 / 0)
+    ingest.put(lambda: ran.append(50))
+    assert not ingest.drain(timeout=0.05)
+    gate.set()
+    assert ingest.stop(timeout=10)
+    assert ran == list(range(51))
+    assert len(errors) == 1 and isinstance(errors[0], ZeroDivisionError)
+
+
+def test_transfer_copies_each_step_and_holds_a_bounded_ring() -> None:
+    staging = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+    transfer = StepTransfer(staging, depth=2)
+    first = transfer.submit(5, torch.arange(8))
+    staging.add_(1000)  # the next forward pass overwrites the staging
+    second = transfer.submit(3, torch.arange(8) + 10)
+    first.wait()
+    assert torch.equal(first.rows, torch.arange(48, dtype=torch.float32).view(2, 8, 3)[:, :5])
+    assert second.slots.tolist() == [10, 11, 12]
+    took = threading.Event()
+    waiting = threading.Thread(target=lambda: (transfer.submit(1, torch.arange(8)), took.set()))
+    waiting.start()
+    assert not took.wait(0.2)  # both buffers are in use: the engine's thread waits
+    transfer.done(first)
+    assert took.wait(5)
+    waiting.join()
+    assert transfer.host_bytes == 2 * (2 * 8 * 3 * 4 + 8 * 8)
+
+
+def test_arena_stores_many_requests_in_one_scatter() -> None:
+    arena = RowArena(1 << 20, 4, 2, 3, torch.float32)
+    rows = torch.randn(2, 10, 3)
+    failures = arena.write_many(
+        [
+            ("a", 0, 6, torch.arange(0, 6), torch.arange(0, 6)),
+            ("b", 0, 4, torch.tensor([9, 8, 7, 6]), torch.tensor([3, 2, 1, 0])),
+            ("c", 2, 3, torch.tensor([0]), torch.tensor([2])),  # its rows 0-1 never came
+        ],
+        rows,
+    )
+    assert set(failures) == {"c"} and "[0, 2)" in failures["c"]
+    a = arena.data[arena.blocks("a")].reshape(-1, 2, 3)[:6]
+    b = arena.data[arena.blocks("b")].reshape(-1, 2, 3)[:4]
+    assert torch.equal(a, rows[:, :6].transpose(0, 1))
+    assert torch.equal(b, rows[:, [6, 7, 8, 9]].transpose(0, 1))
+    assert arena.filled("a") == 6 and arena.filled("b") == 4 and arena.filled("c") == 0
+
+
+@pytest.mark.vllm
+def test_the_capture_gets_a_compile_cache_key_of_its_own(tiny_model_fp32: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(
+        model=str(tiny_model_fp32), skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 26
+    ).create_engine_config()
+    before = config.compute_hash()
+    key_compile_cache(config, [1, 2])
+    assert config.additional_config[COMPILE_CACHE_KEY]["layer_ids"] == [1, 2]
+    assert config.compute_hash() != before
