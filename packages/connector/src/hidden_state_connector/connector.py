@@ -187,7 +187,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.before_forward(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Store-only: nothing to load."""
+        """Store-only: nothing to load. Forward capture keeps the step's slot mappings."""
+        if isinstance(self._worker, ForwardWorkerSide):
+            self._worker.before_forward(forward_context, kwargs.get("attn_metadata"))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Store-only: nothing to load."""

@@ -377,18 +377,24 @@ def runner_model() -> torch.nn.Module:
     )
 
 
-def step_slot_mapping(layer_name: str) -> torch.Tensor:
+def step_slot_mapping(layer_name: str, mapping: Any = None) -> torch.Tensor:
     """This step's KV slot of every row of the batch (-1: padding), for one attention layer.
 
-    From the forward context (vLLM >= 0.32 keeps ``slot_mapping`` there, by layer name);
-    valid from the forward pass until the connector's ``wait_for_save`` returns.
+    ``mapping``: the step's slot mappings by layer as the connector saw them when the
+    forward context was set (``start_load_kv``); None reads the current forward context.
+    vLLM >= 0.32 keeps them there. The V1 runner calls ``wait_for_save`` inside the
+    forward context, the V2 runner (0.26 - 0.34, reviewed from source) after it, so the
+    connector keeps the reference from ``start_load_kv``; the tensors stay valid until the
+    next step is prepared.
 
     Raises:
         RuntimeError: No slot mapping (an older vLLM, or micro-batching).
     """
-    from vllm.forward_context import get_forward_context
+    if mapping is None:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    mapping = getattr(get_forward_context(), "slot_mapping", None)
+        if is_forward_context_available():
+            mapping = getattr(get_forward_context(), "slot_mapping", None)
     if not isinstance(mapping, dict) or layer_name not in mapping:
         raise RuntimeError(
             f"capture='forward': the forward context has no slot mapping for {layer_name} "

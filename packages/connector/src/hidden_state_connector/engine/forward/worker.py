@@ -72,6 +72,7 @@ class ForwardWorkerSide(WorkerSide):
         self.transfer: StepTransfer | None = None
         self.ingest: IngestThread | None = None
         self._row_failures: dict[str, str] = {}
+        self._slot_mappings: Any = None  # this step's, from the forward context
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the staging hooked into the model at its construction; start the writers."""
@@ -118,6 +119,21 @@ class ForwardWorkerSide(WorkerSide):
         self.ingest = IngestThread("hidden-state-ingest", self._ingest_failed)
         self._start_writers(extractor)
 
+    def before_forward(self, forward_context: Any, attn_metadata: Any = None) -> None:
+        """Keep this step's slot mappings (``start_load_kv``).
+
+        From the forward context (vLLM's V1 runner calls inside it); else from the
+        attention metadata that vLLM 0.34's V2 runner passes (reviewed from source only).
+        """
+        mapping = getattr(forward_context, "slot_mapping", None)
+        if not mapping and isinstance(attn_metadata, dict):
+            mapping = {
+                layer: meta.slot_mapping
+                for layer, meta in attn_metadata.items()
+                if getattr(meta, "slot_mapping", None) is not None
+            }
+        self._slot_mappings = mapping or None
+
     def after_forward(self, meta: HiddenStateConnectorMetadata) -> None:
         """Start copying this step's rows to the host; the ingest thread does the rest."""
         if not self.is_writer or self.pipeline is None or self.ingest is None:
@@ -127,7 +143,7 @@ class ForwardWorkerSide(WorkerSide):
         copy = None
         if meta.steps and self.transfer is not None:
             with torch.inference_mode():
-                slots = compat.step_slot_mapping(self.slot_layer)
+                slots = compat.step_slot_mapping(self.slot_layer, self._slot_mappings)
                 copy = self.transfer.submit(meta.batch_tokens or slots.shape[0], slots)
         orders = [order for order in meta.saves if order.written_this_step]
         if copy is not None or orders:
