@@ -85,3 +85,36 @@ def test_the_capture_gets_a_compile_cache_key_of_its_own(tiny_model_fp32: Path) 
     key_compile_cache(config, [1, 2])
     assert config.additional_config[COMPILE_CACHE_KEY]["layer_ids"] == [1, 2]
     assert config.compute_hash() != before
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (
+            {"pipeline_parallel_size": 2, "enable_prefix_caching": False},
+            "pipeline parallelism is not supported yet",
+        ),
+        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
+    ],
+)
+def test_start_up_refuses_what_forward_capture_cannot_store(
+    tiny_model_fp32: Path, setting: dict[str, object], message: str
+) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from hidden_state_connector.engine.config import ConnectorConfig
+    from hidden_state_connector.engine.forward.checks import ForwardCaptureError, forward_setup
+
+    config = EngineArgs(
+        model=str(tiny_model_fp32),
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=1 << 26,
+        distributed_executor_backend="mp",
+        **setting,  # type: ignore[arg-type]
+    ).create_engine_config()
+    connector = ConnectorConfig.from_extra_config(
+        {"capture": "forward", "layer_ids": [1], "shared_storage_path": "/tmp"}
+    )
+    with pytest.raises(ForwardCaptureError, match=message):
+        forward_setup(config, None, connector)
