@@ -346,37 +346,6 @@ def engine_key(vllm_config: Any) -> str:
 # -- forward capture (``engine.forward``) ------------------------------------------------
 
 
-def runner_model() -> torch.nn.Module:
-    """The loaded model of the runner that is registering the KV caches with the connector.
-
-    vLLM 0.26-0.32's V1 runners call ``register_kv_caches`` from their
-    ``initialize_kv_cache``, after ``load_model``; the connector API passes no model, so
-    the runner is found on the call stack (``self`` with ``get_model()``). vLLM 0.34's V2
-    runner builds the connector after warm-up: to be reviewed there.
-
-    Raises:
-        RuntimeError: No runner on the stack.
-    """
-    import inspect
-
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            getter = getattr(owner, "get_model", None)
-            if callable(getter) and hasattr(owner, "kv_cache_config"):
-                model = getter()
-                if isinstance(model, torch.nn.Module):
-                    return model
-            frame = frame.f_back
-    finally:
-        del frame
-    raise RuntimeError(
-        "capture='forward': cannot find vLLM's model runner (register_kv_caches was not "
-        "called from a V1 model runner); use capture='extract'"
-    )
-
-
 def step_slot_mapping(layer_name: str, mapping: Any = None) -> torch.Tensor:
     """This step's KV slot of every row of the batch (-1: padding), for one attention layer.
 
@@ -439,12 +408,3 @@ def _holds_every_token(group: Any) -> bool:
     return type(spec).__name__ in _WHOLE_REQUEST_SPECS and not getattr(
         group, "is_eagle_group", False
     )
-
-
-def compiles_model(vllm_config: Any) -> bool:
-    """Whether vLLM compiles the model's forward (torch.compile; CUDA graphs on GPU)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    if getattr(model_config, "enforce_eager", False):
-        return False
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
-    return mode is not None and int(mode) != 0  # CompilationMode.NONE
