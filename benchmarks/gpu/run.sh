@@ -220,6 +220,12 @@ capture=extract,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       --timeout 150 --json "$OUT/t.json" 2>>"$OUT/v36d.log" | tail -3
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
+  v36e)  # the sweep again for the final forward code (vectorised ingest): two engines
+    timeout 190 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --configs \
+"capture=forward,pc=off,graphs=on,storage=bf16,sleep=off;\
+capture=forward,pc=off,graphs=off,storage=fp8,sleep=on,async=off" \
+      2>"$OUT/v36e.log" | cut -c1-700
+    ;;
   # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
   fork)
     (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \
