@@ -346,24 +346,25 @@ def engine_key(vllm_config: Any) -> str:
 # -- forward capture (``engine.forward``) ------------------------------------------------
 
 
-def step_slot_mapping(layer_name: str, mapping: Any = None) -> torch.Tensor:
+def step_slot_mapping(layer_name: str, kept: Any = None) -> torch.Tensor:
     """This step's KV slot of every row of the batch (-1: padding), for one attention layer.
 
-    ``mapping``: the step's slot mappings by layer as the connector saw them when the
-    forward context was set (``start_load_kv``); None reads the current forward context.
-    vLLM >= 0.32 keeps them there. The V1 runner calls ``wait_for_save`` inside the
-    forward context, the V2 runner (0.26 - 0.34, reviewed from source) after it, so the
-    connector keeps the reference from ``start_load_kv``; the tensors stay valid until the
-    next step is prepared.
+    From the current forward context (vLLM >= 0.32 keeps ``slot_mapping`` there, by layer
+    name; the V1 runner calls ``wait_for_save`` inside it). ``kept``: the step's slot
+    mappings as the connector saw them at ``start_load_kv``, used when the context has
+    none (vLLM 0.34's V2 runner calls ``wait_for_save`` after the forward context;
+    reviewed from source).
 
     Raises:
         RuntimeError: No slot mapping (an older vLLM, or micro-batching).
     """
-    if mapping is None:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.forward_context import get_forward_context, is_forward_context_available
 
-        if is_forward_context_available():
-            mapping = getattr(get_forward_context(), "slot_mapping", None)
+    mapping = None
+    if is_forward_context_available():
+        mapping = getattr(get_forward_context(), "slot_mapping", None)
+    if not isinstance(mapping, dict) or layer_name not in mapping:
+        mapping = kept
     if not isinstance(mapping, dict) or layer_name not in mapping:
         raise RuntimeError(
             f"capture='forward': the forward context has no slot mapping for {layer_name} "
