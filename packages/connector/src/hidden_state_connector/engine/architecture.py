@@ -35,6 +35,7 @@ _REGISTRY_TABLES = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS")
 _ENTRY = re.compile(r'"(\w+)"\s*:\s*\(\s*"(\w+)"\s*,\s*"(\w+)"\s*,?\s*\)')
 _CLASS = re.compile(r"^class\s+(\w+)\s*\(([^)]*)\)\s*:", re.MULTILINE)
 _MLA = re.compile(r"\bkv_lora_rank\b")  # what ``uses_mla`` looks for in a model's config
+_WORD = re.compile(r"\w+")
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -108,8 +109,11 @@ def _latent_classes(
     Those defined in a module that reads ``kv_lora_rank``, deriving from one, or in a
     module that names one (a wrapper that builds its language model by name).
     """
-    latent = _subclasses(bases, {c for c, m in module_of.items() if _MLA.search(texts[m])})
-    named = {m for m, t in texts.items() if any(re.search(rf"\b{c}\b", t) for c in latent)}
+    reads_rank = {m for m, t in texts.items() if _MLA.search(t)}
+    latent = _subclasses(bases, {c for c, m in module_of.items() if m in reads_rank})
+    # One pass over each text: a search per class and text cost seconds of CPU in every
+    # process that checks a model (each launcher, each engine's connector).
+    named = {m for m, t in texts.items() if not latent.isdisjoint(_WORD.findall(t))}
     return _subclasses(bases, latent | {c for c, m in module_of.items() if m in named})
 
 
