@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from procs import VLLM_MISSING
+from procs import IN_PROCESS_ENGINE, VLLM_MISSING
 
 # Keep vLLM quiet and local.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -59,3 +60,13 @@ def assert_matches_reference(sample: object, ref: HFReference, rtol: float = 1e-
         got = sample.hidden_states[:, pos].float()  # type: ignore[attr-defined]
         err = ((got - expected).norm() / expected.norm()).item()
         assert err < rtol, f"{sample.path} layer {layer_id}: relative error {err:.2e}"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module")
+def in_process() -> Iterator[None]:
+    """A module's engines in this process (see procs.IN_PROCESS_ENGINE)."""
+    env = pytest.MonkeyPatch()
+    for key, value in IN_PROCESS_ENGINE.items():
+        env.setenv(key, value)
+    yield
+    env.undo()

@@ -9,7 +9,6 @@ The KV-cache capacity test starts three engines in turn (no capture, forward, ex
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,22 +17,10 @@ from forward_kit import engine, forward_extra, refusal, run_and_check
 from hidden_state_connector.apps.server import speculative_config
 from hidden_state_connector.apps.tiny_model import build_tiny_model
 
-from procs import IN_PROCESS_ENGINE
-
 pytestmark = pytest.mark.vllm
 
 NUM_LAYERS = 4
 LAYERS = [0, 1, NUM_LAYERS // 2, NUM_LAYERS]  # embeddings, first, middle, last (pre-norm)
-
-
-@pytest.fixture(scope="module")
-def in_process() -> Iterator[None]:
-    """The engine in this process (see procs.IN_PROCESS_ENGINE)."""
-    env = pytest.MonkeyPatch()
-    for key, value in IN_PROCESS_ENGINE.items():
-        env.setenv(key, value)
-    yield
-    env.undo()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -11,7 +11,6 @@ the full-attention group of several. Then what is refused at start-up, by name.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +18,6 @@ import pytest
 from forward_kit import forward_extra, refusal, run_and_check
 
 from hidden_state_connector.apps.tiny_model import build_tiny_model
-
-from procs import IN_PROCESS_ENGINE
 
 pytestmark = pytest.mark.vllm
 
@@ -33,16 +30,6 @@ FAMILIES: dict[str, tuple[int, set[str]]] = {
     "deepseek_v2": (2, {"MLAAttentionSpec"}),  # with DeepSeek-V2's YaRN RoPE
     "nemotron_h": (4, {"FullAttentionSpec", "MambaSpec"}),
 }
-
-
-@pytest.fixture(scope="module")
-def in_process() -> Iterator[None]:
-    """The engine in this process (see procs.IN_PROCESS_ENGINE)."""
-    env = pytest.MonkeyPatch()
-    for key, value in IN_PROCESS_ENGINE.items():
-        env.setenv(key, value)
-    yield
-    env.undo()
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
