@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.arena import RowArena
 from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.install import COMPILE_CACHE_KEY, key_compile_cache
@@ -118,3 +119,34 @@ def test_start_up_refuses_what_forward_capture_cannot_store(
     )
     with pytest.raises(ForwardCaptureError, match=message):
         forward_setup(config, None, connector)
+
+
+def test_a_step_keeps_its_block_ids_while_later_steps_are_scheduled(tmp_path: Path) -> None:
+    """The ingest thread may run steps behind the scheduler (async scheduling on a GPU).
+
+    A step's block table must not grow when the scheduler adds blocks in a later step:
+    it did (the first step's list was the request's own table), so the router's table got
+    duplicates and the rows of the request's next block were not found (seen on an H100:
+    "10 rows of the batch map to tokens [710, 735) of this request, expected 25").
+    """
+    from types import SimpleNamespace
+
+    from engine_fakes import new_request, scheduler_output
+
+    from hidden_state_connector.engine.scheduler_side import SchedulerSide
+    from hidden_state_connector.engine.stats import WriteStats
+
+    config = ConnectorConfig(
+        shared_storage_path=str(tmp_path), capture="forward", layer_ids=[1], instance_id="u"
+    )
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="fake-model"),
+        kv_transfer_config=SimpleNamespace(engine_id="unit-forward-steps"),
+        parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
+    )
+    scheduler = SchedulerSide(config, vllm_config, 4, 1, WriteStats(0))
+    first = scheduler.build_metadata(
+        scheduler_output(new=(new_request("a", list(range(20)), [7, 8]),), scheduled={"a": 8})
+    )
+    scheduler.build_metadata(scheduler_output(cached=(("a", 8, [9]),), scheduled={"a": 4}))
+    assert first.steps[0].new_block_ids == [7, 8]

@@ -21,10 +21,14 @@ from hidden_state_connector.engine.metadata import StepRows
 
 
 def rows_of_step(step: Any) -> StepRows:
-    """The ``StepRows`` of a ``compat.ScheduledRequest`` (scheduler side)."""
-    return StepRows(
-        step.req_id, step.computed_before, step.scheduled, step.new_block_ids, step.replaces_table
-    )
+    """The ``StepRows`` of a ``compat.ScheduledRequest`` (scheduler side).
+
+    The block ids are copied: the worker may read a step after the scheduler has added
+    later blocks to its own lists (the ingest thread runs behind; the scheduler and the
+    worker share objects in one process).
+    """
+    blocks = None if step.new_block_ids is None else list(step.new_block_ids)
+    return StepRows(step.req_id, step.computed_before, step.scheduled, blocks, step.replaces_table)
 
 
 @dataclass
