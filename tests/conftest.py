@@ -122,3 +122,23 @@ def _no_stray_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left() -> Iterator[None]:
+    """An engine run in the test process (vLLM's in-process mode) sets up torch.distributed
+    and may leave it set up; a later test file in the same process (sharding, forked rank
+    workers) would then see a process group it never made. Tear it down after each file.
+    """
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
