@@ -231,14 +231,15 @@ def _verify_table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     out = [
-        "| code | GPU | prefix caching | graphs | storage | sleep | async scheduling | "
+        "| code | GPU | capture | prefix caching | graphs | storage | sleep | async scheduling | "
         "answered | published (with generated tokens) | refused | wrong | missing (silent) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sync = {None: "vLLM default (on)", True: "on", False: "off"}[r.get("async_scheduling")]
         out.append(
-            f"| {r.get('label', '')} | {r['gpu']} | {r['prefix_caching']} | {r['graphs']} | "
+            f"| {r.get('label', '')} | {r['gpu']} | {r.get('capture', 'extract')} | "
+            f"{r['prefix_caching']} | {r['graphs']} | "
             f"{r['storage_dtype']} | {r.get('sleep')} | {sync} | {r['answered']} | "
             f"{r['published']} ({r.get('published_with_generated_tokens', '?')}) | "
             f"{r['client_errors']} | {r['wrong']} | {r['missing']} ({r['silent']}) |"

@@ -124,9 +124,7 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._paths_in_use: Counter[str] = Counter()  # requests in flight per path
         self._outgoing = HiddenStateConnectorMetadata()
-        # Forward capture: the worker needs each step's rows of captured requests.
-        self._forward = config.capture == CAPTURE_FORWARD
-        # Set when generated tokens cannot be captured right for this model.
+        self._forward = config.capture == CAPTURE_FORWARD  # the worker needs StepRows
         self._no_output_tokens = output_tokens_refusal(vllm_config, forward=self._forward)
         # Store backend: is a keyed sample in the store, or consumed (``_written``)?
         self._store = (
