@@ -1,9 +1,11 @@
 """Forward capture (``capture: "forward"``, preview): the residual stream from the forward pass.
 
-Hooks on the model's decoder layers copy the chosen layers' pre-norm residual stream into a
-fixed-size staging buffer (``staging``); after the step, the rows of captured requests are
-routed to their positions (``routing``) and kept on the host (``arena``) until the write
-pipeline copies them out like it copies blocks of the hidden-state cache (``worker``).
+Hooks installed while vLLM builds the model (``install``, via the connector's plugin) call
+one operator (``capture_op``) that copies the chosen layers' pre-norm residual stream into
+a fixed-size staging buffer (``staging``), in eager and compiled models alike. After each
+step the rows go to host memory (``transfer``); the ingest thread (``ingest``) routes them
+to their requests' positions (``routing``) and keeps them on the host (``arena``) until
+the write pipeline copies them out like blocks of the hidden-state cache (``worker``).
 No KV-cache group, no speculative method. Design: docs/connector.md, "Forward capture
 (preview)".
 """
