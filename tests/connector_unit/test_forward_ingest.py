@@ -58,21 +58,24 @@ def test_transfer_copies_each_step_and_holds_a_bounded_ring() -> None:
 
 def test_arena_stores_many_requests_in_one_scatter() -> None:
     arena = RowArena(1 << 20, 4, 2, 3, torch.float32)
-    rows = torch.randn(2, 10, 3)
-    failures = arena.write_many(
-        [
-            ("a", 0, 6, torch.arange(0, 6), torch.arange(0, 6)),
-            ("b", 0, 4, torch.tensor([9, 8, 7, 6]), torch.tensor([3, 2, 1, 0])),
-            ("c", 2, 3, torch.tensor([0]), torch.tensor([2])),  # its rows 0-1 never came
-        ],
-        rows,
-    )
-    assert set(failures) == {"c"} and "[0, 2)" in failures["c"]
+    rows = torch.randn(2, 12, 3)
+    # Entries: a (rows 0-5 -> positions 0-5), b (rows 9..6 -> 3..0), c (its rows 0-1
+    # never came), a refused entry (None) whose row 11 must not be stored anywhere.
+    row_index = torch.tensor([0, 1, 2, 3, 4, 5, 9, 8, 7, 6, 10, 11])
+    owner = torch.tensor([0] * 6 + [1] * 4 + [2, 3])
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 3, 2, 1, 0, 2, 0])
+    entries = [("a", 0, 6), ("b", 0, 4), ("c", 2, 3), None]
+    failures = arena.write_step(entries, row_index, owner, positions, rows)
+    assert set(failures) == {2} and "[0, 2)" in failures[2]
     a = arena.data[arena.blocks("a")].reshape(-1, 2, 3)[:6]
     b = arena.data[arena.blocks("b")].reshape(-1, 2, 3)[:4]
     assert torch.equal(a, rows[:, :6].transpose(0, 1))
     assert torch.equal(b, rows[:, [6, 7, 8, 9]].transpose(0, 1))
     assert arena.filled("a") == 6 and arena.filled("b") == 4 and arena.filled("c") == 0
+    c = arena.data[arena.blocks("c")].reshape(-1, 2, 3)
+    assert torch.equal(c[2], rows[:, 10])  # stored, though the sample will fail
+    held = torch.cat([a, b, c])
+    assert not any(torch.equal(row, rows[:, 11]) for row in held)  # the refused entry's
 
 
 @pytest.mark.vllm

@@ -15,9 +15,6 @@ from collections.abc import Sequence
 
 import torch
 
-ArenaEntry = tuple[str, int, int, torch.Tensor, torch.Tensor]
-"""``(req_id, start, stop, row_index, positions)``: one request's rows of a step."""
-
 
 class ArenaFullError(RuntimeError):
     """No free block for a request's rows (``capture_buffer_bytes`` is spent)."""
@@ -79,55 +76,67 @@ class RowArena:
         if positions.numel() == 0:
             return None
         start, stop = int(positions.min()), int(positions.max()) + 1
+        owner = torch.zeros(positions.numel(), dtype=torch.int64)
         index = torch.arange(positions.numel())
-        failure = self.write_many([(req_id, start, stop, index, positions)], rows).get(req_id)
+        failure = self.write_step([(req_id, start, stop)], index, owner, positions, rows).get(0)
         if failure == self._full_message:
             raise ArenaFullError(failure)
         return failure
 
-    def write_many(self, entries: Sequence[ArenaEntry], rows: torch.Tensor) -> dict[str, str]:
-        """Store the rows of several requests in one scatter.
+    def write_step(
+        self,
+        entries: Sequence[tuple[str, int, int] | None],
+        row_index: torch.Tensor,
+        owner: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> dict[int, str]:
+        """Store a step's rows of several requests in one scatter.
 
         Args:
-            entries: ``(req_id, start, stop, row_index, positions)`` per request: its rows
-                are ``rows[:, row_index]``, for ``positions``, which cover ``[start, stop)``.
+            entries: ``(req_id, start, stop)`` per step entry (the positions its rows
+                cover), or None for an entry whose rows are not to be stored.
+            row_index: Each row's index into ``rows``' token axis.
+            owner: Each row's entry index.
+            positions: Each row's token position.
             rows: The step's host rows, ``[layers, tokens, hidden]``.
 
         Returns:
-            Why a request's sample cannot be complete, by request (no free block; or a gap
-            before these positions: its earlier rows were never stored).
+            Why an entry's sample cannot be complete, by entry index (no free block; or a
+            gap before these positions: its earlier rows were never stored).
         """
         bs = self.block_size
-        failures: dict[str, str] = {}
+        failures: dict[int, str] = {}
         spanned: list[int] = []
-        offsets: list[int] = []
-        picks: list[torch.Tensor] = []
-        places: list[torch.Tensor] = []
-        for req_id, start, stop, row_index, positions in entries:
+        base = [0] * len(entries)  # spanned index of each entry's first block, less it
+        stored = [False] * len(entries)
+        for index, entry in enumerate(entries):
+            if entry is None:
+                continue
+            req_id, start, stop = entry
             have = self._blocks.setdefault(req_id, [])
             need = -(-stop // bs) - len(have)
             if need > len(self._free):
-                failures[req_id] = self._full_message
+                failures[index] = self._full_message
                 continue
             for _ in range(need):
                 have.append(self._free.pop())
             filled = self._filled.get(req_id, 0)
             if start > filled:
-                failures[req_id] = (
+                failures[index] = (
                     f"rows of tokens [{filled}, {start}) were never computed in a captured step"
                 )
             else:
                 self._filled[req_id] = max(filled, stop)
-            offsets.extend([len(spanned) - start // bs] * positions.numel())
+            base[index] = len(spanned) - start // bs
             spanned.extend(have[start // bs : -(-stop // bs)])
-            picks.append(row_index)
-            places.append(positions)
-        if picks:
-            pos = torch.cat(places).to(torch.int64)
-            table = torch.tensor(spanned, dtype=torch.int64)
-            block = table[torch.tensor(offsets, dtype=torch.int64) + pos // bs]
+            stored[index] = True
+        if spanned:
+            keep = torch.tensor(stored)[owner]
+            owner, pos = owner[keep], positions[keep].to(torch.int64)
+            block = torch.tensor(spanned, dtype=torch.int64)[torch.tensor(base)[owner] + pos // bs]
             with torch.inference_mode():
-                self._flat[block * bs + pos % bs] = rows[:, torch.cat(picks)].transpose(0, 1)
+                self._flat[block * bs + pos % bs] = rows[:, row_index[keep]].transpose(0, 1)
         return failures
 
     def release(self, req_id: str) -> None:

@@ -46,6 +46,23 @@ class Routed:
     failure: str | None = None
 
 
+@dataclass
+class FlatRoute:
+    """A step's matched rows, flat.
+
+    Attributes:
+        rows: Row indices into the step's batch.
+        owner: The step entry (index into the step's ``StepRows``) of each row.
+        positions: The token position of each row.
+        failures: Why an entry's rows cannot be trusted, by entry index.
+    """
+
+    rows: torch.Tensor
+    owner: torch.Tensor
+    positions: torch.Tensor
+    failures: dict[int, str]
+
+
 class RowRouter:
     """Keeps captured requests' KV block tables and routes each step's rows.
 
@@ -73,9 +90,25 @@ class RowRouter:
 
     def route(self, slots: torch.Tensor, steps: Sequence[StepRows]) -> dict[str, Routed]:
         """Rows and positions of each step entry (``slots``: the batch's slot mapping)."""
+        flat = self.route_flat(slots, steps)
+        order = torch.argsort(flat.owner, stable=True)
+        counts = torch.bincount(flat.owner, minlength=len(steps)).tolist()
+        rows = torch.split(flat.rows[order], counts)
+        positions = torch.split(flat.positions[order], counts)
+        return {
+            step.req_id: Routed(rows[i], positions[i], flat.failures.get(i))
+            for i, step in enumerate(steps)
+        }
+
+    def route_flat(self, slots: torch.Tensor, steps: Sequence[StepRows]) -> FlatRoute:
+        """Every matched row of the batch with its step entry and position, in one pass.
+
+        Python work is per step entry and block, tensor work per batch: the cost of a
+        decode step of hundreds of requests stays a few tensor operations.
+        """
         bs = self.block_size
         keys: list[int] = []
-        owner: list[int] = []
+        key_owner: list[int] = []
         first_pos: list[int] = []
         failures: dict[int, str] = {}
         for index, step in enumerate(steps):
@@ -85,62 +118,44 @@ class RowRouter:
             if step.scheduled > 0 and hi >= len(table):
                 failures[index] = f"block table of {len(table)} blocks lacks block {hi}"
                 continue
-            for i in range(lo, hi + 1):
-                keys.append(table[i])
-                owner.append(index)
-                first_pos.append(i * bs)
-        found, outside = self._lookup(slots.to(torch.int64), keys, owner, first_pos, steps)
-        out = {}
-        for index, step in enumerate(steps):
-            rows, positions = found.get(index, (_EMPTY, _EMPTY))
-            failure = failures.get(index)
-            stop = step.computed_before + step.scheduled
-            if failure is None and (rows.numel() != step.scheduled or index in outside):
-                failure = (
-                    f"{rows.numel()} rows of the batch map to tokens [{step.computed_before}, "
-                    f"{stop}) of this request, expected {step.scheduled}"
+            keys.extend(table[lo : hi + 1])
+            key_owner.extend([index] * (hi + 1 - lo))
+            first_pos.extend(range(lo * bs, (hi + 1) * bs, bs))
+        rows, owner, positions = self._lookup(slots.to(torch.int64), keys, key_owner, first_pos)
+        start = torch.tensor([st.computed_before for st in steps], dtype=torch.int64)
+        scheduled = torch.tensor([st.scheduled for st in steps], dtype=torch.int64)
+        counts = torch.bincount(owner, minlength=len(steps))
+        outside = (positions < start[owner]) | (positions >= (start + scheduled)[owner])
+        wrong = (counts != scheduled).clone()
+        wrong[owner[outside]] = True
+        for index in wrong.nonzero().flatten().tolist():
+            if index not in failures:
+                step = steps[index]
+                failures[index] = (
+                    f"{int(counts[index])} rows of the batch map to tokens "
+                    f"[{step.computed_before}, {step.computed_before + step.scheduled}) of "
+                    f"this request, expected {step.scheduled}"
                 )
-            out[step.req_id] = Routed(rows, positions, failure)
-        return out
+        return FlatRoute(rows, owner, positions, failures)
 
     def _lookup(
-        self,
-        slots: torch.Tensor,
-        keys: list[int],
-        owner: list[int],
-        first_pos: list[int],
-        steps: Sequence[StepRows],
-    ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], set[int]]:
-        """Rows of ``slots`` whose block is one of ``keys``, grouped by owner index.
-
-        Also the owners with a row outside the tokens their step computes. Vectorised: one
-        pass over the batch, whatever the number of requests.
-        """
+        self, slots: torch.Tensor, keys: list[int], owner: list[int], first_pos: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of ``slots`` whose block is one of ``keys``; their owner and position."""
         if not keys or slots.numel() == 0:
-            return {}, set()
-        device = slots.device
-        key_t = torch.tensor(keys, dtype=torch.int64, device=device)
+            return _EMPTY, _EMPTY, _EMPTY
+        slots = slots.cpu()
+        key_t = torch.tensor(keys, dtype=torch.int64)
         order = torch.argsort(key_t)
         sorted_keys = key_t[order]
-        owner_t = torch.tensor(owner, dtype=torch.int64, device=device)[order]
-        first_t = torch.tensor(first_pos, dtype=torch.int64, device=device)[order]
+        owner_t = torch.tensor(owner, dtype=torch.int64)[order]
+        first_t = torch.tensor(first_pos, dtype=torch.int64)[order]
         blocks = torch.div(slots, self.block_size, rounding_mode="floor")
         at = torch.searchsorted(sorted_keys, blocks).clamp(max=len(keys) - 1)
         hit = (slots >= 0) & (sorted_keys[at] == blocks)
         rows = hit.nonzero().flatten()
         at = at[rows]
-        who = owner_t[at]
-        positions = first_t[at] + slots[rows] % self.block_size
-        start = torch.tensor([s.computed_before for s in steps], dtype=torch.int64, device=device)
-        stop = start + torch.tensor([s.scheduled for s in steps], dtype=torch.int64, device=device)
-        bad = (positions < start[who]) | (positions >= stop[who])
-        outside = set(who[bad].tolist())
-        by_owner = torch.argsort(who, stable=True)
-        counts = torch.bincount(who, minlength=len(steps)).tolist()
-        row_groups = torch.split(rows[by_owner], counts)
-        pos_groups = torch.split(positions[by_owner], counts)
-        grouped = {i: (row_groups[i], pos_groups[i]) for i, n in enumerate(counts) if n}
-        return grouped, outside
+        return rows, owner_t[at], first_t[at] + slots[rows] % self.block_size
 
 
 _EMPTY = torch.zeros(0, dtype=torch.int64)

@@ -204,18 +204,18 @@ class ForwardWorkerSide(WorkerSide):
         """Route the step's rows to their requests and store them in one scatter."""
         assert self.arena is not None
         self.router.update(steps)
-        routed = self.router.route(copy.slots, steps)
-        entries = []
-        failures: dict[str, str] = {}
-        for step in steps:
-            found = routed[step.req_id]
-            if found.failure is not None:
-                failures[step.req_id] = found.failure
-            elif step.scheduled > 0:
-                start, stop = step.computed_before, step.computed_before + step.scheduled
-                entries.append((step.req_id, start, stop, found.rows, found.positions))
-        failures.update(self.arena.write_many(entries, copy.rows))
-        for req_id, failure in failures.items():
+        flat = self.router.route_flat(copy.slots, steps)
+        entries = [
+            None
+            if i in flat.failures or not step.scheduled
+            else (step.req_id, step.computed_before, step.computed_before + step.scheduled)
+            for i, step in enumerate(steps)
+        ]
+        failures = flat.failures | self.arena.write_step(
+            entries, flat.rows, flat.owner, flat.positions, copy.rows
+        )
+        for index, failure in failures.items():
+            req_id = steps[index].req_id
             if req_id not in self._row_failures:
                 self._row_failures[req_id] = failure
                 log.warning("request %s: %s; its sample will fail", req_id, failure)
