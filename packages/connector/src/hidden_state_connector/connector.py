@@ -51,8 +51,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     Attributes:
         write_hooks: The write path's seams (``WriteHooks``), for benchmarks and profilers:
             a subclass sets its own (``benchmarks/null_sink.py``'s ``DiscardConnector``
-            writes nothing). Used by the extract capture (``capture: "forward"`` writes
-            with the production hooks).
+            writes nothing). Both capture engines write through them.
     """
 
     write_hooks: ClassVar[WriteHooks] = PRODUCTION_HOOKS
@@ -105,6 +104,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
                 self._stats,
                 family=forward.family,
                 slot_layer=forward.slot_layer,
+                hooks=self.write_hooks,
             )
         else:
             self._worker = WorkerSide(

@@ -31,6 +31,7 @@ from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata,
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
 from hidden_state_connector.engine.write.gather import Extractor
+from hidden_state_connector.engine.write.sample_file import PRODUCTION_HOOKS, WriteHooks
 from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
@@ -50,6 +51,7 @@ class ForwardWorkerSide(WorkerSide):
         stats: Shared counters.
         family: The model family's adapter.
         slot_layer: An attention layer of that group (its slot mapping is read).
+        hooks: The write path's seams (``WriteHooks``; benchmarks replace them).
     """
 
     def __init__(
@@ -62,8 +64,9 @@ class ForwardWorkerSide(WorkerSide):
         *,
         family: Family,
         slot_layer: str,
+        hooks: WriteHooks = PRODUCTION_HOOKS,
     ) -> None:
-        super().__init__(config, vllm_config, block_size, layer_ids, stats)
+        super().__init__(config, vllm_config, block_size, layer_ids, stats, hooks)
         self.family = family
         self.slot_layer = slot_layer
         self.router = RowRouter(block_size)
