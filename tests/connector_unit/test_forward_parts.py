@@ -15,7 +15,7 @@ from hidden_state_connector.engine.forward.adapter import (
     family_of,
     stream_before,
 )
-from hidden_state_connector.engine.forward.arena import ArenaFullError, RowArena
+from hidden_state_connector.engine.forward.arena import RowArena
 from hidden_state_connector.engine.forward.routing import RowRouter
 from hidden_state_connector.engine.metadata import StepRows
 
@@ -34,6 +34,19 @@ def test_capture_keys_are_checked_by_name() -> None:
         ConnectorConfig.from_extra_config({"capture": "hooks"})
 
 
+def _by_entry(router: RowRouter, slots: torch.Tensor, steps: list[StepRows]) -> dict:
+    """``route_flat`` per step entry: ``{req_id: (rows, positions, failure)}``."""
+    flat = router.route_flat(slots, steps)
+    return {
+        step.req_id: (
+            flat.rows[flat.owner == i].tolist(),
+            flat.positions[flat.owner == i].tolist(),
+            flat.failures.get(i),
+        )
+        for i, step in enumerate(steps)
+    }
+
+
 def test_rows_are_routed_by_slot_whatever_the_batch_order() -> None:
     router = RowRouter(block_size=4)
     # a: prefill chunk, tokens [0, 6) in blocks 7, 2; b: decode of token 9 (block 5, slot 1).
@@ -41,19 +54,19 @@ def test_rows_are_routed_by_slot_whatever_the_batch_order() -> None:
     router.update(steps)
     # The runner put b first and padded the batch to 8 rows (slot -1).
     slots = torch.tensor([5 * 4 + 1, 7 * 4, 7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 2 * 4, 2 * 4 + 1, -1])
-    routed = router.route(slots, steps)
-    assert routed["b"].rows.tolist() == [0] and routed["b"].positions.tolist() == [9]
-    assert routed["a"].rows.tolist() == [1, 2, 3, 4, 5, 6]
-    assert routed["a"].positions.tolist() == [0, 1, 2, 3, 4, 5]
-    assert routed["a"].failure is None and routed["b"].failure is None
+    routed = _by_entry(router, slots, steps)
+    assert routed["b"] == ([0], [9], None)
+    assert routed["a"] == ([1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5], None)
 
 
 def test_missing_rows_fail_the_request_not_store_wrong_ones() -> None:
     router = RowRouter(block_size=4)
-    steps = [StepRows("a", 0, 3, [7], True)]
+    steps = [StepRows("a", 0, 3, [7], True), StepRows("b", 0, 1, [1], True)]
     router.update(steps)
-    routed = router.route(torch.tensor([7 * 4, 7 * 4 + 1, -1]), steps)
-    assert routed["a"].failure is not None and "expected 3" in routed["a"].failure
+    # a: one of its rows is missing; b: its row maps outside the token it computes.
+    routed = _by_entry(router, torch.tensor([7 * 4, 7 * 4 + 1, 1 * 4 + 2, -1]), steps)
+    assert routed["a"][2] is not None and "2 rows of the batch" in routed["a"][2]
+    assert routed["b"][2] is not None and "expected 1" in routed["b"][2]
 
 
 def test_arena_stores_by_position_and_reports_gaps_and_full() -> None:
@@ -62,16 +75,23 @@ def test_arena_stores_by_position_and_reports_gaps_and_full() -> None:
     )
     assert arena.num_blocks == 2
     rows = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
-    assert arena.write("a", torch.arange(5), rows) is None
+
+    def write(req_id: str, positions: torch.Tensor) -> str | None:
+        start, stop = int(positions.min()), int(positions.max()) + 1
+        index, owner = torch.arange(len(positions)), torch.zeros(len(positions), dtype=torch.int64)
+        return arena.write_step([(req_id, start, stop)], index, owner, positions, rows).get(0)
+
+    assert write("a", torch.arange(5)) is None
     assert arena.filled("a") == 5 and len(arena.blocks("a")) == 2
     # Recomputed after a preemption: the same positions, overwritten.
-    assert arena.write("a", torch.arange(2), rows[:, :2]) is None
+    assert write("a", torch.arange(2)) is None
     flat = arena.data[arena.blocks("a")].reshape(-1, 2, 3)
     assert torch.equal(flat[:5], rows.transpose(0, 1))
-    with pytest.raises(ArenaFullError):
-        arena.write("b", torch.arange(1), rows[:, :1])
+    full = write("b", torch.arange(1))
+    assert full is not None and "all in use" in full
     arena.release("a")
-    assert arena.write("b", torch.arange(6, 7), rows[:, :1]) is not None  # rows [0, 6) missing
+    gap = write("b", torch.arange(6, 7))
+    assert gap is not None and "[0, 6)" in gap  # rows [0, 6) missing
 
 
 def test_the_embeddings_are_found_whatever_the_layer_signature() -> None:

@@ -102,7 +102,6 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size,
                 captured,
                 self._stats,
-                family=forward.family,
                 slot_layer=forward.slot_layer,
                 hooks=self.write_hooks,
             )

@@ -180,8 +180,8 @@ class SchedulerSide:
             if tracked.holds_nothing:
                 continue
             if step.new_block_ids is not None and not tracked.ordered:
-                if step.replaces_table:  # a copy: the step's own list goes to the worker
-                    tracked.block_ids = list(step.new_block_ids)
+                if step.replaces_table:
+                    tracked.block_ids = step.new_block_ids
                 else:
                     tracked.block_ids.extend(step.new_block_ids)
             if self._forward and not tracked.ordered:

@@ -39,18 +39,6 @@ class Family:
     layers_path: str = "model.layers"
     refusal: Callable[[Any], str | None] = _accepts
 
-    def decoder_layers(self, model: torch.nn.Module) -> Sequence[torch.nn.Module]:
-        """The model's decoder layers, in order (all of them: pipeline parallelism is refused)."""
-        found: Any = model
-        for part in self.layers_path.split("."):
-            found = getattr(found, part, None)
-            if found is None:
-                raise RuntimeError(
-                    f"forward capture: {type(model).__name__} has no {self.layers_path} "
-                    f"({self.name} adapter)"
-                )
-        return list(found)
-
 
 def _deepseek_refusal(vllm_config: Any) -> str | None:
     """Why DeepSeek-V2's stream in vLLM would not be HF's here (float16, SP MoE, CPU RoPE)."""

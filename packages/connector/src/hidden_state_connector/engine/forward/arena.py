@@ -16,10 +16,6 @@ from collections.abc import Sequence
 import torch
 
 
-class ArenaFullError(RuntimeError):
-    """No free block for a request's rows (``capture_buffer_bytes`` is spent)."""
-
-
 class RowArena:
     """Block-allocated host rows, per request.
 
@@ -62,26 +58,6 @@ class RowArena:
     def filled(self, req_id: str) -> int:
         """How many leading positions of a request hold rows."""
         return self._filled.get(req_id, 0)
-
-    def write(self, req_id: str, positions: torch.Tensor, rows: torch.Tensor) -> str | None:
-        """Store ``rows`` (``[layers, k, hidden]``) at ``positions``, a contiguous range.
-
-        Returns:
-            None, or why the request's sample cannot be complete (a gap before these
-            positions: its earlier rows were never stored).
-
-        Raises:
-            ArenaFullError: No block is free for them.
-        """
-        if positions.numel() == 0:
-            return None
-        start, stop = int(positions.min()), int(positions.max()) + 1
-        owner = torch.zeros(positions.numel(), dtype=torch.int64)
-        index = torch.arange(positions.numel())
-        failure = self.write_step([(req_id, start, stop)], index, owner, positions, rows).get(0)
-        if failure == self._full_message:
-            raise ArenaFullError(failure)
-        return failure
 
     def write_step(
         self,

@@ -16,7 +16,7 @@ from typing import Any
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.capture import num_hidden_layers
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.forward.adapter import Family, family_of
+from hidden_state_connector.engine.forward.adapter import family_of
 
 
 class ForwardCaptureError(ValueError):
@@ -28,14 +28,12 @@ class ForwardSetup:
     """What the facade needs to build either half of a forward-capture connector.
 
     Attributes:
-        family: The model family's adapter.
         layer_ids: Captured layer ids, ascending, without repeats.
         group: The attention KV-cache group whose slot mapping routes rows.
         block_size: That group's block size.
         slot_layer: One attention layer of that group ("" when vLLM gave no cache config).
     """
 
-    family: Family
     layer_ids: list[int]
     group: int
     block_size: int
@@ -85,7 +83,7 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
     group, layer = _routing_group(kv_cache_config, f"{where}: {model_name}")
     block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
     layer_ids = compat.captured_layer_ids(config.layer_ids)
-    return ForwardSetup(family, layer_ids, group, block_size, layer)
+    return ForwardSetup(layer_ids, group, block_size, layer)
 
 
 def _routing_group(kv_cache_config: Any, where: str) -> tuple[int, str]:

@@ -32,21 +32,6 @@ def rows_of_step(step: Any) -> StepRows:
 
 
 @dataclass
-class Routed:
-    """One request's rows in this step.
-
-    Attributes:
-        rows: Row indices into the step's batch.
-        positions: The token position of each row.
-        failure: Why this step's rows cannot be trusted (None: they can).
-    """
-
-    rows: torch.Tensor
-    positions: torch.Tensor
-    failure: str | None = None
-
-
-@dataclass
 class FlatRoute:
     """A step's matched rows, flat.
 
@@ -87,18 +72,6 @@ class RowRouter:
     def forget(self, req_id: str) -> None:
         """Drop a finished request's table."""
         self._tables.pop(req_id, None)
-
-    def route(self, slots: torch.Tensor, steps: Sequence[StepRows]) -> dict[str, Routed]:
-        """Rows and positions of each step entry (``slots``: the batch's slot mapping)."""
-        flat = self.route_flat(slots, steps)
-        order = torch.argsort(flat.owner, stable=True)
-        counts = torch.bincount(flat.owner, minlength=len(steps)).tolist()
-        rows = torch.split(flat.rows[order], counts)
-        positions = torch.split(flat.positions[order], counts)
-        return {
-            step.req_id: Routed(rows[i], positions[i], flat.failures.get(i))
-            for i, step in enumerate(steps)
-        }
 
     def route_flat(self, slots: torch.Tensor, steps: Sequence[StepRows]) -> FlatRoute:
         """Every matched row of the batch with its step entry and position, in one pass.

@@ -19,7 +19,6 @@ import torch
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.forward.adapter import Family
 from hidden_state_connector.engine.forward.arena import RowArena
 from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.install import staging_for
@@ -49,7 +48,6 @@ class ForwardWorkerSide(WorkerSide):
         block_size: Block size of the attention group the slot mapping indexes.
         layer_ids: Captured layer ids, ascending.
         stats: Shared counters.
-        family: The model family's adapter.
         slot_layer: An attention layer of that group (its slot mapping is read).
         hooks: The write path's seams (``WriteHooks``; benchmarks replace them).
     """
@@ -62,12 +60,10 @@ class ForwardWorkerSide(WorkerSide):
         layer_ids: list[int],
         stats: WriteStats,
         *,
-        family: Family,
         slot_layer: str,
         hooks: WriteHooks = PRODUCTION_HOOKS,
     ) -> None:
         super().__init__(config, vllm_config, block_size, layer_ids, stats, hooks)
-        self.family = family
         self.slot_layer = slot_layer
         self.router = RowRouter(block_size)
         self.staging: StepStaging | None = None
@@ -119,6 +115,10 @@ class ForwardWorkerSide(WorkerSide):
             self.root,
         )
         self.transfer = StepTransfer(self.staging.rows)
+        log.info(
+            "forward capture: %.1f MiB of host buffers for rows in flight",
+            self.transfer.host_bytes / 2**20,
+        )
         self.ingest = IngestThread("hidden-state-ingest", self._ingest_failed)
         self._start_writers(extractor)
 
