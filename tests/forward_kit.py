@@ -76,14 +76,20 @@ def run_and_check(
     layers: list[int],
     num_layers: int,
     lengths: tuple[int, ...],
+    rtol: float = RTOL,
+    **engine_kwargs: Any,
 ) -> tuple[float, list[str]]:
     """Capture ``layers`` with and without generated tokens; every row checked against HF.
+
+    ``rtol`` bounds each layer's relative error (float32's by default; a bfloat16 engine
+    needs bfloat16's); ``engine_kwargs`` go to the engine (``engine``).
 
     Returns:
         The worst relative error of any captured layer of any sample, and the engine's
         KV-cache groups (``kv_cache_groups``).
     """
-    llm = engine(model, out, forward_extra(layers, include_output_tokens=True))
+    extra = forward_extra(layers, include_output_tokens=True)
+    llm = engine(model, out, extra, **engine_kwargs)
     try:
         groups = kv_cache_groups(llm)
         with_outputs = generate(llm, prompts(lengths), None)
@@ -102,7 +108,7 @@ def run_and_check(
         assert sample.token_ids.tolist() == (prompt + generated[:-1] if include else prompt)
         assert sample.layer_ids == layers
         errors = reference.layer_errors(sample)
-        assert max(errors.values()) <= RTOL, f"{model.parent.name}: relative errors {errors}"
+        assert max(errors.values()) <= rtol, f"{model.parent.name}: relative errors {errors}"
         worst = max(worst, *errors.values())
     return worst, groups
 

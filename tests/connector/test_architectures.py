@@ -161,8 +161,16 @@ def test_refused_at_start_up_within_a_minute_naming_the_architecture(
     gc.collect()
     message = "".join(str(e) for e in _chain(info.value))
     assert seconds < REFUSAL_S
-    if ARCH[row] == "deepseek_v2":  # refused by the connector
+    if ARCH[row] == "deepseek_v2":  # refused by the connector, before the weights load
         assert "HiddenStateConnector: DeepseekV2ForCausalLM uses multi-head latent" in message
+        # The same on a CPU with AMX tiles (injected): vLLM's AMX MLA backend would fail
+        # on the float32 weights after loading them, before any refusal after that point.
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(Exception) as amx:
+            patch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+            _engine(model, base / "hs-amx")
+        gc.collect()
+        amx_message = "".join(str(e) for e in _chain(amx.value))
+        assert "HiddenStateConnector: DeepseekV2ForCausalLM uses multi-head latent" in amx_message
     elif ARCH[row] == "nemotron_h":
         assert "HiddenStateConnector: NemotronHForCausalLM keeps a recurrent" in message
         assert "--no-enable-prefix-caching" in message

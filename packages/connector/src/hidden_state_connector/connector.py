@@ -23,12 +23,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from hidden_state_connector.engine import architecture, compat, output_tokens
+from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
 from hidden_state_connector.engine.forward.checks import ForwardSetup, forward_setup
 from hidden_state_connector.engine.forward.worker import ForwardWorkerSide
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
+from hidden_state_connector.engine.startup_checks import refuse_unsupported
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.storage_check import check_storage_root
 from hidden_state_connector.engine.worker_side import WorkerSide
@@ -60,7 +61,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        found = compat.check_vllm_version()
+        compat.check_vllm_version()
         # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
         # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
         KVConnectorMetadata.register(HiddenStateConnectorMetadata)
@@ -68,7 +69,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv_transfer_config.kv_connector_extra_config
         )
         forward, group, block_size, configured, captured = self._capture_plan(
-            vllm_config, kv_cache_config, found
+            vllm_config, kv_cache_config
         )
         files = self.config.storage_backend == "files"
         if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
@@ -111,7 +112,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             )
 
     def _capture_plan(
-        self, vllm_config: Any, kv_cache_config: Any, found: str
+        self, vllm_config: Any, kv_cache_config: Any
     ) -> tuple[ForwardSetup | None, int, int, list[int], list[int]]:
         """Check the engine for its capture engine; its group, block size and layer ids.
 
@@ -119,15 +120,15 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             The forward set-up (None: extract), the KV-cache group and its block size, the
             layer ids as configured and as captured.
         """
-        if self.config.capture == CAPTURE_FORWARD:  # refuses what it cannot capture, by name
+        # What the capture engine cannot capture, by name (run before the model loaded
+        # too, where vLLM loaded the plugin): extract refuses MLA, models without the
+        # aux-hidden-state interface, a recurrent state with prefix caching or generated
+        # tokens, and generated tokens by default under async scheduling.
+        refuse_unsupported(vllm_config, self.config)
+        if self.config.capture == CAPTURE_FORWARD:
             forward = forward_setup(vllm_config, kv_cache_config, self.config)
             configured = list(self.config.layer_ids or ())
             return forward, forward.group, forward.block_size, configured, forward.layer_ids
-        # Refuses models vLLM cannot capture (MLA; no aux-hidden-state interface; a
-        # recurrent state with prefix caching or generated tokens).
-        architecture.check_engine_model(vllm_config, found, self.config.include_output_tokens)
-        # Refuses include_output_tokens by default under async scheduling (wrong rows).
-        output_tokens.check_output_tokens_default(vllm_config, self.config.include_output_tokens)
         group = compat.hidden_state_group(kv_cache_config)
         block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
         configured = compat.configured_layer_ids(vllm_config)

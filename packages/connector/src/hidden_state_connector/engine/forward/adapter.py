@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from hidden_state_connector.engine.cpu_build import cpu_rotary_kernel
+
 
 def _accepts(_vllm_config: Any) -> str | None:
     return None
@@ -54,7 +56,7 @@ def _deepseek_refusal(vllm_config: Any) -> str | None:
             "parallel): its layers return each rank's slice of the tokens; turn off "
             "expert parallelism or data parallelism"
         )
-    if _cpu_rotary_kernel(vllm_config):
+    if cpu_rotary_kernel(vllm_config):
         return (
             "DeepseekV2ForCausalLM with plain RoPE on vLLM's CPU build: its in-place rotary "
             "kernel rotates MLA's multi-head query and strided key wrongly, so the model's "
@@ -62,24 +64,6 @@ def _deepseek_refusal(vllm_config: Any) -> str | None:
             "['-rotary_embedding']} (PyTorch's rotary op)"
         )
     return None
-
-
-def _cpu_rotary_kernel(vllm_config: Any) -> bool:
-    """Whether vLLM's CPU rotary kernel would rotate this model's MLA query and key.
-
-    DeepSeek's YaRN scaling (``DeepseekScalingRotaryEmbedding``) uses PyTorch ops on CPU;
-    plain RoPE uses the ``rotary_embedding`` custom op unless it is turned off.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    hf_config = vllm_config.model_config.hf_config
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
-    rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
-    ops = list(getattr(vllm_config.compilation_config, "custom_ops", None) or [])
-    turned_off = "-rotary_embedding" in ops or ("none" in ops and "+rotary_embedding" not in ops)
-    return rope_type == "default" and not turned_off
 
 
 # Llama-style layers: ``layer(positions, hidden_states, residual) -> (hidden, residual)``.

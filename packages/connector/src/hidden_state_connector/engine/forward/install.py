@@ -6,7 +6,9 @@ connector's plugin (``hidden_state_connector.plugin``, loaded by vLLM in every p
 watches module registration: when a model under construction whose engine asks for
 ``capture: "forward"`` registers its decoder layer list, the staging buffer is built and
 the layers hooked right there. The worker half picks the staging up with
-``staging_for(vllm_config)``. Any other model or engine is left untouched.
+``staging_for(vllm_config)``. The first module registered for an engine whose
+connector is this one (either capture engine) runs the start-up refusals
+(``engine.startup_checks``) before the weights load. Other engines are left untouched.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ COMPILE_CACHE_KEY = "hidden_state_connector"
 """The ``additional_config`` entry that keys compiled code with the capture apart."""
 _installed: weakref.WeakValueDictionary[int, StepStaging] = weakref.WeakValueDictionary()
 _hook_handle: Any = None
+_checked: weakref.ref[Any] | None = None  # the engine configuration checked last
 
 
 def watch_model_construction() -> None:
@@ -46,19 +49,44 @@ def staging_for(vllm_config: Any) -> StepStaging | None:
 
 
 def _on_module_registered(parent: torch.nn.Module, name: str, module: Any) -> None:
-    """Registration hook: hook the decoder layers of a model built for forward capture."""
+    """Registration hook: check an engine of ours early; hook a forward-capture model's layers.
+
+    The first module vLLM registers for an engine whose connector is this one runs the
+    start-up refusals (``startup_checks``), so a refused model stops before its weights
+    load; their error leaves the model's construction on purpose.
+    """
+    vllm_config = _our_engine()
+    if vllm_config is None:
+        return None
+    _check_once(vllm_config)
     if name != _LAYER_LIST_NAME or not isinstance(module, torch.nn.ModuleList) or not module:
         return None
+    if _extra(vllm_config).get("capture") != "forward":
+        return None
     try:
-        _install(module)
+        _install(module, vllm_config)
     except Exception as exc:  # never break model construction; the worker refuses later
         log.warning("forward capture: hooks not installed (%s: %s)", type(exc).__name__, exc)
     return None
 
 
-def _install(layers: torch.nn.ModuleList) -> None:
-    vllm_config = _forward_capture_engine()
-    if vllm_config is None or staging_for(vllm_config) is not None:
+def _check_once(vllm_config: Any) -> None:
+    """``startup_checks.refuse_unsupported`` once per engine configuration."""
+    global _checked
+    if _checked is not None and _checked() is vllm_config:
+        return
+    from hidden_state_connector.engine.config import ConnectorConfig
+    from hidden_state_connector.engine.startup_checks import refuse_unsupported
+
+    try:
+        _checked = weakref.ref(vllm_config)
+    except TypeError:  # not weakly referable: checked each time (cheap, and it raises once)
+        _checked = None
+    refuse_unsupported(vllm_config, ConnectorConfig.from_extra_config(_extra(vllm_config)))
+
+
+def _install(layers: torch.nn.ModuleList, vllm_config: Any) -> None:
+    if staging_for(vllm_config) is not None:
         return
     from hidden_state_connector.engine import compat
     from hidden_state_connector.engine.config import ConnectorConfig
@@ -73,8 +101,7 @@ def _install(layers: torch.nn.ModuleList) -> None:
         return
     if compat.tensor_parallel_rank() != 0:  # the states are replicated; rank 0 captures them
         return
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-    config = ConnectorConfig.from_extra_config(extra)
+    config = ConnectorConfig.from_extra_config(_extra(vllm_config))
     layer_ids = compat.captured_layer_ids(list(config.layer_ids or ()))
     if any(i > len(layers) for i in layer_ids):
         return  # the connector's start-up check names the bad ids
@@ -109,8 +136,8 @@ def key_compile_cache(vllm_config: Any, layer_ids: list[int]) -> None:
         )
 
 
-def _forward_capture_engine() -> Any:
-    """The vLLM config being built, if its connector is ours with ``capture: "forward"``."""
+def _our_engine() -> Any:
+    """The vLLM config being built, if its connector is this one (either capture engine)."""
     try:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:
@@ -121,10 +148,11 @@ def _forward_capture_engine() -> Any:
         return None
     from hidden_state_connector import CONNECTOR_NAME
 
-    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
-    if transfer.kv_connector != CONNECTOR_NAME or extra.get("capture") != "forward":
-        return None
-    return vllm_config
+    return vllm_config if transfer.kv_connector == CONNECTOR_NAME else None
+
+
+def _extra(vllm_config: Any) -> dict[str, Any]:
+    return dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
 
 
 def _is_decoder_list(layers: torch.nn.ModuleList, layers_path: str) -> bool:
