@@ -38,8 +38,10 @@ def test_refusals_name_the_setting(
 ) -> None:
     base = tmp_path_factory.mktemp("forward-refusals")
     llama = build_tiny_model(base / "llama", dtype="float32", num_layers=NUM_LAYERS)
-    message = refusal(llama, base / "hs", forward_extra(LAYERS), enable_prefix_caching=True)
-    assert "prefix caching is not supported yet" in message
+    message = refusal(
+        llama, base / "hs", forward_extra(LAYERS), enable_prefix_caching=True, block_size=8
+    )
+    assert "with prefix caching, block_size must be a multiple of 16" in message
     assert "--no-enable-prefix-caching" in message
     message = refusal(llama, base / "hs", forward_extra([1, 9]))
     assert "layer_ids [1, 9]: the model has 4 layers" in message

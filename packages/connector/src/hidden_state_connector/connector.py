@@ -249,7 +249,14 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Store-only: never provides tokens."""
+        """Store-only: never provides tokens.
+
+        Forward capture with prefix caching: a request whose cached prefix's rows are not
+        held is told to skip the prefix cache and waits a step (None), then computes them.
+        """
+        forward = None if self._scheduler is None else self._scheduler.forward
+        if forward is not None and not forward.admits(request, num_computed_tokens):
+            return None, False
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

@@ -78,6 +78,10 @@ class ConnectorConfig:
             N = last layer before the final norm); required there, refused otherwise.
         capture_buffer_bytes: With ``capture="forward"``, host memory for the rows of
             requests still running (reserved as address space, committed as rows arrive).
+        prefix_rows_bytes: With ``capture="forward"`` and prefix caching, the part of
+            ``capture_buffer_bytes`` that keeps the rows of full prefix blocks for later
+            requests that vLLM serves them from its cache (least recently used go first;
+            default a quarter of ``capture_buffer_bytes``).
     """
 
     shared_storage_path: str = "/tmp"
@@ -111,6 +115,7 @@ class ConnectorConfig:
     capture: str = CAPTURE_EXTRACT
     layer_ids: tuple[int, ...] | None = None
     capture_buffer_bytes: int = 4 * 1024**3
+    prefix_rows_bytes: int | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -162,6 +167,13 @@ class ConnectorConfig:
         check_store_keys(self)
         self._check_capture()
 
+    @property
+    def prefix_rows_budget(self) -> int:
+        """Bytes of held prefix rows (``prefix_rows_bytes``, or its default)."""
+        if self.prefix_rows_bytes is not None:
+            return self.prefix_rows_bytes
+        return self.capture_buffer_bytes // 4
+
     def _check_capture(self) -> None:
         if self.capture not in (CAPTURE_EXTRACT, CAPTURE_FORWARD):
             raise ValueError(
@@ -169,6 +181,14 @@ class ConnectorConfig:
             )
         if self.capture == CAPTURE_FORWARD and not self.layer_ids:
             raise ValueError("layer_ids: capture='forward' needs a non-empty list of layer ids")
+        if self.prefix_rows_bytes is not None and (
+            self.prefix_rows_bytes >= self.capture_buffer_bytes
+        ):
+            raise ValueError(
+                f"prefix_rows_bytes ({self.prefix_rows_bytes}) must be less than "
+                f"capture_buffer_bytes ({self.capture_buffer_bytes}): the rows of running "
+                "requests need room in the same host memory"
+            )
         if self.capture == CAPTURE_EXTRACT and self.layer_ids is not None:
             raise ValueError(
                 "layer_ids: only for capture='forward'; the extract engine takes its layers "

@@ -61,6 +61,11 @@ class StepRows:
             each row of the batch to a request and position through them and the step's
             slot mapping.
         replaces_table: ``new_block_ids`` is the whole table (first step, or resumed).
+        cached_rows: Prefix caching: the held rows (``PrefixRowIndex`` entry ids) of
+            each prefix block ``0 .. computed_before // block`` that vLLM served from its
+            cache (-1: not held), on a request's first step; None when none.
+        filled_rows: Prefix caching: ``(prefix block index, entry id)`` of each full
+            prefix block this step completes whose rows are to be held; None when none.
     """
 
     req_id: str
@@ -68,6 +73,8 @@ class StepRows:
     scheduled: int
     new_block_ids: list[int] | None
     replaces_table: bool
+    cached_rows: list[int] | None = None
+    filled_rows: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -83,6 +90,8 @@ class HiddenStateConnectorMetadata:
         steps: Forward capture only: the captured requests this step computes rows for.
         batch_tokens: Forward capture only: tokens the step computes in all (the rows of
             the batch that are not padding).
+        released_rows: Forward capture with prefix caching: held prefix rows (entry ids)
+            the worker lets go of, after this step's rows are stored.
     """
 
     new_samples: list[NewSample] = field(default_factory=list)
@@ -90,3 +99,4 @@ class HiddenStateConnectorMetadata:
     preempted: list[str] = field(default_factory=list)
     steps: list[StepRows] = field(default_factory=list)
     batch_tokens: int = 0
+    released_rows: list[int] = field(default_factory=list)

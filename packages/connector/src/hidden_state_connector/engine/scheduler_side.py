@@ -28,7 +28,7 @@ from typing import Any
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
-from hidden_state_connector.engine.forward.routing import rows_of_step
+from hidden_state_connector.engine.forward.scheduler_part import ForwardSchedulerPart
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderSender
 from hidden_state_connector.engine.loss_mask_param import requested_mask, stored_mask
@@ -124,8 +124,9 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._paths_in_use: Counter[str] = Counter()  # requests in flight per path
         self._outgoing = HiddenStateConnectorMetadata()
-        self._forward = config.capture == CAPTURE_FORWARD  # the worker needs StepRows
-        self._no_output_tokens = output_tokens_refusal(vllm_config, forward=self._forward)
+        forward = config.capture == CAPTURE_FORWARD  # the worker needs StepRows
+        self.forward = ForwardSchedulerPart(config, vllm_config) if forward else None
+        self._no_output_tokens = output_tokens_refusal(vllm_config, forward=forward)
         # Store backend: is a keyed sample in the store, or consumed (``_written``)?
         self._store = (
             StoreLookup(config, self.root) if config.storage_backend == "mooncake" else None
@@ -184,14 +185,16 @@ class SchedulerSide:
                     tracked.block_ids = step.new_block_ids
                 else:
                     tracked.block_ids.extend(step.new_block_ids)
-            if self._forward and not tracked.ordered:
-                meta.steps.append(rows_of_step(step))
+            if self.forward is not None and not tracked.ordered:
+                meta.steps.append(self.forward.step_rows(step))
             if tracked.ordered or tracked.include_output or not tracked.prompt:
                 continue
             if step.computed_before + step.scheduled >= len(tracked.prompt):
                 meta.saves.append(self._prompt_order(step.req_id, tracked))
         if meta.steps:
             meta.batch_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        if self.forward is not None:
+            self.forward.end_step(meta)
         for req_id in compat.preempted_request_ids(scheduler_output):
             tracked = self._requests.get(req_id)
             if tracked is not None and tracked.ordered:
@@ -274,6 +277,8 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Order the save of a finished request (unless ordered already); keep its blocks."""
         req_id = request.request_id
+        if self.forward is not None:
+            self.forward.forget(req_id)
         tracked = self._requests.pop(req_id, None)
         if tracked is None:
             return False, None  # never scheduled: no lock, nothing computed

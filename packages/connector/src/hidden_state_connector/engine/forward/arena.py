@@ -6,7 +6,9 @@ chunks out of it unchanged. Blocks are handed to requests as their rows arrive a
 back once their sample's copies are done. It is reserved as address space
 (``capture_buffer_bytes``); the operating system commits pages as rows are written.
 Rows are stored by position, so rows recomputed after a preemption overwrite the same
-positions with the same values.
+positions with the same values. With prefix caching, blocks are shared: a held prefix
+block (``pin``) and every request that starts from it (``adopt``) count as users, and a
+block goes back to the free list when its last user lets go.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+ARENA_BLOCK_TOKENS = 16
+"""Tokens per arena block (independent of the KV cache's block size)."""
 
 
 class RowArena:
@@ -42,6 +47,7 @@ class RowArena:
             self.data = torch.empty(num_blocks, block_size, num_layers, hidden_size, dtype=dtype)
         self._flat = self.data.view(num_blocks * block_size, num_layers, hidden_size)
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._users = [0] * num_blocks  # requests and held prefixes using each block
         self._blocks: dict[str, list[int]] = {}
         self._filled: dict[str, int] = {}  # rows [0, filled) of each request are stored
         self._full_message = f"capture_buffer_bytes holds {num_blocks} blocks, all in use"
@@ -50,6 +56,11 @@ class RowArena:
     def num_blocks(self) -> int:
         """Blocks in the arena."""
         return int(self.data.shape[0])
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no request and no held prefix uses."""
+        return len(self._free)
 
     def blocks(self, req_id: str) -> list[int]:
         """A request's arena blocks, in position order."""
@@ -67,7 +78,7 @@ class RowArena:
         positions: torch.Tensor,
         rows: torch.Tensor,
     ) -> dict[int, str]:
-        """Store a step's rows of several requests in one scatter.
+        """Store a step's rows of several requests in one scatter (``reserve``, ``scatter``).
 
         Args:
             entries: ``(req_id, start, stop)`` per step entry (the positions its rows
@@ -81,41 +92,101 @@ class RowArena:
             Why an entry's sample cannot be complete, by entry index (no free block; or a
             gap before these positions: its earlier rows were never stored).
         """
+        failures = {}
+        for index, entry in enumerate(entries):
+            failure = None if entry is None else self.reserve(*entry)
+            if failure is not None:
+                failures[index] = failure
+        # Rows after a gap are stored all the same (the sample fails); no block, no rows.
+        full = self._full_message
+        stored = [None if failures.get(i) == full else e for i, e in enumerate(entries)]
+        self.scatter(stored, row_index, owner, positions, rows)
+        return failures
+
+    def reserve(self, req_id: str, start: int, stop: int) -> str | None:
+        """Blocks for a request's positions ``[start, stop)``; why not (None: done)."""
         bs = self.block_size
-        failures: dict[int, str] = {}
+        have = self._blocks.setdefault(req_id, [])
+        need = -(-stop // bs) - len(have)
+        if need > len(self._free):
+            return self._full_message
+        for _ in range(need):
+            block = self._free.pop()
+            self._users[block] = 1
+            have.append(block)
+        filled = self._filled.get(req_id, 0)
+        if start > filled:
+            return f"rows of tokens [{filled}, {start}) were never computed in a captured step"
+        self._filled[req_id] = max(filled, stop)
+        return None
+
+    def scatter(
+        self,
+        entries: Sequence[tuple[str, int, int] | None],
+        row_index: torch.Tensor,
+        owner: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """Copy the rows of reserved entries (None: skipped) to their blocks, in one scatter."""
+        bs = self.block_size
         spanned: list[int] = []
         base = [0] * len(entries)  # spanned index of each entry's first block, less it
-        stored = [False] * len(entries)
         for index, entry in enumerate(entries):
-            if entry is None:
-                continue
-            req_id, start, stop = entry
-            have = self._blocks.setdefault(req_id, [])
-            need = -(-stop // bs) - len(have)
-            if need > len(self._free):
-                failures[index] = self._full_message
-                continue
-            for _ in range(need):
-                have.append(self._free.pop())
-            filled = self._filled.get(req_id, 0)
-            if start > filled:
-                failures[index] = (
-                    f"rows of tokens [{filled}, {start}) were never computed in a captured step"
-                )
-            else:
-                self._filled[req_id] = max(filled, stop)
-            base[index] = len(spanned) - start // bs
-            spanned.extend(have[start // bs : -(-stop // bs)])
-            stored[index] = True
-        if spanned:
-            keep = torch.tensor(stored)[owner]
-            owner, pos = owner[keep], positions[keep].to(torch.int64)
-            block = torch.tensor(spanned, dtype=torch.int64)[torch.tensor(base)[owner] + pos // bs]
-            with torch.inference_mode():
-                self._flat[block * bs + pos % bs] = rows[:, row_index[keep]].transpose(0, 1)
-        return failures
+            if entry is not None:
+                req_id, start, stop = entry
+                base[index] = len(spanned) - start // bs
+                spanned.extend(self._blocks[req_id][start // bs : -(-stop // bs)])
+        if not spanned:
+            return
+        keep = torch.tensor([e is not None for e in entries])[owner]
+        owner, pos = owner[keep], positions[keep].to(torch.int64)
+        block = torch.tensor(spanned, dtype=torch.int64)[torch.tensor(base)[owner] + pos // bs]
+        with torch.inference_mode():
+            self._flat[block * bs + pos % bs] = rows[:, row_index[keep]].transpose(0, 1)
+
+    def pin(self, req_id: str, start: int, stop: int) -> list[int] | None:
+        """Hold a request's blocks of positions ``[start, stop)`` (block-aligned) for later.
+
+        Returns:
+            The held blocks; None when the request's rows do not reach ``stop``.
+        """
+        have = self._blocks.get(req_id, [])
+        first, last = start // self.block_size, -(-stop // self.block_size)
+        if last > len(have) or self._filled.get(req_id, 0) < stop:
+            return None
+        held = have[first:last]
+        for block in held:
+            self._users[block] += 1
+        return held
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        """Let go of held blocks (``pin``); each is freed when nothing else uses it."""
+        for block in blocks:
+            self._drop_user(block)
+
+    def adopt(self, req_id: str, start: int, blocks: Sequence[int]) -> None:
+        """A request's positions from ``start`` (block-aligned) are held blocks' rows.
+
+        Its own blocks from ``start`` on are let go of; its rows now reach the end of them.
+        """
+        have = self._blocks.setdefault(req_id, [])
+        first = start // self.block_size
+        for block in have[first:]:
+            self._drop_user(block)
+        del have[first:]
+        for block in blocks:
+            self._users[block] += 1
+            have.append(block)
+        self._filled[req_id] = len(have) * self.block_size
+
+    def _drop_user(self, block: int) -> None:
+        self._users[block] -= 1
+        if self._users[block] == 0:
+            self._free.append(block)
 
     def release(self, req_id: str) -> None:
         """Give a request's blocks back (its copies are done, or it failed)."""
-        self._free.extend(reversed(self._blocks.pop(req_id, [])))
+        for block in reversed(self._blocks.pop(req_id, [])):
+            self._drop_user(block)
         self._filled.pop(req_id, None)

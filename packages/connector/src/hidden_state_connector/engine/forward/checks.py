@@ -1,8 +1,9 @@
 """Start-up checks of forward capture: what it refuses, by name, before vLLM serves.
 
 Refused for now: a ``speculative_config`` (forward capture takes no speculative slot; the
-two engines are not combined yet), prefix caching (tokens served from the cache are not
-recomputed, so their rows would be missing), pipeline parallelism (each stage would own
+two engines are not combined yet), prefix caching where held prefix rows cannot follow
+vLLM's blocks (a block size that is not a multiple of the arena's, a recurrent state),
+pipeline parallelism (each stage would own
 its layers; not built yet), models with no full-attention KV-cache group (rows are
 routed by a block table that holds every token), families the adapter does not know,
 and settings a known family refuses (``Family.refusal``).
@@ -17,6 +18,7 @@ from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.capture import num_hidden_layers
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.adapter import family_of
+from hidden_state_connector.engine.forward.arena import ARENA_BLOCK_TOKENS
 
 
 class ForwardCaptureError(ValueError):
@@ -52,12 +54,7 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
             f"{where}: takes no speculative_config (remove it; the layers come from "
             "kv_connector_extra_config.layer_ids)"
         )
-    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
-        raise ForwardCaptureError(
-            f"{where}: prefix caching is not supported yet (tokens served from the cache "
-            "are not recomputed, so their rows would be missing). Start vLLM with "
-            "--no-enable-prefix-caching (enable_prefix_caching=False)."
-        )
+    _check_prefix_caching(vllm_config, where)
     if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
         raise ForwardCaptureError(
             f"{where}: pipeline parallelism is not supported yet (each stage owns its "
@@ -84,6 +81,26 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
     block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
     layer_ids = compat.captured_layer_ids(config.layer_ids)
     return ForwardSetup(layer_ids, group, block_size, layer)
+
+
+def _check_prefix_caching(vllm_config: Any, where: str) -> None:
+    """Refuse prefix caching where held prefix rows cannot follow vLLM's cached blocks."""
+    cache_config = vllm_config.cache_config
+    if not getattr(cache_config, "enable_prefix_caching", False):
+        return
+    off = "or start vLLM with --no-enable-prefix-caching (enable_prefix_caching=False)"
+    block = int(cache_config.block_size)
+    if block % ARENA_BLOCK_TOKENS:
+        raise ForwardCaptureError(
+            f"{where}: with prefix caching, block_size must be a multiple of "
+            f"{ARENA_BLOCK_TOKENS} (rows of cached blocks are held in blocks of that many "
+            f"tokens), got {block}: set --block-size {ARENA_BLOCK_TOKENS}, {off}"
+        )
+    if getattr(vllm_config.model_config, "has_inner_state", False):
+        raise ForwardCaptureError(
+            f"{where}: prefix caching with a recurrent-state (Mamba / linear-attention) "
+            f"model is not supported yet; {off}"
+        )
 
 
 def _routing_group(kv_cache_config: Any, where: str) -> tuple[int, str]:

@@ -19,9 +19,10 @@ import torch
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.forward.arena import RowArena
+from hidden_state_connector.engine.forward.arena import ARENA_BLOCK_TOKENS, RowArena
 from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.install import staging_for
+from hidden_state_connector.engine.forward.prefix_rows import HeldPrefixRows
 from hidden_state_connector.engine.forward.routing import RowRouter
 from hidden_state_connector.engine.forward.staging import StepStaging
 from hidden_state_connector.engine.forward.transfer import StepCopy, StepTransfer
@@ -35,8 +36,6 @@ from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
 
-ARENA_BLOCK_TOKENS = 16
-"""Tokens per arena block (independent of the KV cache's block size)."""
 
 
 class ForwardWorkerSide(WorkerSide):
@@ -68,6 +67,7 @@ class ForwardWorkerSide(WorkerSide):
         self.router = RowRouter(block_size)
         self.staging: StepStaging | None = None
         self.arena: RowArena | None = None
+        self.held: HeldPrefixRows | None = None
         self.transfer: StepTransfer | None = None
         self.ingest: IngestThread | None = None
         self._row_failures: dict[str, str] = {}
@@ -93,6 +93,7 @@ class ForwardWorkerSide(WorkerSide):
         self.arena = RowArena(
             self.config.capture_buffer_bytes, ARENA_BLOCK_TOKENS, len(self.layer_ids), hidden, dtype
         )
+        self.held = HeldPrefixRows(self.arena, int(self.vllm_config.cache_config.block_size))
         layout = CacheLayout(1, ARENA_BLOCK_TOKENS, len(self.layer_ids), hidden)
         block_bytes = ARENA_BLOCK_TOKENS * len(self.layer_ids) * hidden * dtype.itemsize
         extractor = Extractor(
@@ -149,9 +150,10 @@ class ForwardWorkerSide(WorkerSide):
                 slots = compat.step_slot_mapping(self.slot_layer, self._slot_mappings)
                 copy = self.transfer.submit(meta.batch_tokens or slots.shape[0], slots)
         orders = [order for order in meta.saves if order.written_this_step]
-        if copy is not None or orders:
+        released = list(meta.released_rows)
+        if copy is not None or orders or released:
             steps = list(meta.steps)
-            self.ingest.put(lambda: self._ingest(copy, steps, orders))
+            self.ingest.put(lambda: self._ingest(copy, steps, orders, released))
 
     def accept(self, order: SaveOrder) -> None:
         """A save handed over between steps: started after the rows already in flight."""
@@ -179,8 +181,17 @@ class ForwardWorkerSide(WorkerSide):
                     self.router.forget(req_id)
         return done, received
 
-    def _ingest(self, copy: StepCopy | None, steps: list[Any], orders: list[SaveOrder]) -> None:
-        """Ingest thread: this step's rows into the arena, then its saves (always started)."""
+    def _ingest(
+        self,
+        copy: StepCopy | None,
+        steps: list[Any],
+        orders: list[SaveOrder],
+        released: list[int] | None = None,
+    ) -> None:
+        """Ingest thread: this step's rows into the arena, then its saves (always started).
+
+        Held prefix rows the scheduler dropped go last: a request of this step may use them.
+        """
         try:
             if copy is not None:
                 self._ingest_rows(copy, steps)
@@ -188,6 +199,8 @@ class ForwardWorkerSide(WorkerSide):
             with self._mutex:
                 for order in orders:
                     self._start(order, engine_thread=False)
+                if released and self.held is not None:
+                    self.held.release(released)
 
     def _ingest_rows(self, copy: StepCopy, steps: list[Any]) -> None:
         assert self.transfer is not None
@@ -214,9 +227,8 @@ class ForwardWorkerSide(WorkerSide):
             else (step.req_id, step.computed_before, step.computed_before + step.scheduled)
             for i, step in enumerate(steps)
         ]
-        failures = flat.failures | self.arena.write_step(
-            entries, flat.rows, flat.owner, flat.positions, copy.rows
-        )
+        assert self.held is not None
+        failures = flat.failures | self.held.write_step(steps, entries, flat, copy.rows)
         for index, failure in failures.items():
             req_id = steps[index].req_id
             if req_id not in self._row_failures:

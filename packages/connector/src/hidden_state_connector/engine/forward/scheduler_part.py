@@ -1,0 +1,100 @@
+"""Forward capture's part of the scheduler half: each step's ``StepRows``, prefix caching.
+
+The scheduler half (``SchedulerSide``) names files and orders saves for both capture
+engines; forward capture also tells the worker, per step, which captured requests'
+tokens the step computes (``StepRows``) and, with prefix caching, which held prefix
+rows a request starts from and which full blocks it fills (``PrefixRowIndex``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.forward.prefix_rows import PrefixCounters, PrefixRowIndex
+from hidden_state_connector.engine.forward.routing import rows_of_step
+from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, StepRows
+from hidden_state_connector.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def _prefix_index(config: ConnectorConfig, vllm_config: Any) -> PrefixRowIndex | None:
+    """The held-prefix index of an engine with prefix caching on (None: off)."""
+    if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        return None
+    model_config = vllm_config.model_config
+    layers = len(set(config.layer_ids or ()))
+    token_bytes = layers * int(model_config.get_hidden_size()) * model_config.dtype.itemsize
+    block_tokens = int(vllm_config.cache_config.block_size)
+    max_blocks = config.prefix_rows_budget // max(1, block_tokens * token_bytes)
+    log.info(
+        "forward capture: prefix caching on; rows of up to %d blocks of %d tokens held "
+        "(prefix_rows_bytes %d)",
+        max_blocks,
+        block_tokens,
+        config.prefix_rows_budget,
+    )
+    return PrefixRowIndex(block_tokens, max_blocks)
+
+
+class ForwardSchedulerPart:
+    """What forward capture adds to the scheduler half.
+
+    Args:
+        config: Validated connector settings (``capture="forward"``).
+        vllm_config: The engine's configuration.
+    """
+
+    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+        self.prefix = _prefix_index(config, vllm_config)
+        self._recompute: list[Any] = []  # requests to skip the prefix cache from next step
+
+    def admits(self, request: Any, hit_tokens: int) -> bool:
+        """Whether a request may start from its prefix-cache hit (vLLM's local hit).
+
+        If not, it waits a step and is then told to skip the prefix cache
+        (``end_step``), so it computes every token and its sample has every row. (Told
+        now, vLLM 0.32 would drop the wait and take the hit as it is.)
+        """
+        if self.prefix is None or self.prefix.admits(request, hit_tokens):
+            return True
+        self._recompute.append(request)
+        log.debug(
+            "request %s: rows of its %d cached tokens are not all held; it recomputes them",
+            request.request_id,
+            hit_tokens,
+        )
+        return False
+
+    def step_rows(self, step: compat.ScheduledRequest) -> StepRows:
+        """A captured request's ``StepRows`` for this step."""
+        rows = rows_of_step(step)
+        if self.prefix is not None:
+            rows.cached_rows, rows.filled_rows = self.prefix.step(
+                step.req_id, step.computed_before, step.scheduled, step.replaces_table
+            )
+        return rows
+
+    def end_step(self, meta: HiddenStateConnectorMetadata) -> None:
+        """End of the step's metadata: prefix rows over the bound; requests to recompute.
+
+        The worker lets go of the dropped rows after this step; requests refused their
+        hit in this step skip the prefix cache from the next.
+        """
+        for request in self._recompute:
+            request.skip_reading_prefix_cache = True
+        self._recompute.clear()
+        if self.prefix is not None:
+            meta.released_rows = self.prefix.take_released()
+
+    def forget(self, req_id: str) -> None:
+        """A request ended."""
+        if self.prefix is not None:
+            self.prefix.forget(req_id)
+
+    @property
+    def counters(self) -> PrefixCounters | None:
+        """Prefix caching's counters (None: off)."""
+        return None if self.prefix is None else self.prefix.counters

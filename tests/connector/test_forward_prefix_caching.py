@@ -1,0 +1,142 @@
+"""Forward capture under prefix caching (vLLM's default) on the CPU build, against HF float32.
+
+One real in-process engine (tiny Llama, block size 32, chunked prefill at 64 tokens),
+prefix caching on. Requests that vLLM serves partly from its prefix cache compute only
+their new tokens; their samples must still hold a row for every token, equal to Hugging
+Face's float32 residual stream (``forward_kit.RTOL``):
+
+- GRPO-like: samples of one prompt submitted together (they hit the blocks the first one
+  fills in the same step) and prompts sharing a system prompt, then more of them after
+  the first ones finished (rows held after their requests ended);
+- multi-turn: the next turn's prompt is the last turn's prompt and reply; the reply's
+  rows are held only where the last turn stored its generated tokens, else the request
+  skips the prefix cache and computes them;
+- a ``prefix_rows_bytes`` too small for a prefix: requests recompute it, rows still right.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from forward_kit import RTOL, engine, forward_extra
+from hf_reference import Reference, read_one
+
+from hidden_state_connector.apps.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.vllm
+
+NUM_LAYERS = 4
+LAYERS = [0, 1, NUM_LAYERS]
+BLOCK = 32  # the CPU build's attention takes multiples of 32
+SYSTEM = 100  # tokens of the shared system prompt (3 full blocks)
+
+
+def _tokens(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=gen).tolist()
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int, outputs: bool) -> list[Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,  # the CPU build takes no per-request seed
+        ignore_eos=True,
+        detokenize=False,
+        extra_args={"kv_transfer_params": {"include_output_tokens": outputs}},
+    )
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)  # type: ignore[no-any-return]
+
+
+def _check(reference: Reference, results: list[tuple[Any, bool]]) -> float:
+    """Every sample's tokens and rows; the worst relative error."""
+    worst = 0.0
+    for output, outputs in results:
+        params = output.kv_transfer_params
+        assert "hidden_states_error" not in params, params
+        sample = read_one(params["hidden_states_path"])
+        prompt = list(output.prompt_token_ids)
+        generated = list(output.outputs[0].token_ids)
+        assert sample.token_ids.tolist() == (prompt + generated[:-1] if outputs else prompt)
+        errors = reference.layer_errors(sample)
+        assert max(errors.values()) <= RTOL, f"relative errors {errors}"
+        worst = max(worst, *errors.values())
+    return worst
+
+
+def _engine(model: Path, out: Path, **extra: Any) -> Any:
+    return engine(
+        model,
+        out,
+        forward_extra(LAYERS, **extra),
+        enable_prefix_caching=True,
+        block_size=BLOCK,
+    )
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("forward-prefix-model")
+    return build_tiny_model(base / "model", dtype="float32", num_layers=NUM_LAYERS)
+
+
+def test_cached_prefixes_get_the_rows_computed_when_they_were_first_filled(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, in_process: None
+) -> None:
+    out = tmp_path_factory.mktemp("forward-prefix-hs")
+    gen = torch.Generator().manual_seed(0)
+    system = _tokens(gen, SYSTEM)
+    group = system + _tokens(gen, 30)
+    llm = _engine(model, out)
+    try:
+        # One prompt four times (GRPO's samples) and two more sharing its system prompt.
+        first = _generate(llm, [group] * 4 + [system + _tokens(gen, n) for n in (9, 40)], 20, True)
+        # After they finished: their prefix rows are held.
+        later = _generate(llm, [system + _tokens(gen, 25), group], 20, False)
+        # Multi-turn: last turn's prompt and reply, then the next message. Turn one stored
+        # its generated tokens (rows held); turn "b" did not (its reply is recomputed).
+        turn = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in first[4:6]]
+        nexts = _generate(llm, [turn[0] + _tokens(gen, 7)], 10, True)
+        first_prompt_only = _generate(llm, [system + _tokens(gen, 50)], 40, False)
+        replay = list(first_prompt_only[0].prompt_token_ids) + list(
+            first_prompt_only[0].outputs[0].token_ids
+        )
+        recomputed = _generate(llm, [replay + _tokens(gen, 5)], 5, True)
+    finally:
+        del llm
+        gc.collect()
+    cached = [o.num_cached_tokens for o in first + later + nexts + recomputed]
+    print(f"cached tokens per request: {cached}")
+    assert max(o.num_cached_tokens for o in first[1:4]) >= 4 * BLOCK  # the group's blocks
+    assert all(o.num_cached_tokens >= 3 * BLOCK for o in later)  # held after the requests
+    assert nexts[0].num_cached_tokens >= 4 * BLOCK  # the reply's block too (stored with it)
+    # The prompt-only turn's reply has no rows: that request skipped the prefix cache.
+    assert recomputed[0].num_cached_tokens == 0
+    reference = Reference(model, NUM_LAYERS)
+    results = [(o, True) for o in first] + [(o, False) for o in later]
+    results += [(o, True) for o in nexts + recomputed] + [(first_prompt_only[0], False)]
+    worst = _check(reference, results)
+    print(f"prefix caching: worst relative error {worst:.1e}")
+
+
+def test_a_prefix_over_the_held_rows_budget_is_recomputed(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, in_process: None
+) -> None:
+    out = tmp_path_factory.mktemp("forward-prefix-budget")
+    gen = torch.Generator().manual_seed(1)
+    prompt = _tokens(gen, SYSTEM + 20)
+    # Room for two blocks' rows (3 layers x 128 x 4 bytes per token): the 3-block prefix
+    # is never held whole, so no request may start from it.
+    llm = _engine(model, out, prefix_rows_bytes=2 * BLOCK * 3 * 128 * 4)
+    try:
+        outputs = _generate(llm, [prompt] * 3, 8, True) + _generate(llm, [prompt], 8, True)
+    finally:
+        del llm
+        gc.collect()
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0]
+    worst = _check(Reference(model, NUM_LAYERS), [(o, True) for o in outputs])
+    print(f"prefix over budget: worst relative error {worst:.1e}")
