@@ -226,6 +226,31 @@ capture=extract,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
 capture=forward,pc=off,graphs=off,storage=fp8,sleep=on,async=off" \
       2>"$OUT/v36e.log" | cut -c1-700
     ;;
+  # Issue 44: forward capture under vLLM's defaults: prefix caching on (shared prefixes,
+  # repeated prompts: hits in the same step), async scheduling (vLLM's default), CUDA
+  # graphs, fp8, sleep/wake; three engines at once, 768 requests (one call, < 9 minutes).
+  v44a)
+    timeout 500 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 256 \
+      --label v44a --configs \
+"capture=forward,pc=on,graphs=on,storage=bf16,sleep=off;\
+capture=forward,pc=on,graphs=off,storage=fp8,sleep=on,async=off;\
+capture=forward,pc=on,graphs=on,storage=bf16,sleep=off,async=off" \
+      2>"$OUT/v44a.log" | cut -c1-900
+    ;;
+  # Issue 44: the MoE and MLA families on CUDA with forward capture (Triton fused MoE,
+  # Triton MLA), float32 (crisp values) and bf16, prefix caching on, eager.
+  v44b)
+    python3 .gpu/check_moe.py 2>&1 | tail -3
+    timeout 480 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 64 \
+      --rounds 1 --parallel 6 --label v44b --configs \
+"capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=float32;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss,dtype=float32;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=deepseek_v2,dtype=float32;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=deepseek_v2" \
+      2>"$OUT/v44b.log" | cut -c1-900
+    ;;
   # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
   fork)
     (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \

@@ -4,9 +4,11 @@
     python benchmarks/gpu/verify.py --configs pc=on,graphs=off,storage=bf16,sleep=on
     python benchmarks/gpu/verify.py one --config pc=off,graphs=on,storage=fp8 --requests 128
 
-Each configuration starts its own engine (a child process) with the tiny random Llama in
-bf16 (built locally), chunked prefill (``max_num_batched_tokens=512``, prompts of 17-1,500
-tokens, some sharing a prefix with an earlier prompt so the prefix cache hits), and the
+Each configuration starts its own engine (a child process) with a tiny random model
+(Llama unless ``arch=`` names another family; bf16 unless ``dtype=float32``; built
+locally), chunked prefill (``max_num_batched_tokens=512``, prompts of 17-1,500 tokens,
+some sharing a prefix with an earlier prompt and some repeating the one before, so the
+prefix cache hits, in the same step too), and the
 connector with small host buffers (copies still in flight when a batch returns). Per
 round one batch: half the requests store their generated tokens
 (``include_output_tokens``), half only the prompt; ``max_tokens`` 1-64; greedy and sampled
@@ -47,7 +49,7 @@ SWEEP = [
 ]
 # A row is wrong beyond these relative errors (per token, per layer) against HF float32:
 # bf16 engine arithmetic, plus fp8's rounding (2**-4 per element) when stored as fp8.
-ROW_TOL = {"bf16": 0.06, "fp8": 0.12}
+ROW_TOL = {"bf16": 0.06, "fp8": 0.12, "fp32": 0.01}
 
 
 @dataclass(frozen=True)
@@ -59,15 +61,17 @@ class Config:
     storage: str  # "bf16" (the model's dtype) or "fp8"
     sleep: bool
     async_scheduling: bool | None = None  # None: vLLM's default
-    capture: str = "extract"  # or "forward" (no speculative config; prefix caching off)
+    capture: str = "extract"  # or "forward" (no speculative config)
+    arch: str = "llama"  # tiny-model --arch (MoE and MLA families: forward capture only)
+    dtype: str = "bfloat16"  # the engine's (float32: the families' values, crisply)
 
     @classmethod
     def parse(cls, text: str) -> Config:
-        """``pc=on,graphs=off,storage=bf16,sleep=on[,async=off]``."""
+        """``pc=on,graphs=off,storage=bf16,sleep=on[,async=off,capture=,arch=,dtype=]``."""
         fields = dict(part.split("=", 1) for part in text.split(",") if part)
         flag = {"on": True, "off": False}
-        unknown = set(fields) - {"pc", "graphs", "storage", "sleep", "async", "capture"}
-        if unknown or fields.get("storage", "bf16") not in ROW_TOL:
+        known = {"pc", "graphs", "storage", "sleep", "async", "capture", "arch", "dtype"}
+        if set(fields) - known or fields.get("storage", "bf16") not in ROW_TOL:
             raise SystemExit(f"bad --config {text!r}: keys pc, graphs, storage(bf16|fp8), sleep")
         return cls(
             prefix_caching=flag[fields.get("pc", "on")],
@@ -76,7 +80,14 @@ class Config:
             sleep=flag[fields.get("sleep", "off")],
             async_scheduling=flag[fields["async"]] if "async" in fields else None,
             capture=fields.get("capture", "extract"),
+            arch=fields.get("arch", "llama"),
+            dtype=fields.get("dtype", "bfloat16"),
         )
+
+    @property
+    def row_tolerance(self) -> float:
+        """Relative error per row beyond which a row is wrong (``ROW_TOL``)."""
+        return ROW_TOL["fp32"] if self.dtype == "float32" else ROW_TOL[self.storage]
 
 
 def parse_args() -> argparse.Namespace:
@@ -124,8 +135,9 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
     if torch.cuda.is_available():
         # A fixed KV cache: engines started side by side on one GPU would otherwise see
         # each other's memory as used and find none left for their caches.
+        mla = cfg.arch.startswith("deepseek")
         extra.update(
-            attention_backend="TRITON_ATTN",
+            attention_backend="TRITON_MLA" if mla else "TRITON_ATTN",
             gpu_memory_utilization=gpu_memory,
             kv_cache_memory_bytes=2 << 30,
         )
@@ -139,7 +151,7 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
         extra["speculative_config"] = speculative_config(LAYERS)
     return LLM(
         model=str(model_dir),
-        dtype="bfloat16",
+        dtype=cfg.dtype,
         max_model_len=4096,
         enforce_eager=not cfg.graphs,
         skip_tokenizer_init=True,
@@ -172,6 +184,8 @@ def make_requests(round_no: int, count: int, earlier: list[list[int]]) -> tuple[
             base = earlier[int(torch.randint(0, len(earlier), (1,), generator=gen))]
             keep = min(len(base), int(torch.randint(64, 400, (1,), generator=gen)))
             prompt = base[:keep] + prompt[: max(1, n - keep)]
+        elif prompts and i % 8 == 5:  # the previous prompt again (GRPO's samples of one)
+            prompt = list(prompts[-1])
         prompts.append(prompt)
         transfer: dict[str, Any] = {"metadata": {"round": str(round_no), "index": str(i)}}
         if i % 2 == 1:
@@ -197,7 +211,9 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     from hidden_state_connector.apps.tiny_model import build_tiny_model
     from hidden_state_connector.engine import compat
 
-    model_dir = build_tiny_model(Path(args.work) / "tiny-bfloat16", dtype="bfloat16")
+    model_dir = build_tiny_model(
+        Path(args.work) / f"tiny-{cfg.arch}-{cfg.dtype}", arch=cfg.arch, dtype=cfg.dtype
+    )
     out = tempfile.mkdtemp(prefix="hs-verify-", dir="/tmp")
     started = time.monotonic()
     llm = make_engine(model_dir, out, cfg, args.connector_module, args.gpu_memory)
@@ -220,7 +236,9 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    account = account_for(outs, out, model_dir, ROW_TOL[cfg.storage])
+    account = account_for(outs, out, model_dir, cfg.row_tolerance)
+    account["cached_tokens"] = sum(int(o.num_cached_tokens or 0) for o in outs)
+    account["requests_with_cache_hits"] = sum(1 for o in outs if o.num_cached_tokens)
     # Odd indices of each round asked for their generated tokens (make_requests).
     account["with_generated_tokens"] = sum(
         1
@@ -239,8 +257,10 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         "sleep": cfg.sleep,
         "async_scheduling": cfg.async_scheduling,
         "capture": cfg.capture,
+        "arch": cfg.arch,
+        "dtype": cfg.dtype,
         "max_num_batched_tokens": 512,
-        "row_tolerance": ROW_TOL[cfg.storage],
+        "row_tolerance": cfg.row_tolerance,
         **account,
         "notes": notes,
         "engine_start_s": round(start_s, 1),
