@@ -140,3 +140,28 @@ def test_a_prefix_over_the_held_rows_budget_is_recomputed(
     assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0]
     worst = _check(Reference(model, NUM_LAYERS), [(o, True) for o in outputs])
     print(f"prefix over budget: worst relative error {worst:.1e}")
+
+
+def test_the_default_config_captures_from_the_forward_pass(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, in_process: None
+) -> None:
+    """No ``capture`` key, no ``layer_ids``, no speculative config, prefix caching on and
+    the block size vLLM picks: forward capture of EAGLE-3's layers and the last one."""
+    out = tmp_path_factory.mktemp("forward-default")
+    gen = torch.Generator().manual_seed(2)
+    shared = _tokens(gen, 300)
+    prompts = [shared + _tokens(gen, 20), shared + _tokens(gen, 20)]
+    extra = {"include_output_tokens": True, "stats_interval": 0}
+    llm = engine(model, out, extra, enable_prefix_caching=True)  # vLLM's default
+    try:
+        outputs = _generate(llm, prompts[:1], 6, True) + _generate(llm, prompts * 2, 6, True)
+        block = llm.llm_engine.vllm_config.cache_config.block_size
+    finally:
+        del llm
+        gc.collect()
+    assert max(o.num_cached_tokens for o in outputs) >= block  # the shared prefix hit
+    for output in outputs:
+        sample = read_one(output.kv_transfer_params["hidden_states_path"])
+        assert sample.layer_ids == [1, 2, NUM_LAYERS]  # [2, N/2, N-3, N] of 4 layers
+    worst = _check(Reference(model, NUM_LAYERS), [(o, True) for o in outputs])
+    print(f"default config (block size {block}): worst relative error {worst:.1e}")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.capture_choice import choose_capture
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.adapter import (
     FAMILIES,
@@ -23,15 +24,37 @@ from hidden_state_connector.engine.metadata import StepRows
 def test_capture_keys_are_checked_by_name() -> None:
     cfg = ConnectorConfig.from_extra_config({"capture": "forward", "layer_ids": [4, 1]})
     assert cfg.capture == "forward" and cfg.layer_ids == (4, 1)
-    assert ConnectorConfig.from_extra_config({}).capture == "extract"
-    with pytest.raises(ValueError, match="layer_ids: capture='forward' needs"):
-        ConnectorConfig.from_extra_config({"capture": "forward"})
+    assert ConnectorConfig.from_extra_config({}).capture is None  # chosen per engine
+    with pytest.raises(ValueError, match="layer_ids: an empty list"):
+        ConnectorConfig.from_extra_config({"capture": "forward", "layer_ids": []})
     with pytest.raises(ValueError, match="layer_ids: expected a list"):
         ConnectorConfig.from_extra_config({"capture": "forward", "layer_ids": "1,2"})
-    with pytest.raises(ValueError, match="layer_ids: only for capture='forward'"):
-        ConnectorConfig.from_extra_config({"layer_ids": [1]})
+    with pytest.raises(ValueError, match="layer_ids: only for forward capture"):
+        ConnectorConfig.from_extra_config({"capture": "extract", "layer_ids": [1]})
     with pytest.raises(ValueError, match="capture: must be"):
         ConnectorConfig.from_extra_config({"capture": "hooks"})
+
+
+def _engine_config(method: str | None, layers: int | None) -> SimpleNamespace:
+    """What ``choose_capture`` reads of vLLM's config: the speculative method, layers."""
+    spec = None if method is None else SimpleNamespace(method=method)
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers)
+    return SimpleNamespace(speculative_config=spec, model_config=model)
+
+
+def test_forward_capture_is_the_default_and_extract_keeps_its_configs() -> None:
+    plain = ConnectorConfig.from_extra_config({})
+    chosen = choose_capture(plain, _engine_config(None, 32))
+    assert chosen.capture == "forward" and chosen.layer_ids == (2, 16, 29, 32)
+    assert choose_capture(plain, _engine_config("ngram", 32)).capture == "forward"
+    extract = choose_capture(plain, _engine_config("extract_hidden_states", 32))
+    assert extract.capture == "extract" and extract.layer_ids is None
+    given = ConnectorConfig.from_extra_config({"layer_ids": [1, 3]})
+    assert choose_capture(given, _engine_config(None, 4)).layer_ids == (1, 3)
+    with pytest.raises(ValueError, match="layer_ids: only for forward capture"):
+        choose_capture(given, _engine_config("extract_hidden_states", 4))
+    with pytest.raises(ValueError, match=r"set kv_connector_extra_config\.layer_ids"):
+        choose_capture(plain, _engine_config(None, None))
 
 
 def _by_entry(router: RowRouter, slots: torch.Tensor, steps: list[StepRows]) -> dict:

@@ -1,9 +1,10 @@
 """``HiddenStateConnector``: the class vLLM instantiates, once per role.
 
 A thin adapter: vLLM's KV-connector interface on one side, ``SchedulerSide`` and
-``WorkerSide`` (``hidden_state_connector.engine``) on the other. Store-only; use with the
-``extract_hidden_states`` speculative method, or with ``capture: "forward"`` (preview,
-``engine.forward``: ``ForwardWorkerSide``) and no speculative method. This module's path is
+``WorkerSide`` (``hidden_state_connector.engine``) on the other. Store-only; captures from
+the forward pass by default (``engine.forward``: ``ForwardWorkerSide``), or, with vLLM's
+``extract_hidden_states`` speculative method, from its hidden-state cache
+(``engine.capture_choice`` decides). This module's path is
 ``CONNECTOR_MODULE``, the one the plugin registers and users pass as
 ``kv_connector_module_path``; importing it imports vLLM.
 """
@@ -24,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.capture_choice import choose_capture
 from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
 from hidden_state_connector.engine.forward.checks import ForwardSetup, forward_setup
 from hidden_state_connector.engine.forward.worker import ForwardWorkerSide
@@ -65,8 +67,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
         # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
         KVConnectorMetadata.register(HiddenStateConnectorMetadata)
-        self.config = ConnectorConfig.from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config
+        self.config = choose_capture(
+            ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config),
+            vllm_config,
         )
         forward, group, block_size, configured, captured = self._capture_plan(
             vllm_config, kv_cache_config

@@ -70,12 +70,14 @@ class ConnectorConfig:
         mooncake_full_timeout: Seconds a sample waits for room in a full store (writer
             threads block: back-pressure) before it fails with a recorded reason.
         mooncake_staging_dir: Where samples are assembled before the put (a tmpfs).
-        capture: ``"extract"`` (default: vLLM's ``extract_hidden_states`` speculative
-            method fills a hidden-state KV-cache group) or ``"forward"`` (preview: hooks
-            on the decoder layers copy the residual stream during the forward pass; no
-            ``speculative_config``; ``engine.forward``).
-        layer_ids: With ``capture="forward"``, the layer ids to capture (0 = embeddings,
-            N = last layer before the final norm); required there, refused otherwise.
+        capture: ``"forward"`` (hooks on the decoder layers copy the residual stream
+            during the forward pass; ``engine.forward``) or ``"extract"`` (vLLM's
+            ``extract_hidden_states`` speculative method fills a hidden-state KV-cache
+            group). None (the default): extract where that speculative method is
+            configured, forward otherwise (``engine.capture_choice``).
+        layer_ids: For forward capture, the layer ids to capture (0 = embeddings, N =
+            last layer before the final norm; default ``[2, N/2, N-3, N]``); refused
+            with ``capture="extract"``, which takes them from its speculative config.
         capture_buffer_bytes: With ``capture="forward"``, host memory for the rows of
             requests still running (reserved as address space, committed as rows arrive).
         prefix_rows_bytes: With ``capture="forward"`` and prefix caching, the part of
@@ -112,7 +114,7 @@ class ConnectorConfig:
     mooncake_buffer_bytes: int = StoreSettings.buffer_bytes
     mooncake_full_timeout: float = 60.0
     mooncake_staging_dir: str = "/dev/shm"
-    capture: str = CAPTURE_EXTRACT
+    capture: str | None = None
     layer_ids: tuple[int, ...] | None = None
     capture_buffer_bytes: int = 4 * 1024**3
     prefix_rows_bytes: int | None = None
@@ -175,12 +177,12 @@ class ConnectorConfig:
         return self.capture_buffer_bytes // 4
 
     def _check_capture(self) -> None:
-        if self.capture not in (CAPTURE_EXTRACT, CAPTURE_FORWARD):
+        if self.capture not in (None, CAPTURE_EXTRACT, CAPTURE_FORWARD):
             raise ValueError(
-                f"capture: must be {CAPTURE_EXTRACT!r} or {CAPTURE_FORWARD!r}, got {self.capture!r}"
+                f"capture: must be {CAPTURE_FORWARD!r} or {CAPTURE_EXTRACT!r}, got {self.capture!r}"
             )
-        if self.capture == CAPTURE_FORWARD and not self.layer_ids:
-            raise ValueError("layer_ids: capture='forward' needs a non-empty list of layer ids")
+        if self.layer_ids is not None and not self.layer_ids:
+            raise ValueError("layer_ids: an empty list; leave it out for the default layers")
         if self.prefix_rows_bytes is not None and (
             self.prefix_rows_bytes >= self.capture_buffer_bytes
         ):
@@ -191,7 +193,7 @@ class ConnectorConfig:
             )
         if self.capture == CAPTURE_EXTRACT and self.layer_ids is not None:
             raise ValueError(
-                "layer_ids: only for capture='forward'; the extract engine takes its layers "
+                "layer_ids: only for forward capture; the extract engine takes its layers "
                 "from speculative_config (eagle_aux_hidden_state_layer_ids)"
             )
 

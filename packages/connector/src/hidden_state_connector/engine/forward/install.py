@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
 from hidden_state_connector.engine.forward.staging import StepStaging
 from hidden_state_connector.logs import get_logger
 
@@ -28,7 +29,8 @@ COMPILE_CACHE_KEY = "hidden_state_connector"
 """The ``additional_config`` entry that keys compiled code with the capture apart."""
 _installed: weakref.WeakValueDictionary[int, StepStaging] = weakref.WeakValueDictionary()
 _hook_handle: Any = None
-_checked: weakref.ref[Any] | None = None  # the engine configuration checked last
+# The engine configuration checked last, and its connector settings (capture chosen).
+_checked: tuple[weakref.ref[Any], ConnectorConfig] | None = None
 
 
 def watch_model_construction() -> None:
@@ -58,38 +60,39 @@ def _on_module_registered(parent: torch.nn.Module, name: str, module: Any) -> No
     vllm_config = _our_engine()
     if vllm_config is None:
         return None
-    _check_once(vllm_config)
+    config = _checked_config(vllm_config)
     if name != _LAYER_LIST_NAME or not isinstance(module, torch.nn.ModuleList) or not module:
         return None
-    if _extra(vllm_config).get("capture") != "forward":
+    if config.capture != CAPTURE_FORWARD:
         return None
     try:
-        _install(module, vllm_config)
+        _install(module, vllm_config, config)
     except Exception as exc:  # never break model construction; the worker refuses later
         log.warning("forward capture: hooks not installed (%s: %s)", type(exc).__name__, exc)
     return None
 
 
-def _check_once(vllm_config: Any) -> None:
-    """``startup_checks.refuse_unsupported`` once per engine configuration."""
+def _checked_config(vllm_config: Any) -> ConnectorConfig:
+    """The engine's connector settings, capture chosen; checked once per engine."""
     global _checked
-    if _checked is not None and _checked() is vllm_config:
-        return
-    from hidden_state_connector.engine.config import ConnectorConfig
+    if _checked is not None and _checked[0]() is vllm_config:
+        return _checked[1]
+    from hidden_state_connector.engine.capture_choice import choose_capture
     from hidden_state_connector.engine.startup_checks import refuse_unsupported
 
+    config = choose_capture(ConnectorConfig.from_extra_config(_extra(vllm_config)), vllm_config)
+    refuse_unsupported(vllm_config, config)
     try:
-        _checked = weakref.ref(vllm_config)
+        _checked = (weakref.ref(vllm_config), config)
     except TypeError:  # not weakly referable: checked each time (cheap, and it raises once)
         _checked = None
-    refuse_unsupported(vllm_config, ConnectorConfig.from_extra_config(_extra(vllm_config)))
+    return config
 
 
-def _install(layers: torch.nn.ModuleList, vllm_config: Any) -> None:
+def _install(layers: torch.nn.ModuleList, vllm_config: Any, config: ConnectorConfig) -> None:
     if staging_for(vllm_config) is not None:
         return
     from hidden_state_connector.engine import compat
-    from hidden_state_connector.engine.config import ConnectorConfig
     from hidden_state_connector.engine.forward.adapter import UnsupportedFamilyError, family_of
 
     model_config = vllm_config.model_config
@@ -101,7 +104,6 @@ def _install(layers: torch.nn.ModuleList, vllm_config: Any) -> None:
         return
     if compat.tensor_parallel_rank() != 0:  # the states are replicated; rank 0 captures them
         return
-    config = ConnectorConfig.from_extra_config(_extra(vllm_config))
     layer_ids = compat.captured_layer_ids(list(config.layer_ids or ()))
     if any(i > len(layers) for i in layer_ids):
         return  # the connector's start-up check names the bad ids
