@@ -99,7 +99,10 @@ def test_the_capture_gets_a_compile_cache_key_of_its_own(tiny_model_fp32: Path) 
             {"pipeline_parallel_size": 2, "enable_prefix_caching": False},
             "pipeline parallelism is not supported yet",
         ),
-        ({"enable_prefix_caching": True}, "--no-enable-prefix-caching"),
+        (
+            {"enable_prefix_caching": True, "block_size": 40},
+            "with prefix caching, block_size must be a multiple of 16",
+        ),
     ],
 )
 def test_start_up_refuses_what_forward_capture_cannot_store(

@@ -275,6 +275,8 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Queue the save of a finished request and return its path to the client."""
         assert self._scheduler is not None
+        if self._scheduler.forward is not None:
+            self._scheduler.forward.forget(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
 
     def request_finished_all_groups(

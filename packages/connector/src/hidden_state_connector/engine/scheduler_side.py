@@ -127,10 +127,8 @@ class SchedulerSide:
         forward = config.capture == CAPTURE_FORWARD  # the worker needs StepRows
         self.forward = ForwardSchedulerPart(config, vllm_config) if forward else None
         self._no_output_tokens = output_tokens_refusal(vllm_config, forward=forward)
-        # Store backend: is a keyed sample in the store, or consumed (``_written``)?
-        self._store = (
-            StoreLookup(config, self.root) if config.storage_backend == "mooncake" else None
-        )
+        mooncake = config.storage_backend == "mooncake"
+        self._store = StoreLookup(config, self.root) if mooncake else None
 
     def default_path(self, req_id: str) -> str:
         """Where a request's sample goes unless the client chose a path."""
@@ -277,8 +275,6 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Order the save of a finished request (unless ordered already); keep its blocks."""
         req_id = request.request_id
-        if self.forward is not None:
-            self.forward.forget(req_id)
         tracked = self._requests.pop(req_id, None)
         if tracked is None:
             return False, None  # never scheduled: no lock, nothing computed

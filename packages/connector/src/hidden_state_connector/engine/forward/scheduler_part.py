@@ -22,7 +22,7 @@ log = get_logger(__name__)
 
 def _prefix_index(config: ConnectorConfig, vllm_config: Any) -> PrefixRowIndex | None:
     """The held-prefix index of an engine with prefix caching on (None: off)."""
-    if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+    if not getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False):
         return None
     model_config = vllm_config.model_config
     layers = len(set(config.layer_ids or ()))
