@@ -94,6 +94,11 @@ class _Tracked:
         return self.refused or self.found
 
 
+def _store_lookup(config: ConnectorConfig, root: str) -> StoreLookup | None:
+    """The store backend's lookup: is a keyed sample in the store, or consumed?"""
+    return StoreLookup(config, root) if config.storage_backend == "mooncake" else None
+
+
 class SchedulerSide:
     """State the scheduler-side connector keeps between steps.
 
@@ -127,8 +132,7 @@ class SchedulerSide:
         forward = config.capture == CAPTURE_FORWARD  # the worker needs StepRows
         self.forward = ForwardSchedulerPart(config, vllm_config) if forward else None
         self._no_output_tokens = output_tokens_refusal(vllm_config, forward=forward)
-        mooncake = config.storage_backend == "mooncake"
-        self._store = StoreLookup(config, self.root) if mooncake else None
+        self._store = _store_lookup(config, self.root)
 
     def default_path(self, req_id: str) -> str:
         """Where a request's sample goes unless the client chose a path."""
