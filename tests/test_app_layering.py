@@ -167,7 +167,7 @@ def stored(target: ast.expr) -> Iterator[ast.Attribute | ast.Subscript]:
 
 def test_the_patch_finder_finds_patches() -> None:
     source = (
-        "from hidden_state_reader.read import inotify as discovery\n"
+        "from hidden_state_reader.files import inotify as discovery\n"
         "import hidden_state_reader.store.load\n"
         "from hidden_state_connector.engine.write.store_backend import StoreLock\n"
         "discovery.Inotify.dispatch = None\n"

@@ -9,6 +9,7 @@ listed, locked and published is here:
 - ``paths``: directories below a root without following symlinks; client paths.
 - ``locks``: writer and reader locks, and the status in lock files.
 - ``flockwait``: a blocking ``flock`` with a deadline and cancellation.
+- ``inotify``: the kernel's file-system events (``ctypes``), one thread per process.
 - ``identity``: process identity (host, pid, boot id, start time; is a writer gone?).
 - ``publish``: writing a sample atomically (temp file, ``os.replace``, release the lock).
 
