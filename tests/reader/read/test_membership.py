@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hidden_state_reader.format.names import temp_path
 from hidden_state_reader.files import held_files as held_files_module
+from hidden_state_reader.format.names import temp_path
 from hidden_state_reader.read.membership import Membership
 
 # A member in another process: joins, says so, then waits (until killed or told to leave).
