@@ -32,6 +32,7 @@ from hidden_state_reader.format.header import (
 )
 from hidden_state_reader.format.loss_mask import LOSS_MASK, loss_mask_view
 from hidden_state_reader.format.tensors import dtype_tables
+from hidden_state_reader.kernels import layouts
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.content import check_content
 from hidden_state_reader.sample.finishing import finish_hidden_states
@@ -136,7 +137,7 @@ def _parse(path: str, file: np.ndarray) -> SampleHeader:
     """The validated header of a whole file held in ``file``."""
     view = file.data
     length = header_length(path, view, len(view))
-    return parse_header(path, view[8 : 8 + length].tobytes(), len(view))
+    return parse_header(path, view[8 : 8 + length].tobytes(), len(view), layouts)
 
 
 def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None) -> Sample:
