@@ -13,6 +13,7 @@ listed, locked and published is here:
 - ``inotify``: the kernel's file-system events (``ctypes``), one thread per process.
 - ``identity``: process identity (host, pid, boot id, start time; is a writer gone?).
 - ``publish``: writing a sample atomically (temp file, ``os.replace``, release the lock).
+- ``atomic``: any other file written whole by rename (``write_atomic``), ``move``.
 
 Import direction: ``format`` <- ``kernels`` <- ``files`` <- the libraries (``read``,
 ``sample``, ``store``, ``training``, the connector's engine).
