@@ -3,8 +3,9 @@
 The OS mechanism behind ``read.claims`` and ``read.membership`` (which keep the policy:
 what a held, free or finished file means). A file is created already locked
 (``create_locked``: temporary name, ``LOCK_EX``, hard link into place), taken over only
-when nobody holds it (``lock_unheld``), probed without blocking (``is_held``) and removed
-only by a process that took its lock (``unlink_unheld``). The kernel, or the NFS lock
+when nobody holds it (``lock_unheld``; ``try_lock_exclusive`` on a file already open),
+probed without blocking (``is_held``) and removed only by a process that took its lock
+(``unlink_unheld``). The kernel, or the NFS lock
 manager after its lease, releases a dead process's lock, so a free lock means its holder
 is gone.
 """
@@ -74,6 +75,19 @@ def _link_locked(path: str, fill: Callable[[int], object]) -> int | None:
                 os.close(fd)
             raise
     return fd
+
+
+def try_lock_exclusive(fd: int) -> bool:
+    """Take ``LOCK_EX`` on the open file ``fd`` without blocking: False if it is held.
+
+    The lock is released when the last descriptor of that open file is closed (or the
+    process dies).
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def lock_unheld(path: str, *, write: bool = True) -> int | None:
