@@ -18,7 +18,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from test_import_cycles import PACKAGES, all_modules, import_graph
+from test_import_cycles import PACKAGES, ROOT, all_modules, import_graph
 
 READER = PACKAGES["hidden_state_reader"]
 FORMAT = READER / "format"
@@ -39,6 +39,9 @@ LAYERS: dict[str, int] = {
     # The measurement seams: a registry of callbacks (imports nothing of ours) that the
     # mechanisms call too (``files/inotify.py``: one probe per inotify event).
     "hidden_state_reader.probes": 2,
+    # Producers on threads and their bounded queues: imports nothing of ours, and both
+    # packages' libraries use it.
+    "hidden_state_reader.stages": 2,
     "hidden_state_reader.kernels": 2,
     "hidden_state_reader.files": 3,
 }
@@ -146,11 +149,13 @@ def test_layers_are_where_the_rule_says() -> None:
     assert layer_of("hidden_state_reader.format.names") == 1
     assert layer_of("hidden_state_reader.files.identity") == 3
     assert layer_of("hidden_state_reader.read.claims") == LIBRARY
+    assert layer_of("hidden_state_reader.stages") == layer_of("hidden_state_reader.probes") == 2
     assert layer_of("hidden_state_connector.engine.worker_side") == LIBRARY
     graph = import_graph(all_modules())
     # Each mechanism is used from above: the rule has something to hold.
     assert "hidden_state_reader.files.locks" in graph["hidden_state_reader.read.claims"]
     assert "hidden_state_reader.kernels.crc" in graph["hidden_state_reader.files.publish"]
+    assert "hidden_state_reader.stages" in graph["hidden_state_reader.store.read_ahead"]
 
 
 def identity_builders(tree: ast.AST) -> Iterator[int]:
@@ -195,3 +200,152 @@ def test_a_sample_observation_is_built_in_one_function() -> None:
                 ):
                     found.append(f"{path.relative_to(directory.parent)}:{node.lineno}")
     assert found == [], "build observations with sample.states.observe:\n" + "\n".join(found)
+
+
+# --- Mechanisms with one home (issue 43): files/ for inotify, flock and publishing by
+# rename; kernels/host_memory.py for page-locked memory. Each list of exceptions names
+# the module and why; an exception that no longer applies fails the test too.
+FILES = READER / "files"
+HOST_MEMORY = READER / "kernels" / "host_memory.py"
+CONNECTOR = PACKAGES["hidden_state_connector"]
+ENGINE = CONNECTOR / "engine"
+
+FLOCK_ELSEWHERE = {
+    # The connector's start-up probe of the storage (flock, rename, unlink on a scratch
+    # file): the capture engine's, left to its owner (issue 43, the engine seam).
+    ENGINE / "storage_check.py",
+}
+RENAME_ELSEWHERE = {
+    ENGINE / "storage_check.py",  # as above: the probe renames a scratch file
+}
+PINNED_ELSEWHERE = {
+    # The capture engine's own page-locked buffers, left to its owner (issue 43):
+    ENGINE / "forward" / "transfer.py",  # the host ring of forward capture
+    ENGINE / "write" / "gather.py",  # each slab's non-finite flag
+}
+TENSOR_FACTORIES = frozenset(
+    {"empty", "zeros", "ones", "full", "tensor", "as_tensor", "empty_strided"}
+    | {"empty_like", "zeros_like", "ones_like", "full_like", "rand", "randn", "arange"}
+)
+
+
+def package_sources() -> Iterator[tuple[Path, ast.AST]]:
+    for directory in PACKAGES.values():
+        for path in sorted(directory.rglob("*.py")):
+            yield path, ast.parse(path.read_text(), str(path))
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+
+
+def file_mechanisms(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, what)`` for each use of inotify, ``flock``/``lockf`` or ``fcntl``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            names = []
+        for name in names:
+            if name.split(".")[0] == "fcntl":
+                yield node.lineno, "import fcntl"
+        text = node.value if isinstance(node, ast.Constant) else None
+        if isinstance(text, str) and text.startswith("inotify_"):
+            yield node.lineno, repr(text)
+        if isinstance(node, (ast.Attribute, ast.Name)) and (_name(node) or "").startswith(
+            "inotify_"
+        ):
+            yield node.lineno, f"{_name(node)}"
+
+
+def rename_publishes(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, what)`` for each ``os.replace``/``os.rename``/``os.renames`` call, and each
+    ``Path.replace``/``Path.rename`` call (a method of that name with one argument)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        func, owner = node.func, node.func.value
+        if func.attr in ("replace", "rename", "renames") and _name(owner) == "os":
+            yield node.lineno, f"os.{func.attr}"
+        elif func.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords:
+            yield node.lineno, f".{func.attr}()"
+
+
+def pinned_allocations(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, what)`` for each page-locked allocation: a torch tensor factory called
+    with ``pin_memory`` (not a literal False), ``.pin_memory()``, ``cudaHostAlloc`` or
+    ``cudaHostRegister``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _name(node.func)
+            if name == "pin_memory":
+                yield node.lineno, ".pin_memory()"
+            for keyword in node.keywords:
+                unpinned = isinstance(keyword.value, ast.Constant) and not keyword.value.value
+                factory = (
+                    name in TENSOR_FACTORIES and _name(getattr(node.func, "value", None)) == "torch"
+                )
+                if keyword.arg == "pin_memory" and factory and not unpinned:
+                    yield node.lineno, f"{name}(pin_memory=...)"
+        elif isinstance(node, (ast.Attribute, ast.Name)) and _name(node) in (
+            "cudaHostAlloc",
+            "cudaHostRegister",
+        ):
+            yield node.lineno, str(_name(node))
+
+
+def outside(home: Path, allowed: set[Path], finder: object) -> tuple[list[str], set[Path]]:
+    """Uses found outside ``home`` (a folder or a module) and not ``allowed``; and the
+    allowed modules that have none any more."""
+    found, used = [], set()
+    for path, tree in package_sources():
+        if path == home or home in path.parents:
+            continue
+        hits = list(finder(tree))  # type: ignore[operator]
+        if path in allowed:
+            if hits:
+                used.add(path)
+            continue
+        found += [f"{path.relative_to(ROOT)}:{line} {what}" for line, what in hits]
+    return found, allowed - used
+
+
+def test_inotify_and_flock_only_in_files() -> None:
+    found, stale = outside(FILES, FLOCK_ELSEWHERE, file_mechanisms)
+    assert found == [], "inotify and flock are files/'s (held_files, locks, flockwait):\n" + (
+        "\n".join(found)
+    )
+    assert stale == set(), f"exceptions that no longer apply: {sorted(map(str, stale))}"
+
+
+def test_publishing_by_rename_only_in_files() -> None:
+    found, stale = outside(FILES, RENAME_ELSEWHERE, rename_publishes)
+    assert found == [], "publish by rename through files/atomic.py (write_atomic, move):\n" + (
+        "\n".join(found)
+    )
+    assert stale == set(), f"exceptions that no longer apply: {sorted(map(str, stale))}"
+
+
+def test_pinned_memory_only_from_the_host_memory_home() -> None:
+    found, stale = outside(HOST_MEMORY, PINNED_ELSEWHERE, pinned_allocations)
+    assert found == [], "page-locked memory comes from kernels/host_memory.py:\n" + (
+        "\n".join(found)
+    )
+    assert stale == set(), f"exceptions that no longer apply: {sorted(map(str, stale))}"
+
+
+def test_the_mechanism_finders_see_what_they_forbid() -> None:
+    code = (
+        "import fcntl\nfrom fcntl import flock\nlibc.inotify_init1(0)\n"
+        "getattr(libc, 'inotify_add_watch')\nos.replace(a, b)\nos.rename(a, b)\n"
+        "Path(a).rename(b)\ns.replace('a', 'b')\np.replace(b)\n"
+        "torch.empty(3, pin_memory=True)\ntorch.zeros(3, pin_memory=pinned)\n"
+        "torch.empty(3, pin_memory=False)\nt.pin_memory()\ncudart().cudaHostRegister(p)\n"
+        "host_memory.empty((3,), dtype, pin_memory=True)\nDataLoader(d, pin_memory=True)\n"
+    )
+    tree = ast.parse(code)
+    assert [line for line, _ in file_mechanisms(tree)] == [1, 2, 3, 4]
+    assert sorted(line for line, _ in rename_publishes(tree)) == [5, 6, 7, 9]
+    assert sorted(line for line, _ in pinned_allocations(tree)) == [10, 11, 13, 14]
