@@ -36,7 +36,7 @@ from benchmarks.common import (
     remove_tree_contents,
     table,
 )
-from hidden_state_connector.server import free_port
+from hidden_state_connector.apps.server import free_port
 
 NAME = "completion_order"
 TITLE = "7. Completion order: concurrent clients of a live vLLM server"
