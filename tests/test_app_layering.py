@@ -71,6 +71,7 @@ def test_library_modules_import_no_argparse_and_no_application() -> None:
 
 def test_applications_are_imported_from_apps_only() -> None:
     known = all_modules()
+
     def removed(module: str) -> bool:
         return any(module == a or module.startswith(a + ".") for a in REMOVED_ALIASES)
 
