@@ -11,7 +11,6 @@ exception to the training loop are ``hidden_state_reader.stages.Stages``.
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -116,8 +115,11 @@ class DeviceFeed:
     def __iter__(self) -> Iterator[tuple[int, Any, Ticket | None]]:
         # Static mode: one queue per thread, taken round-robin (the order a DataLoader
         # gives its workers' batches); follow mode: one queue, batches as they come.
+        def producer(worker: int) -> Callable[[], Iterator[_Built]]:
+            return lambda: self._batches(worker, lambda: stages.stopping)
+
         stages = self._stages = Stages(
-            [functools.partial(self._batches, i) for i in range(self.settings.threads)],
+            [producer(i) for i in range(self.settings.threads)],
             capacity=self.settings.prefetch,
             name="hidden-state-feed",
             in_order=not self.follow,
@@ -146,17 +148,15 @@ class DeviceFeed:
             arenas.settle()
         self.arenas = None
 
-    def _batches(self, worker: int) -> Iterator[_Built]:
+    def _batches(self, worker: int, stopping: Callable[[], bool]) -> Iterator[_Built]:
         """One builder thread's batches: read, then each batch through the stages."""
         settings = self.settings
-        stages = self._stages
-        assert stages is not None
         arenas = None if self.arenas is None else self.arenas[worker]
         build = HostBuild(settings.collate_fn, arenas)
         copy = ToDevice(settings.device)
         items = self.binding.thread_share(worker, settings.threads, self._reading)
         with closing(items):
-            for chunk in _chunks(items, settings.batch_size, lambda: stages.stopping):
+            for chunk in _chunks(items, settings.batch_size, stopping):
                 if settings.drop_last and len(chunk) < settings.batch_size:
                     break
                 built = self._make(chunk, build, copy)
