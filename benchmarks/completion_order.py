@@ -36,7 +36,7 @@ from benchmarks.common import (
     remove_tree_contents,
     table,
 )
-from hidden_state_connector.server import free_port
+from hidden_state_connector.apps.server import free_port
 
 NAME = "completion_order"
 TITLE = "7. Completion order: concurrent clients of a live vLLM server"
@@ -58,9 +58,9 @@ def _record_event_arrivals() -> dict[tuple[str, str], int]:
     Keys: ``(sample name, "data")`` for the data file renamed into place, ``(sample name,
     "release")`` for the writer closing (releasing) its lock; the last of each.
     """
+    from hidden_state_reader.files.inotify import IN_CLOSE_WRITE, IN_MOVED_TO
     from hidden_state_reader.format.names import LOCK_SUFFIX, sample_key
     from hidden_state_reader.probes import INOTIFY_EVENT, add_probe
-    from hidden_state_reader.read.inotify import IN_CLOSE_WRITE, IN_MOVED_TO
 
     arrivals: dict[tuple[str, str], int] = {}
 

@@ -439,7 +439,7 @@ def findings(res: dict[str, Any]) -> list[str]:
             "snapshot reads a small file of this project's writers with `open`, `lseek`, one "
             "`preadv` and `close`, without its lock (published by rename, the file is final "
             "once complete: docs/format.md), checks a header whose tensor layout it has "
-            "validated before only for its metadata and size (`format/layouts.py`), and makes "
+            "validated before only for its metadata and size (`kernels/layouts.py`), and makes "
             f"each tensor with one `np.ndarray` and one `from_numpy`; profile top: {top}. "
             "What is left is Python per sample (stream, policy, header, `Sample`) and the "
             "consumer's second `touch`: it touches two tensors where the raw loop touches "

@@ -40,7 +40,7 @@ import torch
 
 from hidden_state_connector.apps.draft_head import DraftHead, next_token_loss
 from hidden_state_connector.apps.prompts import load_prompts
-from hidden_state_connector.tiny_model import build_tiny_model
+from hidden_state_connector.apps.tiny_model import build_tiny_model
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, pad_collate, read_header
 
 

@@ -44,10 +44,10 @@ import torch
 
 from hidden_state_connector.apps.draft_head import DraftHead, next_token_loss
 from hidden_state_connector.apps.prompts import load_prompts
+from hidden_state_connector.apps.server import ServeOptions, VllmServer, free_port
+from hidden_state_connector.apps.tiny_model import build_tiny_model
 from hidden_state_connector.client import complete_all
 from hidden_state_connector.layers import default_layer_ids
-from hidden_state_connector.server import ServeOptions, VllmServer, free_port
-from hidden_state_connector.tiny_model import build_tiny_model
 from hidden_state_reader import HiddenStateDataset, HiddenStateLoader, pad_collate
 
 TINY_LAYERS = [1, 2, 4]  # low, middle and last (pre-norm) layer of the 4-layer tiny model

@@ -121,7 +121,7 @@ def run_vllm(directory: str, args: argparse.Namespace) -> None:
 
     model = args.model
     if model is None:
-        from hidden_state_connector.tiny_model import build_tiny_model
+        from hidden_state_connector.apps.tiny_model import build_tiny_model
 
         cache = Path(os.path.expanduser(args.cache_dir))
         model = os.fspath(build_tiny_model(cache / "tiny-llama-bf16", dtype="bfloat16"))

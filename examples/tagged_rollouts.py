@@ -30,8 +30,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from hidden_state_connector.server import kv_transfer_config, speculative_config
-from hidden_state_connector.tiny_model import build_tiny_model
+from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
+from hidden_state_connector.apps.tiny_model import build_tiny_model
 from hidden_state_reader import HiddenStateReader
 
 TINY_LAYERS = [1, 2, 4]

@@ -2,12 +2,13 @@
 
 Applications are the modules under ``hidden_state_reader.apps`` and
 ``hidden_state_connector.apps`` (the ``hidden-state`` command, export, extract, the demo,
-the ``vllm serve`` launcher, the tiny models) and the few compatibility aliases that keep
-documented import paths working. Everything else in the packages is library. Checked
+the ``vllm serve`` launcher, the tiny models), imported from there: no alias module
+outside ``apps`` re-exports one. Everything else in the packages is library. Checked
 from the source (``ast``), lazy imports included:
 
 - library modules never import ``argparse`` or any application module;
-- an alias only re-exports from ``apps``;
+- the old alias paths (``hidden_state_connector.server``, ``.tiny_model``,
+  ``hidden_state_reader.export``) are gone, and nothing imports them;
 - one ``parse_size`` and one progress-reporter class in the packages;
 - nothing outside the applications (library, examples, benchmarks, tools) imports the demo;
 - benchmarks assign to no attribute of a library module or class (no monkey-patching):
@@ -24,19 +25,18 @@ from pathlib import Path
 from test_import_cycles import ROOT, all_modules, import_graph
 
 APPS = ("hidden_state_reader.apps", "hidden_state_connector.apps")
-ALIASES = {
-    "hidden_state_connector.server": "hidden_state_connector.apps.server",
-    "hidden_state_connector.tiny_model": "hidden_state_connector.apps.tiny_model",
-    "hidden_state_reader.export": None,  # the alias package: a docstring only
-    "hidden_state_reader.export.speculators": "hidden_state_reader.apps.export.speculators",
-}
+REMOVED_ALIASES = (
+    "hidden_state_connector.server",
+    "hidden_state_connector.tiny_model",
+    "hidden_state_reader.export",
+)
 DEMO = "hidden_state_connector.apps.demo"
 LIBRARIES = ("hidden_state_reader", "hidden_state_connector")
 
 
 def is_app(module: str) -> bool:
-    """Whether ``module`` is an application (under ``apps``, or an alias of one)."""
-    return module in ALIASES or any(module == a or module.startswith(a + ".") for a in APPS)
+    """Whether ``module`` is an application (under ``apps``)."""
+    return any(module == a or module.startswith(a + ".") for a in APPS)
 
 
 def imported_names(tree: ast.AST) -> Iterator[tuple[str, int]]:
@@ -69,18 +69,19 @@ def test_library_modules_import_no_argparse_and_no_application() -> None:
     assert bad == [], "\n".join(bad)
 
 
-def test_aliases_only_reexport_from_apps() -> None:
+def test_applications_are_imported_from_apps_only() -> None:
     known = all_modules()
-    for alias, target in ALIASES.items():
-        path, _ = known[alias]
-        body = ast.parse(path.read_text()).body
-        assert isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-        rest = body[1:]
-        assert all(isinstance(n, (ast.ImportFrom, ast.Assign)) for n in rest), alias
-        sources = {n.module for n in rest if isinstance(n, ast.ImportFrom)}
-        assert sources == ({target} if target else set()), alias
-        assigned = [t.id for n in rest if isinstance(n, ast.Assign) for t in n.targets]  # type: ignore[attr-defined]
-        assert assigned == (["__all__"] if target else []), alias
+
+    def removed(module: str) -> bool:
+        return any(module == a or module.startswith(a + ".") for a in REMOVED_ALIASES)
+
+    assert [m for m in known if removed(m)] == []
+    bad = []
+    for path in python_files("packages", "examples", "benchmarks", "tools", "tests"):
+        for module, line in imported_names(ast.parse(path.read_text(), str(path))):
+            if removed(module):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert bad == [], "import applications from apps:\n" + "\n".join(bad)
 
 
 def definitions(kind: type, predicate: object) -> list[str]:
@@ -167,7 +168,7 @@ def stored(target: ast.expr) -> Iterator[ast.Attribute | ast.Subscript]:
 
 def test_the_patch_finder_finds_patches() -> None:
     source = (
-        "from hidden_state_reader.read import inotify as discovery\n"
+        "from hidden_state_reader.files import inotify as discovery\n"
         "import hidden_state_reader.store.load\n"
         "from hidden_state_connector.engine.write.store_backend import StoreLock\n"
         "discovery.Inotify.dispatch = None\n"

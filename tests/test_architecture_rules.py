@@ -18,7 +18,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from test_import_cycles import PACKAGES, all_modules, import_graph
+from test_import_cycles import PACKAGES, ROOT, all_modules, import_graph
 
 READER = PACKAGES["hidden_state_reader"]
 FORMAT = READER / "format"
@@ -36,6 +36,12 @@ OS_PATH_PURE = frozenset({"join", "basename", "dirname", "split", "splitext", "n
 LAYERS: dict[str, int] = {
     "hidden_state_reader.errors": 0,
     "hidden_state_reader.format": 1,
+    # The measurement seams: a registry of callbacks (imports nothing of ours) that the
+    # mechanisms call too (``files/inotify.py``: one probe per inotify event).
+    "hidden_state_reader.probes": 2,
+    # Producers on threads and their bounded queues: imports nothing of ours, and both
+    # packages' libraries use it.
+    "hidden_state_reader.stages": 2,
     "hidden_state_reader.kernels": 2,
     "hidden_state_reader.files": 3,
 }
@@ -117,6 +123,57 @@ def test_the_check_sees_what_it_forbids() -> None:
     )
 
 
+MUTATORS = frozenset(
+    {"clear", "append", "add", "update", "pop", "popitem", "setdefault", "remove", "discard"}
+    | {"extend", "insert", "appendleft", "popleft"}
+)
+# Process state still in format/, left for now (named in issue 43's report):
+FORMAT_STATE_LEFT = {"header.py:_LAYER_IDS"}  # SampleHeader.layer_ids' memo (64 entries)
+
+
+def process_state(tree: ast.Module) -> Iterator[str]:
+    """Module-level names a module changes at run time: ``global`` rebinding, item
+    assignment or a mutating method call (``clear``, ``append``, ``setdefault``, ...)."""
+    names = {
+        t.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Name)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            yield from (n for n in node.names)
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Subscript) and _name(t.value) in names:
+                    yield str(_name(t.value))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in MUTATORS
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id in names
+        ):
+            yield node.func.value.id
+
+
+def test_format_keeps_no_process_state() -> None:
+    found = {
+        f"{path.name}:{name}"
+        for path in format_sources()
+        for name in process_state(ast.parse(path.read_text(), str(path)))
+    }
+    assert found - FORMAT_STATE_LEFT == set(), (
+        "format/ is the spec only: caches and other process state belong to the "
+        f"mechanisms (kernels/layouts.py): {sorted(found - FORMAT_STATE_LEFT)}"
+    )
+    assert found >= FORMAT_STATE_LEFT, "an exception that no longer applies"
+    cache = "_seen = {}\ndef f(k):\n    _seen[k] = 1\n    _seen.clear()\n"
+    assert sorted(process_state(ast.parse(cache))) == ["_seen", "_seen"]
+
+
 def test_no_c_or_other_native_source_in_format() -> None:
     others = sorted(
         str(p.relative_to(READER))
@@ -143,11 +200,13 @@ def test_layers_are_where_the_rule_says() -> None:
     assert layer_of("hidden_state_reader.format.names") == 1
     assert layer_of("hidden_state_reader.files.identity") == 3
     assert layer_of("hidden_state_reader.read.claims") == LIBRARY
+    assert layer_of("hidden_state_reader.stages") == layer_of("hidden_state_reader.probes") == 2
     assert layer_of("hidden_state_connector.engine.worker_side") == LIBRARY
     graph = import_graph(all_modules())
     # Each mechanism is used from above: the rule has something to hold.
     assert "hidden_state_reader.files.locks" in graph["hidden_state_reader.read.claims"]
     assert "hidden_state_reader.kernels.crc" in graph["hidden_state_reader.files.publish"]
+    assert "hidden_state_reader.stages" in graph["hidden_state_reader.store.read_ahead"]
 
 
 def identity_builders(tree: ast.AST) -> Iterator[int]:
@@ -192,3 +251,152 @@ def test_a_sample_observation_is_built_in_one_function() -> None:
                 ):
                     found.append(f"{path.relative_to(directory.parent)}:{node.lineno}")
     assert found == [], "build observations with sample.states.observe:\n" + "\n".join(found)
+
+
+# --- Mechanisms with one home (issue 43): files/ for inotify, flock and publishing by
+# rename; kernels/host_memory.py for page-locked memory. Each list of exceptions names
+# the module and why; an exception that no longer applies fails the test too.
+FILES = READER / "files"
+HOST_MEMORY = READER / "kernels" / "host_memory.py"
+CONNECTOR = PACKAGES["hidden_state_connector"]
+ENGINE = CONNECTOR / "engine"
+
+FLOCK_ELSEWHERE = {
+    # The connector's start-up probe of the storage (flock, rename, unlink on a scratch
+    # file): the capture engine's, left to its owner (issue 43, the engine seam).
+    ENGINE / "storage_check.py",
+}
+RENAME_ELSEWHERE = {
+    ENGINE / "storage_check.py",  # as above: the probe renames a scratch file
+}
+PINNED_ELSEWHERE = {
+    # The capture engine's own page-locked buffers, left to its owner (issue 43):
+    ENGINE / "forward" / "transfer.py",  # the host ring of forward capture
+    ENGINE / "write" / "gather.py",  # each slab's non-finite flag
+}
+TENSOR_FACTORIES = frozenset(
+    {"empty", "zeros", "ones", "full", "tensor", "as_tensor", "empty_strided"}
+    | {"empty_like", "zeros_like", "ones_like", "full_like", "rand", "randn", "arange"}
+)
+
+
+def package_sources() -> Iterator[tuple[Path, ast.AST]]:
+    for directory in PACKAGES.values():
+        for path in sorted(directory.rglob("*.py")):
+            yield path, ast.parse(path.read_text(), str(path))
+
+
+def _name(node: ast.AST) -> str | None:
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+
+
+def file_mechanisms(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, what)`` for each use of inotify, ``flock``/``lockf`` or ``fcntl``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            names = []
+        for name in names:
+            if name.split(".")[0] == "fcntl":
+                yield node.lineno, "import fcntl"
+        text = node.value if isinstance(node, ast.Constant) else None
+        if isinstance(text, str) and text.startswith("inotify_"):
+            yield node.lineno, repr(text)
+        if isinstance(node, (ast.Attribute, ast.Name)) and (_name(node) or "").startswith(
+            "inotify_"
+        ):
+            yield node.lineno, f"{_name(node)}"
+
+
+def rename_publishes(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, what)`` for each ``os.replace``/``os.rename``/``os.renames`` call, and each
+    ``Path.replace``/``Path.rename`` call (a method of that name with one argument)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        func, owner = node.func, node.func.value
+        if func.attr in ("replace", "rename", "renames") and _name(owner) == "os":
+            yield node.lineno, f"os.{func.attr}"
+        elif func.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords:
+            yield node.lineno, f".{func.attr}()"
+
+
+def pinned_allocations(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """``(line, what)`` for each page-locked allocation: a torch tensor factory called
+    with ``pin_memory`` (not a literal False), ``.pin_memory()``, ``cudaHostAlloc`` or
+    ``cudaHostRegister``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _name(node.func)
+            if name == "pin_memory":
+                yield node.lineno, ".pin_memory()"
+            for keyword in node.keywords:
+                unpinned = isinstance(keyword.value, ast.Constant) and not keyword.value.value
+                factory = (
+                    name in TENSOR_FACTORIES and _name(getattr(node.func, "value", None)) == "torch"
+                )
+                if keyword.arg == "pin_memory" and factory and not unpinned:
+                    yield node.lineno, f"{name}(pin_memory=...)"
+        elif isinstance(node, (ast.Attribute, ast.Name)) and _name(node) in (
+            "cudaHostAlloc",
+            "cudaHostRegister",
+        ):
+            yield node.lineno, str(_name(node))
+
+
+def outside(home: Path, allowed: set[Path], finder: object) -> tuple[list[str], set[Path]]:
+    """Uses found outside ``home`` (a folder or a module) and not ``allowed``; and the
+    allowed modules that have none any more."""
+    found, used = [], set()
+    for path, tree in package_sources():
+        if path == home or home in path.parents:
+            continue
+        hits = list(finder(tree))  # type: ignore[operator]
+        if path in allowed:
+            if hits:
+                used.add(path)
+            continue
+        found += [f"{path.relative_to(ROOT)}:{line} {what}" for line, what in hits]
+    return found, allowed - used
+
+
+def test_inotify_and_flock_only_in_files() -> None:
+    found, stale = outside(FILES, FLOCK_ELSEWHERE, file_mechanisms)
+    assert found == [], "inotify and flock are files/'s (held_files, locks, flockwait):\n" + (
+        "\n".join(found)
+    )
+    assert stale == set(), f"exceptions that no longer apply: {sorted(map(str, stale))}"
+
+
+def test_publishing_by_rename_only_in_files() -> None:
+    found, stale = outside(FILES, RENAME_ELSEWHERE, rename_publishes)
+    assert found == [], "publish by rename through files/atomic.py (write_atomic, move):\n" + (
+        "\n".join(found)
+    )
+    assert stale == set(), f"exceptions that no longer apply: {sorted(map(str, stale))}"
+
+
+def test_pinned_memory_only_from_the_host_memory_home() -> None:
+    found, stale = outside(HOST_MEMORY, PINNED_ELSEWHERE, pinned_allocations)
+    assert found == [], "page-locked memory comes from kernels/host_memory.py:\n" + (
+        "\n".join(found)
+    )
+    assert stale == set(), f"exceptions that no longer apply: {sorted(map(str, stale))}"
+
+
+def test_the_mechanism_finders_see_what_they_forbid() -> None:
+    code = (
+        "import fcntl\nfrom fcntl import flock\nlibc.inotify_init1(0)\n"
+        "getattr(libc, 'inotify_add_watch')\nos.replace(a, b)\nos.rename(a, b)\n"
+        "Path(a).rename(b)\ns.replace('a', 'b')\np.replace(b)\n"
+        "torch.empty(3, pin_memory=True)\ntorch.zeros(3, pin_memory=pinned)\n"
+        "torch.empty(3, pin_memory=False)\nt.pin_memory()\ncudart().cudaHostRegister(p)\n"
+        "host_memory.empty((3,), dtype, pin_memory=True)\nDataLoader(d, pin_memory=True)\n"
+    )
+    tree = ast.parse(code)
+    assert [line for line, _ in file_mechanisms(tree)] == [1, 2, 3, 4]
+    assert sorted(line for line, _ in rename_publishes(tree)) == [5, 6, 7, 9]
+    assert sorted(line for line, _ in pinned_allocations(tree)) == [10, 11, 13, 14]

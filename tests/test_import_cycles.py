@@ -133,13 +133,7 @@ def test_applications_sit_above_the_libraries() -> None:
     # Layers: library <- applications (``apps`` packages; tests/test_app_layering.py
     # checks the rest of the layering). Contracted to two nodes, the graph has no circle.
     def layer(module: str) -> str:
-        return (
-            "apps"
-            if ".apps" in module
-            or module.endswith((".server", ".tiny_model"))
-            or (module.startswith("hidden_state_reader.export"))
-            else "library"
-        )
+        return "apps" if ".apps" in module else "library"
 
     graph = import_graph(all_modules())
     layers: dict[str, set[str]] = {"apps": set(), "library": set()}

@@ -1,10 +1,10 @@
-"""Event batching is a setting of each watch, not of the process (``read.inotify``)."""
+"""Event batching is a setting of each watch, not of the process (``files.inotify``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hidden_state_reader.read.inotify import Inotify
+from hidden_state_reader.files.inotify import Inotify
 from hidden_state_reader.read.sources import FollowSource
 
 from samples import write_samples

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from hidden_state_reader.files import held_files as held_files_module
 from hidden_state_reader.format.names import temp_path
-from hidden_state_reader.read import claims as claims_module
 from hidden_state_reader.read.membership import Membership
 
 # A member in another process: joins, says so, then waits (until killed or told to leave).
@@ -103,18 +103,20 @@ def test_a_joiners_temporary_file_is_no_member_and_never_reaped(
     watcher = Membership(str(tmp_path), "g", "a", refresh=0.0)
     watcher.join()
     joiner = Membership(str(tmp_path), "g", "b", refresh=0.0)
-    real_flock = claims_module.fcntl.flock
+    real_flock = held_files_module.fcntl.flock
     seen: list[tuple[str, ...]] = []
 
     def flock_after_a_look(fd: int, op: int) -> None:
         # The fault, at the exact moment: the watcher runs between the joiner's creation
-        # of its temporary file and its lock.
-        seen.append(watcher.members())
-        watcher.watch_neighbour()
+        # of its temporary file and its lock (once: its own probes lock too).
+        if not seen:
+            seen.append(watcher.members())
+            watcher.watch_neighbour()
         real_flock(fd, op)
 
-    monkeypatch.setattr(claims_module, "fcntl", SimpleNamespace(
-        flock=flock_after_a_look, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))  # fmt: skip
+    monkeypatch.setattr(held_files_module, "fcntl", SimpleNamespace(
+        flock=flock_after_a_look, LOCK_EX=fcntl.LOCK_EX, LOCK_SH=fcntl.LOCK_SH,
+        LOCK_NB=fcntl.LOCK_NB))  # fmt: skip
     joiner.join()
     assert seen == [("a",)]  # the temporary file was there, but is no member
     assert watcher.reaped == 0

@@ -95,7 +95,7 @@ def test_stale_lock_of_a_dead_writer_is_reported_not_waited_on(hs_dir: Path) -> 
 
 
 def test_an_inotify_queue_overflow_triggers_an_immediate_rescan(hs_dir: Path) -> None:
-    from hidden_state_reader.read.inotify import RESCAN, Inotify
+    from hidden_state_reader.files.inotify import RESCAN, Inotify
     from hidden_state_reader.read.sources import FollowSource
 
     source = FollowSource(str(hs_dir), rescan_interval=3600)
@@ -183,7 +183,8 @@ def test_without_inotify_follow_polls_and_inotify_mode_says_why(
     """On a system without inotify (macOS, BSD) the reader polls with its own poller."""
     import ctypes
 
-    from hidden_state_reader.read import inotify, sources
+    from hidden_state_reader.files import inotify
+    from hidden_state_reader.read import sources
 
     class NoInotifyLibc:  # fault injection: this Linux libc has the symbol
         def __init__(self, *args: object, **kwargs: object) -> None:

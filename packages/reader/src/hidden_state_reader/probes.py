@@ -10,7 +10,7 @@ Points and the arguments their callbacks get (times from ``time.monotonic()`` un
 said otherwise):
 
 - ``INOTIFY_EVENT``: an inotify event on a sample's data or lock file was read:
-  ``name`` (the file name), ``mask`` (``read.inotify.IN_CLOSE_WRITE``, ``IN_MOVED_TO``,
+  ``name`` (the file name), ``mask`` (``files.inotify.IN_CLOSE_WRITE``, ``IN_MOVED_TO``,
   ...), ``time_ns`` (``time.time_ns()`` when the batch of events was read).
 - ``LOCK_ACQUIRE``: a reader took a sample's shared lock: ``path`` (the data file),
   ``began`` and ``acquired``.

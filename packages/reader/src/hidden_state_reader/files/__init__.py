@@ -8,9 +8,12 @@ listed, locked and published is here:
 - ``listing``: the one directory scan.
 - ``paths``: directories below a root without following symlinks; client paths.
 - ``locks``: writer and reader locks, and the status in lock files.
+- ``held_files``: files created already locked, taken over only when free (claims, members).
 - ``flockwait``: a blocking ``flock`` with a deadline and cancellation.
+- ``inotify``: the kernel's file-system events (``ctypes``), one thread per process.
 - ``identity``: process identity (host, pid, boot id, start time; is a writer gone?).
 - ``publish``: writing a sample atomically (temp file, ``os.replace``, release the lock).
+- ``atomic``: any other file written whole by rename (``write_atomic``), ``move``.
 
 Import direction: ``format`` <- ``kernels`` <- ``files`` <- the libraries (``read``,
 ``sample``, ``store``, ``training``, the connector's engine).

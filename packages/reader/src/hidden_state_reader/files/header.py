@@ -1,7 +1,7 @@
 """Reading a sample's header from its file: the format's rule (``format.header``) on disk.
 
-Two small reads (the 8-byte length, then the JSON header); the validation, and the memo
-of tensor layouts already validated (``format.layouts``), are the format's.
+Two small reads (the 8-byte length, then the JSON header); the validation is the
+format's, with the process's memo of tensor layouts already validated (``kernels.layouts``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 
 from hidden_state_reader.files.fileio import open_sample
 from hidden_state_reader.format.header import SampleHeader, header_length, parse_header
+from hidden_state_reader.kernels import layouts
 
 
 def read_header_fd(fd: int, path: str, file_size: int | None = None) -> SampleHeader:
@@ -17,7 +18,7 @@ def read_header_fd(fd: int, path: str, file_size: int | None = None) -> SampleHe
     if file_size is None:
         file_size = os.fstat(fd).st_size
     length = header_length(path, os.pread(fd, 8, 0) if file_size else b"", file_size)
-    return parse_header(path, os.pread(fd, length, 8), file_size)
+    return parse_header(path, os.pread(fd, length, 8), file_size, layouts)
 
 
 def read_header(path: str | os.PathLike[str]) -> SampleHeader:

@@ -15,15 +15,15 @@ from __future__ import annotations
 import json
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
-from hidden_state_reader.format import fp8, layouts
+from hidden_state_reader.format import fp8
 from hidden_state_reader.format.loss_mask import LOSS_MASK, check_loss_mask
 from hidden_state_reader.format.tensors import (
     DTYPE_SIZES,
@@ -206,7 +206,47 @@ def _shape_bytes(dtype: str, shape: Sequence[int]) -> int:
     return n * DTYPE_SIZES[dtype]
 
 
-def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader:
+_PREFIX = '{"__metadata__":'
+_JSON_SPACE = " \t\n\r"
+# The C scanner behind json.loads, positioned at one value: parses just the metadata.
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+def split_metadata(header_bytes: bytes) -> tuple[Any, str] | None:
+    """The value of a leading ``__metadata__`` member and the text after it (the tail).
+
+    None when the header does not start exactly with ``{"__metadata__":`` followed by a
+    JSON value, or is not strict UTF-8: the full parse then decides. Headers that differ
+    only in their metadata share their tail (``kernels/layouts.py`` says why a tail seen
+    in a valid header proves the same tensors again).
+    """
+    try:
+        text = header_bytes.decode()
+        if not text.startswith(_PREFIX):
+            return None
+        metadata, end = _scan(text, len(_PREFIX))
+    except (ValueError, StopIteration, RecursionError):
+        return None
+    # Without the padding after the closing brace (JSON whitespace, which every parse
+    # skips): headers padded to different lengths share their layout.
+    return metadata, text[end:].rstrip(_JSON_SPACE)
+
+
+class LayoutMemo(Protocol):
+    """Tensor layouts already validated, by tail (``kernels.layouts`` is the readers')."""
+
+    def lookup(self, tail: str, /) -> tuple[Mapping[str, TensorInfo], int] | None:
+        """The validated tensors of a tail and where their data ends (None: unknown)."""
+        ...
+
+    def remember(self, tail: str, tensors: Mapping[str, TensorInfo], data_end: int) -> None:
+        """Record the tensors of a header that passed the full rule."""
+        ...
+
+
+def parse_header(
+    path: str, header_bytes: bytes, file_size: int, memo: LayoutMemo | None = None
+) -> SampleHeader:
     """Validate a header read from ``path`` against the file's size.
 
     This is the executable rule of what a complete sample file is: a JSON object of
@@ -216,14 +256,15 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     tiles the rest of the file exactly (``_check_data_size``), and, when recorded,
     layer ids matching the layer axis and the model's layer count (``_check_capture``).
 
-    A header whose tensor entries were validated before (``format/layouts.py``: same
-    entries, other metadata) has only its metadata and the file's size checked again;
-    anything else takes the full rule.
+    With a ``memo``, a header whose tensor entries were validated before (same entries,
+    other metadata: ``split_metadata``) has only its metadata and the file's size checked
+    again; anything else takes the full rule.
 
     Args:
         path: The file, for error messages.
         header_bytes: The JSON header (without the 8-byte length prefix).
         file_size: Size of the whole file in bytes.
+        memo: The layouts already validated (the readers pass ``kernels.layouts``).
 
     Returns:
         The validated header.
@@ -234,9 +275,9 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
         CorruptSampleError: Anything else that makes the file unusable.
     """
     data_start = 8 + len(header_bytes)
-    parts = layouts.split(header_bytes)
-    if parts is not None:
-        known = layouts.lookup(parts[1])
+    parts = None if memo is None else split_metadata(header_bytes)
+    if memo is not None and parts is not None:
+        known = memo.lookup(parts[1])
         metadata = parts[0]
         if (
             known is not None
@@ -256,8 +297,8 @@ def parse_header(path: str, header_bytes: bytes, file_size: int) -> SampleHeader
     _check_data_size(path, tensors, data_start, file_size)
     header = SampleHeader(path, data_start, file_size, tensors, metadata)
     _check_capture(header)
-    if parts is not None:
-        layouts.remember(parts[1], tensors, file_size - data_start)
+    if memo is not None and parts is not None:
+        memo.remember(parts[1], tensors, file_size - data_start)
     return header
 
 

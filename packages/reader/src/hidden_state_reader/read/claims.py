@@ -12,81 +12,24 @@ creation was historically unsafe). So the claim appears already locked, and:
 
 ``group`` separates independent consumers of the same directory (two training jobs
 that each want every sample once). A claim file's content is the same JSON status as a
-lock file's (``files.locks.write_status`` / ``read_status_fd``).
+lock file's (``files.locks.write_status`` / ``read_status_fd``); the ``flock`` mechanics
+(create locked, take over only when free) live in ``files.held_files``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import fcntl
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from hidden_state_reader.files.held_files import create_locked, lock_unheld
 from hidden_state_reader.files.identity import unique_token
 from hidden_state_reader.files.locks import read_status_fd, write_status
-from hidden_state_reader.format.names import CLAIMS_DIR, temp_path
+from hidden_state_reader.format.names import CLAIMS_DIR
 
 _DONE = "done"
 _CLAIMED = "claimed"
-
-
-def create_locked(path: str, fill: Callable[[int], object], *, root: str) -> int | None:
-    """Create ``path`` already locked ``LOCK_EX``: the descriptor, or None if it exists.
-
-    The file is created under a temporary name, locked, filled (``fill(fd)``) and then
-    hard-linked into place, so it never appears unlocked or empty; ``link`` fails
-    atomically if the name exists, also on NFS. Claims and group member files use it.
-    Either thing that can vanish under it is tried again, up to three times: its folder
-    (a group's claims reset by hand, ``docs/operations.md``: made again below ``root``)
-    and the temporary file (removed by another process before the ``link``: a fresh one).
-
-    Args:
-        path: The file to create.
-        fill: Writes the file's content to the locked descriptor.
-        root: The storage root. Never made again: claims in a folder that was deleted
-            (or a mount point left empty) would be claims nobody else sees.
-
-    Raises:
-        FileNotFoundError: It vanished at every try, or ``root`` is gone.
-    """
-    tries = 3
-    while True:
-        try:
-            return _link_locked(path, fill)
-        except FileNotFoundError:
-            tries -= 1
-            if not tries or not os.path.isdir(root):
-                raise
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-
-
-def _link_locked(path: str, fill: Callable[[int], object]) -> int | None:
-    """One try of ``create_locked`` (``FileNotFoundError``: folder or temporary file gone)."""
-    tmp = temp_path(path)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fill(fd)
-        os.link(tmp, path)
-    except FileExistsError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    finally:
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        except BaseException:
-            # Linked, but the temporary name could not be removed: without this close
-            # the new file would stay locked by this process and never be taken over.
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
-    return fd
 
 
 class ClaimResult(enum.Enum):
@@ -207,22 +150,11 @@ class ClaimStore:
 
     def _take_over(self, name: str, path: str) -> Claim | ClaimResult | None:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None  # deleted meanwhile: try creating again
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = lock_unheld(path)
         except BlockingIOError:
-            os.close(fd)
             return ClaimResult.HELD
-        try:
-            # The file we locked must still be the one under that name.
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                os.close(fd)
-                return None
-        except FileNotFoundError:
-            os.close(fd)
-            return None
+        if fd is None:
+            return None  # deleted or replaced meanwhile: try creating again
         if read_status_fd(fd).state == _DONE:
             os.close(fd)
             return ClaimResult.DONE

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 
+from hidden_state_reader.files.atomic import write_atomic
 from hidden_state_reader.files.identity import process_label
 from hidden_state_reader.format.consumed import (
     CONSUMED_DIR,
@@ -24,7 +25,6 @@ from hidden_state_reader.format.consumed import (
     record_path,
 )
 from hidden_state_reader.format.header import Meta
-from hidden_state_reader.format.names import temp_path
 
 
 def sample_key(metadata: Mapping[str, str]) -> str | None:
@@ -56,18 +56,7 @@ def record_consumed(root: str, name: str, retention: float, action: str) -> None
     record = new_record(retention, action)
     final = record_path(root, name)
     os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = temp_path(final)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, encode_record(record))
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(final, encode_record(record))
 
 
 def read_record(root: str, name: str) -> ConsumedRecord | None:

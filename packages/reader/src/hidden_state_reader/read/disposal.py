@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from hidden_state_reader.files.atomic import move, write_atomic
 from hidden_state_reader.format.names import QUARANTINE_DIR, lock_path
 
 ACTIONS = ("keep", "delete", "move")
@@ -35,7 +36,7 @@ def dispose(root: str, name: str, action: str, done_dir: str | None) -> bool:
         assert done_dir is not None
         target = os.path.join(done_dir, name)
         try:
-            os.replace(data, target)
+            move(data, target)
         except FileNotFoundError:
             if not os.path.exists(target):  # not a repeat of a move already made
                 raise
@@ -57,10 +58,9 @@ def quarantine(root: str, name: str, reason: str) -> str | None:
     target = os.path.join(target_dir, name)
     moved: str | None = target
     try:
-        os.replace(data, target)
+        move(data, target)
     except FileNotFoundError:
         moved = None
-    with open(target + ".reason", "w", encoding="utf-8") as note:
-        note.write(reason + "\n")
+    write_atomic(target + ".reason", (reason + "\n").encode())
     _unlink(lock_path(data))
     return moved

@@ -21,14 +21,13 @@ about to act for (``read.ownership``).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
 
+from hidden_state_reader.files.held_files import create_locked, is_held, unlink_unheld
 from hidden_state_reader.files.identity import process_record
 from hidden_state_reader.format.names import is_temp_name
-from hidden_state_reader.read.claims import create_locked
 
 MEMBERS_DIR = ".members"
 """The folder of the groups' member folders inside ``.claims`` (no group name starts with
@@ -132,34 +131,12 @@ class Membership:
         return alive
 
     def _probe(self, member: str) -> bool:
-        try:
-            fd = os.open(os.path.join(self.directory, member), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True  # its owner holds LOCK_EX
-        finally:
-            os.close(fd)
-        return False
+        return is_held(os.path.join(self.directory, member))
 
     def reap(self, member: str) -> bool:
         """Remove the member file of a dead reader; True if this call removed it."""
-        path = os.path.join(self.directory, member)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino != os.stat(path).st_ino:
-                return False  # replaced meanwhile
-            os.unlink(path)
-        except (BlockingIOError, FileNotFoundError):
-            return False  # alive after all, or reaped by another member
-        finally:
-            os.close(fd)
+        if not unlink_unheld(os.path.join(self.directory, member)):
+            return False  # alive after all, replaced, or reaped by another member
         self.reaped += 1
         self._alive.pop(member, None)
         self._listed_at = float("-inf")  # list again now

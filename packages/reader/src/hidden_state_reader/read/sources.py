@@ -31,10 +31,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
+from hidden_state_reader.files.inotify import RESCAN, Handle, Inotify
 from hidden_state_reader.files.listing import list_samples, scan_samples
 from hidden_state_reader.format.names import lock_path, natural_key, sample_key
 from hidden_state_reader.options import WATCH_MODES
-from hidden_state_reader.read.inotify import RESCAN, Handle, Inotify
 
 log = logging.getLogger(__name__)
 

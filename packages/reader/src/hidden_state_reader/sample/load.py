@@ -32,6 +32,8 @@ from hidden_state_reader.format.header import (
 )
 from hidden_state_reader.format.loss_mask import LOSS_MASK, loss_mask_view
 from hidden_state_reader.format.tensors import dtype_tables
+from hidden_state_reader.kernels import layouts
+from hidden_state_reader.kernels.host_memory import byte_buffer
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.content import check_content
 from hidden_state_reader.sample.finishing import finish_hidden_states
@@ -109,7 +111,7 @@ def _large_file(fd: int, header: SampleHeader, options: LoadOptions, path: str) 
 
 def _empty(nbytes: int, options: LoadOptions) -> np.ndarray:
     if options.pin_memory:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return byte_buffer(nbytes, pin=True).numpy()
     return np.empty(nbytes, dtype=np.uint8)
 
 
@@ -136,7 +138,7 @@ def _parse(path: str, file: np.ndarray) -> SampleHeader:
     """The validated header of a whole file held in ``file``."""
     view = file.data
     length = header_length(path, view, len(view))
-    return parse_header(path, view[8 : 8 + length].tobytes(), len(view))
+    return parse_header(path, view[8 : 8 + length].tobytes(), len(view), layouts)
 
 
 def load_buffer(path: str, file: np.ndarray, options: LoadOptions | None = None) -> Sample:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from hidden_state_reader.kernels import host_memory
+
 
 def check_device(device: str | torch.device) -> torch.device:
     """The ``torch.device`` named by ``device``, checked to be usable here.
@@ -38,7 +40,7 @@ def to_device(tensor: torch.Tensor, device: str | torch.device) -> torch.Tensor:
         return tensor
     if target.type == "cuda" and tensor.device.type == "cpu":
         if not tensor.is_pinned():
-            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            staged = host_memory.empty(tuple(tensor.shape), tensor.dtype, pin_memory=True)
             tensor = staged.copy_(tensor)
         return tensor.to(target, non_blocking=True)
     return tensor.to(target)

@@ -20,6 +20,7 @@ import numpy as np
 from hidden_state_reader.errors import CorruptSampleError, IncompleteSampleError
 from hidden_state_reader.format.header import Meta, SampleHeader, header_length, parse_header
 from hidden_state_reader.format.store_keys import CommitRecord
+from hidden_state_reader.kernels import layouts
 from hidden_state_reader.kernels.crc import Crc32, crc32
 from hidden_state_reader.options import LoadOptions
 from hidden_state_reader.sample.load import load_buffer
@@ -75,4 +76,4 @@ def load_checked(where: str, data: np.ndarray, options: LoadOptions) -> Sample:
 def _header(where: str, data: np.ndarray) -> SampleHeader:
     """The validated header of a whole sample held in ``data``."""
     length = header_length(where, data[:8].tobytes(), len(data))
-    return parse_header(where, data[8 : 8 + length].tobytes(), len(data))
+    return parse_header(where, data[8 : 8 + length].tobytes(), len(data), layouts)

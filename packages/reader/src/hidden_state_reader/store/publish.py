@@ -29,6 +29,7 @@ from hidden_state_reader.format.store_keys import (
     log_key,
     producer_key,
 )
+from hidden_state_reader.kernels import layouts
 from hidden_state_reader.store.client import StoreClient, StoreError
 from hidden_state_reader.store.consumed import written
 
@@ -122,7 +123,7 @@ def parse_sample_header(key: str, data: bytes | memoryview | mmap.mmap) -> Sampl
     (length,) = struct.unpack("<Q", view[:8])
     if 8 + length > view.nbytes:
         raise SampleError(key, f"truncated inside the header ({view.nbytes} of {8 + length})")
-    return parse_header(key, bytes(view[8 : 8 + length]), view.nbytes)
+    return parse_header(key, bytes(view[8 : 8 + length]), view.nbytes, layouts)
 
 
 def publish_file(publisher: StorePublisher, name: str, path: str) -> None:

@@ -18,12 +18,11 @@ claims are the caller's to give back.
 
 from __future__ import annotations
 
-import collections
-import threading
 from collections.abc import Callable, Generator, Iterator
 from typing import Generic, TypeVar
 
 from hidden_state_reader.errors import WaitCancelledError
+from hidden_state_reader.stages import Stage, StageStoppedError
 
 T = TypeVar("T")
 
@@ -36,6 +35,9 @@ _MAX_QUEUED = 1024  # items queued ahead of the caller, whatever they hold
 
 class ReadAhead(Generic[T]):
     """A backend pass running in a thread, ``samples`` samples ahead at most.
+
+    The thread, its queue, stopping it and carrying its exception are a
+    ``hidden_state_reader.stages.Stage``; this class adds the budget of samples.
 
     Args:
         source: Makes the pass, given ``room`` (it calls it before each sample it
@@ -55,34 +57,20 @@ class ReadAhead(Generic[T]):
         interrupt: Callable[[], None],
         name: str = "hidden-state-read-ahead",
     ) -> None:
-        self._holds_sample = holds_sample
-        self._samples = max(1, samples)
-        self._interrupt = interrupt
-        self._items: collections.deque[T] = collections.deque()
-        self._loaded = 0  # queued items that hold a sample
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._finished = False
-        self._error: BaseException | None = None
-        self._source = source(self.room)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._stage: Stage[T] = Stage(
+            lambda: source(self.room),
+            capacity=_MAX_QUEUED,
+            name=name,
+            budget=max(1, samples),
+            weight=lambda item: int(holds_sample(item)),
+            interrupt=interrupt,
+            start=False,
+        )
+        self._stage.start()  # the pass calls ``room``, which needs the stage
 
     def __iter__(self) -> Iterator[T]:
         """The pass's items, in order; the pass's exception, if it raised one."""
-        while True:
-            with self._cond:
-                while not self._items and not self._finished:
-                    self._cond.wait()
-                if not self._items:
-                    if self._error is not None:
-                        error, self._error = self._error, None
-                        raise error
-                    return
-                item = self._items.popleft()
-                self._loaded -= self._holds_sample(item)
-                self._cond.notify_all()
-            yield item
+        return iter(self._stage)
 
     def room(self) -> None:
         """Wait until fewer than ``samples`` items holding a sample are queued (the pass).
@@ -90,48 +78,15 @@ class ReadAhead(Generic[T]):
         Raises:
             WaitCancelledError: The read-ahead is closing.
         """
-        with self._cond:
-            while not self._stopping and self._loaded >= self._samples:
-                self._cond.wait()
-            if self._stopping:
-                raise WaitCancelledError("read-ahead closed")
+        try:
+            self._stage.room()
+        except StageStoppedError:
+            raise WaitCancelledError("read-ahead closed") from None
 
     def stop(self) -> None:
         """Ask the thread to stop reading ahead (safe from any thread; does not wait)."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        self._interrupt()
+        self._stage.stop()
 
     def close(self) -> list[T]:
         """Stop the thread (after the store call it is in, if any); the items not taken."""
-        self.stop()
-        self._thread.join()
-        with self._cond:
-            left, self._items = list(self._items), collections.deque()
-            self._loaded = 0
-        return left
-
-    def _run(self) -> None:
-        try:
-            for item in self._source:
-                with self._cond:
-                    while not self._stopping and len(self._items) >= _MAX_QUEUED:
-                        self._cond.wait()
-                    # Queued even when stopping: ``close`` hands it back (its claim).
-                    self._items.append(item)
-                    self._loaded += self._holds_sample(item)
-                    self._cond.notify_all()
-                    if self._stopping:
-                        break
-        except BaseException as exc:  # raised in the caller's thread instead
-            self._error = exc
-        finally:
-            try:
-                self._source.close()  # in this thread: a generator closes where it runs
-            except BaseException as exc:
-                self._error = self._error or exc
-            finally:
-                with self._cond:
-                    self._finished = True
-                    self._cond.notify_all()
+        return self._stage.close()

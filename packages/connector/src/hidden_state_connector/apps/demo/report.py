@@ -8,6 +8,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hidden_state_reader.files.atomic import write_atomic
+
 log = logging.getLogger(__name__)
 
 MB = 1e6
@@ -158,11 +160,7 @@ def format_table(s: DemoSummary) -> str:
 
 def write_json(s: DemoSummary, path: str) -> None:
     """Write the summary (atomically) to ``path``."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(s.to_dict(), handle, indent=2)
-        handle.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(s.to_dict(), indent=2) + "\n").encode())
 
 
 def plot_loss(s: DemoSummary, path: str) -> bool:

@@ -15,7 +15,6 @@ last line (a kill in the middle of a write) is ignored when read back.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hidden_state_connector.apps.offline.errors import UsageError
+from hidden_state_reader.files.held_files import try_lock_exclusive
 
 MANIFEST_NAME = "manifest.jsonl"
 RUN_LOCK_NAME = ".extract.lock"
@@ -199,9 +199,7 @@ class RunLock:
         """
         path = os.path.join(directory, RUN_LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_lock_exclusive(fd):
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise UsageError(

@@ -17,7 +17,6 @@ re-checks each candidate at the moment of removal:
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import time
@@ -48,6 +47,7 @@ from hidden_state_reader.apps.cli.toolkit import (
     format_bytes,
     non_negative_float,
 )
+from hidden_state_reader.files.held_files import try_lock_exclusive
 from hidden_state_reader.files.identity import WriterFate, check_writer
 from hidden_state_reader.files.listing import describe_empty
 from hidden_state_reader.files.locks import probe, read_status, read_status_fd
@@ -418,9 +418,7 @@ def remove_lock(
     except FileNotFoundError:
         return "already gone"
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not try_lock_exclusive(fd):
             return "in use: a writer or reader holds it now"
         mine = os.fstat(fd)
         try:

@@ -12,10 +12,11 @@ source is never modified.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 from dataclasses import dataclass
+
+from hidden_state_reader.files.atomic import write_atomic
 
 # Errors after which a copy still works: another filesystem, no hard links there, the
 # link count of the inode at its limit, or linking refused (protected_hardlinks).
@@ -82,20 +83,13 @@ def copy_fd(fd: int, target: str) -> None:
         OSError: The copy failed; no file is left at ``target`` or its temporary name.
     """
     size = os.fstat(fd).st_size
-    temp = f"{target}.tmp.{os.getpid()}"
-    out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            offset = 0
-            while offset < size:
-                sent = os.sendfile(out, fd, offset, size - offset)
-                if sent == 0:
-                    raise OSError(errno.EIO, f"{target}: source file shrank while copying")
-                offset += sent
-        finally:
-            os.close(out)
-        os.rename(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+
+    def send(out: int) -> None:
+        offset = 0
+        while offset < size:
+            sent = os.sendfile(out, fd, offset, size - offset)
+            if sent == 0:
+                raise OSError(errno.EIO, f"{target}: source file shrank while copying")
+            offset += sent
+
+    write_atomic(target, send)

@@ -39,6 +39,7 @@ from hidden_state_reader.apps.export.outcome import (
 from hidden_state_reader.apps.export.placement import Placement, place
 from hidden_state_reader.apps.export.rows import RowWriter, require_datasets
 from hidden_state_reader.errors import HiddenStateError, SampleError
+from hidden_state_reader.files.atomic import publish_directory
 from hidden_state_reader.files.fileio import NotRegularFileError, open_regular
 from hidden_state_reader.files.header import read_header_fd
 from hidden_state_reader.files.locks import SharedLock
@@ -148,9 +149,7 @@ def _move_into_place(staging: str, dst: str, result: ExportResult) -> None:
     with open(os.path.join(staging, SUMMARY), "w", encoding="utf-8") as f:
         json.dump(result.as_dict(), f, indent=2)
         f.write("\n")
-    if os.path.isdir(dst):
-        os.rmdir(dst)  # checked empty; a file put there since makes this fail loudly
-    os.rename(staging, dst)
+    publish_directory(staging, dst)  # dst was checked empty or absent
 
 
 def skipped_summary(result: ExportResult) -> str:

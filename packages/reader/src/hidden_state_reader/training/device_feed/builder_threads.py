@@ -5,12 +5,12 @@ through ``host_build``, ``to_device`` and ``device_finishing`` (one instance of 
 stage per thread, with the thread's buffers and stream); it takes the batch's ticket and
 queues the batch. The training loop receives the batches round-robin over the threads
 in static mode (the order a DataLoader gives its workers' batches), as they come in
-follow mode.
+follow mode. The threads, their bounded queues, stopping them and carrying a thread's
+exception to the training loop are ``hidden_state_reader.stages.Stages``.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -21,6 +21,7 @@ import torch
 
 from hidden_state_reader.options import ReaderOptions
 from hidden_state_reader.sample.sample import Sample
+from hidden_state_reader.stages import Stages
 from hidden_state_reader.training.acknowledgement import Ticket
 from hidden_state_reader.training.dataset_modes import Reading, Skipped
 from hidden_state_reader.training.device_feed.device_finishing import DeviceFinishing
@@ -35,16 +36,6 @@ from hidden_state_reader.training.fork_safety import collect_before_fork
 if TYPE_CHECKING:
     from hidden_state_reader.reader import HiddenStateReader
     from hidden_state_reader.training.dataset import LoaderBinding
-
-_DONE = object()
-_PUT_WAIT = 0.1  # seconds between looks at the stop flag while a queue is full
-
-
-@dataclass
-class _Failed:
-    """A builder thread's exception, raised again in the training loop."""
-
-    error: BaseException
 
 
 @dataclass
@@ -118,21 +109,26 @@ class DeviceFeed:
         # holds) for the garbage collector, in this process or a forked one.
         self._readers = _OpenReaders()
         self._reading = Reading(self.finishing.reading(), self._readers)
-        self._stop = threading.Event()
-        queues = 1 if follow else settings.threads
-        self._queues = [queue.Queue[Any](maxsize=settings.prefetch) for _ in range(queues)]
-        self._workers: list[threading.Thread] = []
+        self.follow = follow
+        self._stages: Stages[_Built] | None = None
 
     def __iter__(self) -> Iterator[tuple[int, Any, Ticket | None]]:
-        self._workers = [
-            threading.Thread(target=self._build, args=(i,), name=f"hidden-state-feed-{i}")
-            for i in range(self.settings.threads)
-        ]
-        for worker in self._workers:
-            worker.daemon = True
-            worker.start()
+        # Static mode: one queue per thread, taken round-robin (the order a DataLoader
+        # gives its workers' batches); follow mode: one queue, batches as they come.
+        def producer(worker: int) -> Callable[[], Iterator[_Built]]:
+            return lambda: self._batches(worker, lambda: stages.stopping)
+
+        stages = self._stages = Stages(
+            [producer(i) for i in range(self.settings.threads)],
+            capacity=self.settings.prefetch,
+            name="hidden-state-feed",
+            in_order=not self.follow,
+            interrupt=self._readers.close_all,
+            start=False,
+        )
+        stages.start()
         try:
-            for built in self._arrivals():
+            for built in stages:
                 batch = hand_over(built.batch, built.ready, self.settings.device)
                 yield built.positions, batch, built.ticket
         finally:
@@ -144,59 +140,28 @@ class DeviceFeed:
         The buffers' last copies are waited for and their events dropped, and the feed
         lets go of the buffers (the loader keeps them for its next pass).
         """
-        self._stop.set()
+        stages, self._stages = self._stages, None
+        if stages is not None:
+            stages.close()  # stops the threads (a full queue too), closes the readers
         self._readers.close_all()
-        for q in self._queues:  # a thread blocked on a full queue sees the stop flag
-            _drain(q)
-        for worker in self._workers:
-            worker.join()
-        self._workers = []
         for arenas in self.arenas or ():
             arenas.settle()
         self.arenas = None
 
-    def _arrivals(self) -> Iterator[_Built]:
-        """Built batches: round-robin over the threads (static order), else as they come."""
-        live = list(range(len(self._queues)))
-        finished = 0
-        while live:
-            for index in list(live):
-                item = self._queues[index].get()
-                if isinstance(item, _Failed):
-                    # The traceback holds this frame: no local may hold the error (a cycle).
-                    error, item = item.error, None
-                    try:
-                        raise error
-                    finally:
-                        del error
-                if item is _DONE:
-                    finished += 1
-                    if len(self._queues) > 1 or finished == self.settings.threads:
-                        live.remove(index)
-                    continue
-                yield item
-
-    def _build(self, worker: int) -> None:
-        """One builder thread: read, then each batch through the stages, to its queue."""
+    def _batches(self, worker: int, stopping: Callable[[], bool]) -> Iterator[_Built]:
+        """One builder thread's batches: read, then each batch through the stages."""
         settings = self.settings
-        out = self._queues[worker if len(self._queues) > 1 else 0]
-        try:
-            arenas = None if self.arenas is None else self.arenas[worker]
-            build = HostBuild(settings.collate_fn, arenas)
-            copy = ToDevice(settings.device)
-            items = self.binding.thread_share(worker, settings.threads, self._reading)
-            with closing(items):
-                for chunk in _chunks(items, settings.batch_size, self._stop):
-                    if settings.drop_last and len(chunk) < settings.batch_size:
-                        break
-                    built = self._make(chunk, build, copy)
-                    built.ticket = self.binding.acknowledgements.ticket(worker)
-                    if not self._put(out, built):
-                        return
-        except BaseException as exc:  # handed to the training loop
-            self._put(out, _Failed(exc))
-        finally:
-            self._put(out, _DONE)
+        arenas = None if self.arenas is None else self.arenas[worker]
+        build = HostBuild(settings.collate_fn, arenas)
+        copy = ToDevice(settings.device)
+        items = self.binding.thread_share(worker, settings.threads, self._reading)
+        with closing(items):
+            for chunk in _chunks(items, settings.batch_size, stopping):
+                if settings.drop_last and len(chunk) < settings.batch_size:
+                    break
+                built = self._make(chunk, build, copy)
+                built.ticket = self.binding.acknowledgements.ticket(worker)
+                yield built
 
     def _make(self, chunk: list[Sample | Skipped], build: HostBuild, copy: ToDevice) -> _Built:
         """One batch through the stages: built on the host, copied, finished on the device."""
@@ -208,16 +173,6 @@ class DeviceFeed:
         moved, event = copy.move(batch, lambda on_device: finishing.finish(on_device, samples))
         build.copied(event)
         return _Built(len(chunk), moved, event)
-
-    def _put(self, out: queue.Queue[Any], item: Any) -> bool:
-        """Queue ``item`` unless the feed stops first (then False)."""
-        while not self._stop.is_set():
-            try:
-                out.put(item, timeout=_PUT_WAIT)
-                return True
-            except queue.Full:
-                continue
-        return False
 
 
 class _OpenReaders:
@@ -249,12 +204,12 @@ class _OpenReaders:
 
 
 def _chunks(
-    items: Iterator[tuple[int, Sample | Skipped]], size: int, stop: threading.Event
+    items: Iterator[tuple[int, Sample | Skipped]], size: int, stopping: Callable[[], bool]
 ) -> Iterator[list[Sample | Skipped]]:
     """Consecutive groups of ``size`` items (the last may be shorter)."""
     chunk: list[Sample | Skipped] = []
     for _, item in items:
-        if stop.is_set():
+        if stopping():
             return
         chunk.append(item)
         if len(chunk) == size:
@@ -262,11 +217,3 @@ def _chunks(
             chunk = []
     if chunk:
         yield chunk
-
-
-def _drain(q: queue.Queue[Any]) -> None:
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hidden_state_reader.kernels.host_memory import byte_buffer
 from hidden_state_reader.sample.sample import Sample
 from hidden_state_reader.training.batch_memory import (
     InPlaceCollate,
@@ -59,7 +60,7 @@ class HostArenas:
         if buffer is None or buffer.numel() < size:
             # Room for a quarter more: batch sizes vary, and page-locking is slow.
             size += size // 4
-            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            buffer = byte_buffer(size, pin=self.pin)
             self._buffers[index] = buffer
         return carve(buffer, specs)
 

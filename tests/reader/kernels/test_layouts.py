@@ -1,4 +1,5 @@
-"""Known tensor layouts: a header seen before concludes exactly what the full rule does."""
+"""Known tensor layouts (``kernels/layouts.py``): a header seen before concludes exactly
+what the full rule does."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import torch
 
 from hidden_state_reader import CorruptSampleError, IncompleteSampleError, read_header
 from hidden_state_reader.files.publish import write_sample
-from hidden_state_reader.format import SampleHeader, layouts
-from hidden_state_reader.format.header import _made, parse_header
+from hidden_state_reader.format import SampleHeader
+from hidden_state_reader.format.header import _made, parse_header, split_metadata
+from hidden_state_reader.kernels import layouts
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +48,7 @@ def test_files_that_differ_in_metadata_share_one_validated_layout(hs_dir: Path) 
     first = _write(hs_dir / "a.safetensors", 1, metadata={"request_id": "a"})
     second = _write(hs_dir / "b.safetensors", 2, metadata={"request_id": "bb", "x": "}{,"})
     assert read_header(first) == _full_rule(first)
-    tail = layouts.split(_header_bytes(second))
+    tail = split_metadata(_header_bytes(second))
     assert tail is not None and layouts.lookup(tail[1]) is not None  # learnt from ``first``
     known = read_header(second)
     assert known == _full_rule(second)
@@ -71,20 +73,20 @@ def test_a_known_layout_still_checks_the_metadata(hs_dir: Path) -> None:
     path = _write(hs_dir / "a.safetensors", 1, metadata={"layer_ids": "[0, 1, 2]"})
     header = _header_bytes(path)
     size = Path(path).stat().st_size
-    assert parse_header(path, header, size).layer_ids == [0, 1, 2]
+    assert parse_header(path, header, size, layouts).layer_ids == [0, 1, 2]
     for bad, problem in (
         (b'"layer_ids":"[0, 1, 2]"', b'"layer_ids":[0, 1, 2]  '),  # not a string
         (b'"layer_ids":"[0, 1, 2]"', b'"layer_ids":"[0, 1]"   '),  # not the layer axis
     ):
         changed = header.replace(bad, problem)
-        assert len(changed) == len(header) and layouts.split(changed) is not None
+        assert len(changed) == len(header) and split_metadata(changed) is not None
         with pytest.raises(CorruptSampleError) as caught:
-            parse_header(path, changed, size)
+            parse_header(path, changed, size, layouts)
         with pytest.raises(CorruptSampleError) as full:
             layouts.clear()
-            parse_header(path, changed, size)
+            parse_header(path, changed, size, layouts)
         assert str(caught.value) == str(full.value)
-        parse_header(path, header, size)  # the layout is known again
+        parse_header(path, header, size, layouts)  # the layout is known again
 
 
 def test_a_second_metadata_member_is_never_taken_from_a_layout(hs_dir: Path) -> None:
@@ -97,7 +99,7 @@ def test_a_second_metadata_member_is_never_taken_from_a_layout(hs_dir: Path) -> 
     Path(path).write_bytes(struct.pack("<Q", len(doubled)) + doubled + data)
     for _ in range(2):  # the second parse would use a remembered layout
         assert read_header(path).metadata == {"k": "last"}
-    parts = layouts.split(doubled)
+    parts = split_metadata(doubled)
     assert parts is not None and layouts.lookup(parts[1]) is None
 
 
@@ -105,10 +107,20 @@ def test_headers_in_any_other_form_take_the_full_rule(hs_dir: Path) -> None:
     path = _write(hs_dir / "a.safetensors", 1)
     doc = json.loads(_header_bytes(path))
     spaced = json.dumps(doc).encode()  # ", " and ": " separators: not the writer's form
-    assert layouts.split(spaced) is None
-    assert layouts.split(b'{"token_ids":{}}') is None
-    assert layouts.split(b'{"__metadata__":\xff}') is None
-    assert layouts.split(b'{"__metadata__": {}}') is None  # a space before the value
+    assert split_metadata(spaced) is None
+    assert split_metadata(b'{"token_ids":{}}') is None
+    assert split_metadata(b'{"__metadata__":\xff}') is None
+    assert split_metadata(b'{"__metadata__": {}}') is None  # a space before the value
+
+
+def test_without_a_memo_every_header_takes_the_full_rule(hs_dir: Path) -> None:
+    path = _write(hs_dir / "a.safetensors", 1)
+    header, size = _header_bytes(path), Path(path).stat().st_size
+    assert parse_header(path, header, size) == read_header(path)
+    layouts.clear()
+    parse_header(path, header, size)
+    parts = split_metadata(header)
+    assert parts is not None and layouts.lookup(parts[1]) is None  # nothing remembered
 
 
 def test_made_headers_are_the_dataclass_itself() -> None:

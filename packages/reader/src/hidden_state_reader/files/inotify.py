@@ -1,7 +1,7 @@
 """The kernel's file-system events for the readers: inotify through ``ctypes``.
 
 ``Inotify`` keeps one inotify instance and one reader thread per process, shared by every
-directory a reader follows or watches (``sources``). Each watch delivers the names of
+directory a reader follows or watches (``read.sources``). Each watch delivers the names of
 sample and lock files that appeared in its directory (created, renamed into place) or
 were closed after writing (a writer releasing its lock) to a queue; nothing else, so a
 busy directory does not flood the queue and readers never see their own reads.

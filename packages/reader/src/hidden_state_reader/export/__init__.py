@@ -1,1 +1,0 @@
-"""Compatibility alias: the exporters live in ``hidden_state_reader.apps.export``."""
