@@ -251,6 +251,16 @@ capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss;\
 capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=deepseek_v2" \
       2>"$OUT/v44b.log" | cut -c1-900
     ;;
+  # Issue 44: the same MoE engines with the extract engine (vLLM's own hidden-state path):
+  # the same wrong tokens would be vLLM's numerics against HF, not the forward capture.
+  v44c)
+    timeout 400 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 64 \
+      --rounds 1 --label v44c --configs \
+"capture=extract,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=float32;\
+capture=extract,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss,dtype=float32;\
+capture=forward,pc=off,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=float32" \
+      2>"$OUT/v44c.log" | cut -c1-1200
+    ;;
   # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
   fork)
     (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \
