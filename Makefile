@@ -65,7 +65,7 @@ $(STAMP): pyproject.toml packages/reader/pyproject.toml packages/connector/pypro
 	@# the CPU wheel (46 MB) and its libibverbs dependency (measured: 8.6 s for both).
 	-command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && ! ldconfig -p | grep -q libibverbs.so.1 \
 		&& apt-get install -y -q libibverbs1 >/dev/null
-	$(UV_INSTALL) -e packages/reader -e "packages/connector[demo]" --group dev $(MOONCAKE)
+	$(UV_INSTALL) -e "packages/reader[speculators]" -e "packages/connector[demo]" --group dev $(MOONCAKE)
 	@touch $(STAMP)
 
 install: $(STAMP) $(SPEC_STAMP)

@@ -62,14 +62,28 @@ def spec() -> SimpleNamespace:
     )
 
 
-def export(*args: object, spec_env: bool = True) -> subprocess.CompletedProcess[str]:
-    """``hidden-state export ...`` as a user runs it (a subprocess)."""
+def export(
+    *args: object, spec_env: bool = True, without_datasets: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``hidden-state export ...`` as a user runs it (a subprocess).
+
+    ``without_datasets``: a folder put first on the path in which ``import datasets``
+    fails (the fault of an environment without it: ``make install`` brings it).
+    """
+    environment = env() if spec_env else dict(os.environ)
+    if without_datasets is not None:
+        (without_datasets / "datasets").mkdir(parents=True, exist_ok=True)
+        (without_datasets / "datasets" / "__init__.py").write_text(
+            "raise ModuleNotFoundError(\"No module named 'datasets'\", name='datasets')\n"
+        )
+        path = environment.get("PYTHONPATH", "")
+        environment["PYTHONPATH"] = os.pathsep.join(p for p in (str(without_datasets), path) if p)
     return subprocess.run(
         [*CLI, "export", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,
-        env=env() if spec_env else None,
+        env=environment,
     )
 
 
@@ -382,8 +396,9 @@ def test_refusals_name_the_path_and_create_nothing(
     )
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
-    proc = export("--format", "speculators", hs_dir, tmp_path / "out", spec_env=False)
-    assert proc.returncode == 2 and "pip install 'datasets>=4'" in proc.stderr  # venv has none
+    no_datasets = tmp_path / "no-datasets"
+    proc = export("--format", "speculators", hs_dir, tmp_path / "out", without_datasets=no_datasets)
+    assert proc.returncode == 2 and "pip install 'datasets>=4'" in proc.stderr
 
 
 def test_one_layer_or_mixed_shapes_are_skipped(spec: SimpleNamespace, hs_dir: Path) -> None:
