@@ -108,24 +108,44 @@ DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "kv_lora_rank": 512}
 
 @pytest.mark.parametrize("command", ["serve", "extract"])
 def test_launchers_refuse_before_starting_vllm(tmp_path: Path, command: str) -> None:
+    """The extract engine refuses Gemma 3 and MLA; forward capture (the default) refuses a
+    family it does not know, naming the extract route."""
     gemma = _model_folder(tmp_path, "gemma", {"architectures": ["Gemma3ForCausalLM"]})
     deepseek = _model_folder(tmp_path, "deepseek", DEEPSEEK)
+    falcon = _model_folder(tmp_path, "falcon", {"architectures": ["FalconForCausalLM"]})
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     extra = ["--dry-run"] if command == "serve" else ["--input", str(prompts)]
-    for model, words in [(gemma, "Gemma3ForCausalLM"), (deepseek, "multi-head latent")]:
+    extract = ["--capture", "extract"]
+    for model, engine, words in [
+        (gemma, extract, "Gemma3ForCausalLM"),
+        (deepseek, extract, "multi-head latent"),
+        (falcon, [], "FalconForCausalLM yet"),
+    ]:
         out = tmp_path / f"hs-{model.name}"
-        proc = _hidden_state(command, str(model), "--out", str(out), *extra)
+        proc = _hidden_state(command, str(model), "--out", str(out), *engine, *extra)
         assert proc.returncode == 2, (proc.stdout, proc.stderr)
-        assert f"hidden-state {command}: " in proc.stderr and words in proc.stderr
+        assert f"hidden-state {command} --capture " in proc.stderr and words in proc.stderr
         assert "Traceback" not in proc.stderr and not out.exists()
+    assert "--capture extract" in proc.stderr  # forward's refusal names the other engine
+
+
+def test_forward_capture_takes_what_the_extract_engine_refuses(tmp_path: Path) -> None:
+    for name, config in [("gemma", {"architectures": ["Gemma3ForCausalLM"]}), ("ds", DEEPSEEK)]:
+        model = _model_folder(tmp_path, name, config)
+        proc = _hidden_state("serve", str(model), "--out", str(tmp_path / "hs"), "--dry-run")
+        assert proc.returncode == 0, proc.stderr
+        assert '"capture": "forward"' in proc.stdout and "--speculative-config" not in proc.stdout
 
 
 def test_mla_turned_off_in_vllm_is_not_refused(tmp_path: Path) -> None:
     deepseek = _model_folder(tmp_path, "deepseek", DEEPSEEK)
     out = str(tmp_path / "hs")
-    proc = _hidden_state("serve", str(deepseek), "--out", out, "--dry-run")
+    extract = ("--capture", "extract")
+    proc = _hidden_state("serve", str(deepseek), "--out", out, *extract, "--dry-run")
     assert proc.returncode == 2 and "multi-head latent" in proc.stderr
-    proc = _hidden_state("serve", str(deepseek), "--out", out, "--dry-run", VLLM_MLA_DISABLE="1")
+    proc = _hidden_state(
+        "serve", str(deepseek), "--out", out, *extract, "--dry-run", VLLM_MLA_DISABLE="1"
+    )
     assert proc.returncode == 0, proc.stderr
     assert str(deepseek) in proc.stdout  # the command printed (vllm serve, or its module)

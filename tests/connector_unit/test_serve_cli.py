@@ -65,10 +65,15 @@ def hidden_state(
 
 
 def captured_layers(command: str) -> list[int]:
-    """The ``eagle_aux_hidden_state_layer_ids`` in a printed ``vllm serve`` command."""
-    marker = '"eagle_aux_hidden_state_layer_ids": '
-    start = command.index(marker) + len(marker)
-    return [int(x) for x in command[start : command.index("]", start)].strip("[").split(",")]
+    """The layers a printed ``vllm serve`` command captures: forward capture's
+    ``layer_ids``, or the extract engine's ``eagle_aux_hidden_state_layer_ids``."""
+    args = shlex.split(command)
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    extra = transfer["kv_connector_extra_config"]
+    if extra.get("capture") == "forward":
+        return list(extra["layer_ids"])
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    return list(spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"])
 
 
 @pytest.mark.parametrize(
@@ -259,10 +264,14 @@ def test_no_checksum_flag_turns_the_default_crc32_off_in_serve_and_extract(
     assert checked == {(): True, ("--no-checksum",): False}  # on by default
 
 
-def test_serve_command_carries_both_configs() -> None:
+def test_serve_command_carries_the_capture_engines_configs() -> None:
     cmd = ServeOptions(model="m", out_dir="/d", layer_ids=[2, 16, 29], port=9).command()
     joined = " ".join(cmd)
-    assert "extract_hidden_states" in joined and '"HiddenStateConnector"' in joined
+    assert "--speculative-config" not in cmd and '"HiddenStateConnector"' in joined
+    assert '"capture": "forward", "layer_ids": [2, 16, 29]' in joined
+    extract = ServeOptions(model="m", out_dir="/d", layer_ids=[2, 16], capture="extract")
+    joined = " ".join(extract.command())
+    assert "extract_hidden_states" in joined and '"capture": "extract"' in joined
     assert '"shared_storage_path": "/d"' in joined and cmd[:3] == ["vllm", "serve", "m"]
     assert cmd[cmd.index("--shutdown-timeout") + 1] == "30"  # Ctrl-C drains, not aborts
     assert default_layer_ids(32) == [2, 16, 29]
@@ -348,6 +357,8 @@ def test_serve_to_a_store_needs_no_out(tmp_path: Path) -> None:
     printed = shlex.split(proc.stdout)
     config = json.loads(printed[printed.index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"] == {
+        "capture": "forward",
+        "layer_ids": [1, 2],
         "storage_backend": "mooncake",
         "mooncake_master": "10.0.0.5:50051",
     }  # no shared_storage_path: nothing is written to a directory

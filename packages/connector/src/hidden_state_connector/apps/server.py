@@ -85,6 +85,23 @@ def speculative_config(layer_ids: Sequence[int]) -> dict[str, Any]:
     }
 
 
+CAPTURES = ("forward", "extract")  # engine.config's CAPTURE_* (not imported: CLI start-up)
+"""The capture engines the launchers offer (``--capture``); the first is the default."""
+
+
+def capture_settings(
+    capture: str, layer_ids: Sequence[int]
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The ``speculative_config`` (None: none) and connector keys of a capture engine.
+
+    Forward capture takes no speculative method (a drafter may be added); the extract
+    engine is vLLM's ``extract_hidden_states`` speculative method.
+    """
+    if capture == "extract":
+        return speculative_config(layer_ids), {"capture": "extract"}
+    return None, {"capture": "forward", "layer_ids": list(layer_ids)}
+
+
 def kv_transfer_config(
     out_dir: str | os.PathLike[str] | None, extra: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -110,6 +127,7 @@ class ServeOptions:
         layer_ids: Layers to capture.
         port: HTTP port on 127.0.0.1.
         connector: Extra ``kv_connector_extra_config`` keys.
+        capture: The capture engine, ``"forward"`` (default) or ``"extract"``.
         vllm_args: Further ``vllm serve`` arguments, passed through.
         shutdown_timeout: vLLM's ``--shutdown-timeout``: seconds a stopping server keeps
             stepping. vLLM's default (0) aborts at once, so a request answered just
@@ -124,9 +142,11 @@ class ServeOptions:
     connector: dict[str, Any] = field(default_factory=dict)
     vllm_args: list[str] = field(default_factory=list)
     shutdown_timeout: int | None = 30
+    capture: str = CAPTURES[0]
 
     def command(self) -> list[str]:
         """The ``vllm serve`` command line."""
+        spec, keys = capture_settings(self.capture, self.layer_ids)
         return [
             "vllm",
             "serve",
@@ -135,10 +155,9 @@ class ServeOptions:
             "127.0.0.1",
             "--port",
             str(self.port),
-            "--speculative-config",
-            json.dumps(speculative_config(self.layer_ids)),
+            *([] if spec is None else ["--speculative-config", json.dumps(spec)]),
             "--kv-transfer-config",
-            json.dumps(kv_transfer_config(self.out_dir, self.connector)),
+            json.dumps(kv_transfer_config(self.out_dir, {**keys, **self.connector})),
             *(
                 ["--shutdown-timeout", str(self.shutdown_timeout)]
                 if self.shutdown_timeout is not None

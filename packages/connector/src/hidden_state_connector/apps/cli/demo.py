@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hidden_state_connector.apps.cli.arguments import layers_argument
+from hidden_state_connector.apps.server import CAPTURES
 from hidden_state_reader.apps.cli.toolkit import positive_float, positive_int
 
 DESCRIPTION = """\
@@ -63,6 +64,12 @@ def _add_model_and_data_arguments(parser: argparse.ArgumentParser) -> None:
         type=layers_argument,
         help="layer ids to capture, e.g. 2,16,29 (default: 1,2,4 for the tiny model, else "
         "EAGLE-3's low/middle/high layers from config.json)",
+    )
+    parser.add_argument(
+        "--capture",
+        choices=CAPTURES,
+        default=CAPTURES[0],
+        help="the capture engine: forward (default) or extract (vLLM's extract_hidden_states)",
     )
     parser.add_argument(
         "--prompts",
@@ -160,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from hidden_state_reader.apps.cli.toolkit import EXIT_INTERRUPTED
 
     options = DemoOptions(
+        capture=args.capture,
         model=args.model,
         layers=args.layers,
         prompts=args.prompts,

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from hidden_state_connector.apps.cli.serve import (
     add_arguments,
     add_storage_argument,
+    chosen_capture,
     refuse_uncapturable,
     with_storage,
 )
@@ -289,9 +290,11 @@ def _options(args: argparse.Namespace) -> Any:
         args.storage_dtype,
         checksum=args.checksum,
     )
+    capture = chosen_capture(args.capture, connector_config)
     layers = resolve_layers(args.model, args.layers, args.include_last)
-    refuse_uncapturable(args.model, "hidden-state extract")
+    refuse_uncapturable(args.model, "hidden-state extract", capture)
     return ExtractOptions(
+        capture=capture,
         model=args.model,
         input=args.input,
         out_dir=args.out,

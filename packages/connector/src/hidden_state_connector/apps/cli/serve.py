@@ -10,6 +10,7 @@ from typing import Any
 
 from hidden_state_connector.apps.cli.arguments import layers_argument
 from hidden_state_connector.apps.server import (
+    CAPTURES,
     ServeOptions,
     cpu_kv_cache_args,
     server_argv,
@@ -51,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, out_required: bool = True)
     parser.add_argument("--layers", type=layers_argument, help="layer ids to capture, e.g. 2,16,29")
     parser.add_argument(
         "--include-last", action="store_true", help="also capture the last layer (pre-norm)"
+    )
+    parser.add_argument(
+        "--capture",
+        choices=CAPTURES,
+        help="the capture engine: forward (default: hooks on the decoder layers, no KV cache "
+        "or speculative slot taken; prefix caching on) or extract (vLLM's "
+        "extract_hidden_states speculative method); sets capture in the connector config",
     )
 
 
@@ -138,22 +146,37 @@ def register(subparsers: Any) -> None:
     )
 
 
-def refuse_uncapturable(model: str, command: str) -> None:
-    """Stop before vLLM starts when it cannot capture this model's hidden states.
+def refuse_uncapturable(model: str, command: str, capture: str = CAPTURES[0]) -> None:
+    """Stop before vLLM starts when the capture engine cannot capture this model.
 
     Raises:
-        CliError: The model uses MLA or lacks vLLM's aux-hidden-state interface (the
-            message names the architecture and the families that work).
+        CliError: Forward capture does not know the model's family; or, for the extract
+            engine, the model uses MLA or lacks vLLM's aux-hidden-state interface (the
+            message names the architecture and what works).
     """
-    from hidden_state_connector.engine.architecture import (
-        UnsupportedArchitectureError,
-        check_model_before_start,
-    )
-
+    if capture == "forward":
+        from hidden_state_connector.engine.forward.checks import check_model_before_start
+    else:
+        from hidden_state_connector.engine.architecture import check_model_before_start
     try:
-        check_model_before_start(model, command)
-    except UnsupportedArchitectureError as exc:
+        check_model_before_start(model, f"{command} --capture {capture}")
+    except ValueError as exc:
         raise CliError(str(exc)) from None
+
+
+def chosen_capture(flag: str | None, connector: dict[str, Any]) -> str:
+    """``--capture``, else the connector config's ``capture``, else forward capture.
+
+    Raises:
+        CliError: The two disagree.
+    """
+    given = connector.pop("capture", None)
+    if flag is not None and given is not None and flag != given:
+        raise CliError(f"--capture {flag} and --connector-config capture {given!r} disagree")
+    chosen = flag or given or CAPTURES[0]
+    if chosen not in CAPTURES:
+        raise CliError(f"--connector-config: capture must be one of {', '.join(CAPTURES)}")
+    return str(chosen)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,9 +185,11 @@ def run(args: argparse.Namespace) -> int:
     With ``--dry-run`` only the command is printed (on stdout) and nothing is created.
     """
     connector = with_backend(args)
+    capture = chosen_capture(args.capture, connector)
     layers = resolve_layers(args.model, args.layers, args.include_last)
-    refuse_uncapturable(args.model, "hidden-state serve")
+    refuse_uncapturable(args.model, "hidden-state serve", capture)
     options = ServeOptions(
+        capture=capture,
         model=args.model,
         out_dir=os.path.abspath(args.out) if args.out is not None else None,
         layer_ids=layers,

@@ -57,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         choices=tuple(ARCHITECTURES),
         default="llama",
-        help="architecture (every one gets the same byte-level tokenizer); those vLLM "
-        "cannot capture (gemma3, deepseek_v2 with MLA) are for trying the refusal",
+        help="architecture (every one gets the same byte-level tokenizer); forward capture, "
+        "serve's default, captures each of them (the extract engine, --capture extract, "
+        "refuses gemma3 and deepseek_v2 with MLA)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
 
@@ -139,20 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def next_step(serve: str, model: Path) -> str:
-    """What to run next: ``serve``, or, for a model vLLM cannot capture, what it shows.
-
-    The same check as ``serve``'s decides, so the line never suggests a refused command.
-    """
-    from hidden_state_connector.engine.architecture import (
-        UnsupportedArchitectureError,
-        check_model_before_start,
-    )
-
-    try:
-        check_model_before_start(os.fspath(model), "hidden-state serve")
-    except UnsupportedArchitectureError as exc:
-        why = str(exc).split(": ", 1)[-1].split(";", 1)[0].split(": its", 1)[0]
-        return f"to see the refusal: {serve}  # exits with status 2: {why}"
+    """What to run next: ``serve`` (its forward capture takes every architecture built here)."""
     return f"next: {serve}"
 
 

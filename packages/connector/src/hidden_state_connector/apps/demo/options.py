@@ -58,6 +58,7 @@ class DemoOptions:
         seed: Seed of the draft head.
         vllm_args: Further ``vllm serve`` arguments, passed through.
         server_env: Extra environment variables for the server.
+        capture: The capture engine, ``"forward"`` (default) or ``"extract"``.
     """
 
     model: str | None = None
@@ -81,6 +82,7 @@ class DemoOptions:
     seed: int = 0
     vllm_args: list[str] = field(default_factory=list)
     server_env: dict[str, str] = field(default_factory=dict)
+    capture: str = "forward"
 
 
 def check_options(o: DemoOptions) -> None:

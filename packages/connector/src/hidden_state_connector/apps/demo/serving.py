@@ -97,6 +97,7 @@ def serve_options(options: DemoOptions, model: str, layers: list[int], hs_dir: s
             options.vllm_args, {**os.environ, **options.server_env}
         )
     return ServeOptions(
+        capture=options.capture,
         model=model,
         out_dir=hs_dir,
         layer_ids=layers,

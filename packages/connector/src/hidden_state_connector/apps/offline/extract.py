@@ -92,7 +92,7 @@ class Extraction:
         if options.batch_size < 1:
             raise UsageError("--batch-size: must be at least 1")
         connector_settings(options.connector_config, self.out)  # fail early on bad keys
-        check_reserved(options.engine_args)
+        check_reserved(options.engine_args, options.capture)
         source = open_input(options.input, limit=options.limit, split=options.split)
         self.result.input_description = source.description
         self.result.total = source.total

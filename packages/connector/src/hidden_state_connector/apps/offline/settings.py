@@ -18,9 +18,9 @@ from typing import Any
 
 from hidden_state_connector.apps.offline.errors import UsageError
 from hidden_state_connector.apps.server import (
+    capture_settings,
     cpu_kv_cache_bytes,
     kv_transfer_config,
-    speculative_config,
 )
 from hidden_state_connector.engine.config import ConnectorConfig
 
@@ -28,7 +28,7 @@ RESERVED_ENGINE_ARGS = {
     "model": "the MODEL argument",
     "dtype": "--dtype",
     "max_model_len": "--max-model-len",
-    "speculative_config": "--layers",
+    "speculative_config": "--layers (with --capture extract)",
     "kv_transfer_config": "--connector-config",
 }
 
@@ -55,6 +55,7 @@ class ExtractOptions:
         lock_timeout: Seconds to wait for one file's writer.
         progress_interval: Minimum seconds between progress lines.
         verify_threads: Threads waiting on locks and verifying files.
+        capture: The capture engine, ``"forward"`` (default) or ``"extract"``.
     """
 
     model: str
@@ -74,6 +75,7 @@ class ExtractOptions:
     lock_timeout: float = 600.0
     progress_interval: float = 1.0
     verify_threads: int = 4
+    capture: str = "forward"
 
     @property
     def captured_layers(self) -> list[int]:
@@ -114,14 +116,16 @@ def engine_settings(options: ExtractOptions, out_dir: str, *, on_cpu: bool) -> d
     Raises:
         UsageError: ``engine_args`` sets something extract controls.
     """
-    check_reserved(options.engine_args)
+    check_reserved(options.engine_args, options.capture)
     kwargs: dict[str, Any] = dict(options.engine_args)
     kwargs["dtype"] = options.dtype
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
-    kwargs["speculative_config"] = speculative_config(options.layers)
+    spec, keys = capture_settings(options.capture, options.layers)
+    if spec is not None:
+        kwargs["speculative_config"] = spec
     kwargs["kv_transfer_config"] = kv_transfer_config(
-        out_dir, connector_settings(options.connector_config, out_dir)
+        out_dir, connector_settings({**keys, **options.connector_config}, out_dir)
     )
     if on_cpu:
         size = cpu_kv_cache_bytes(kwargs)
@@ -133,13 +137,17 @@ def engine_settings(options: ExtractOptions, out_dir: str, *, on_cpu: bool) -> d
     return kwargs
 
 
-def check_reserved(engine_args: Iterable[str]) -> None:
+def check_reserved(engine_args: Iterable[str], capture: str = "forward") -> None:
     """Refuse engine arguments that extract sets itself.
+
+    Forward capture leaves ``speculative_config`` to the user (a drafter beside it).
 
     Raises:
         UsageError: Naming the key and the option that sets it.
     """
     for key in engine_args:
+        if key == "speculative_config" and capture == "forward":
+            continue
         if key in RESERVED_ENGINE_ARGS:
             raise UsageError(
                 f"--engine-args: {key!r} is set by {RESERVED_ENGINE_ARGS[key]}; leave it out"

@@ -105,8 +105,9 @@ def family_of(architectures: Sequence[str]) -> Family:
             return FAMILIES[arch]
     raise UnsupportedFamilyError(
         f"capture='forward' does not support {', '.join(architectures) or 'this model'} yet "
-        f"(supported: {', '.join(sorted(FAMILIES))}); use capture='extract' (the default) "
-        "with the extract_hidden_states speculative config"
+        f"(supported: {', '.join(sorted(FAMILIES))}); the extract engine may capture it: "
+        "capture='extract' with vLLM's extract_hidden_states speculative config "
+        "(hidden-state serve/extract --capture extract)"
     )
 
 

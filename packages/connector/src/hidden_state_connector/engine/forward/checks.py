@@ -111,3 +111,27 @@ def _routing_group(kv_cache_config: Any, where: str) -> tuple[int, str]:
         return compat.attention_group(kv_cache_config)
     except ValueError as exc:
         raise ForwardCaptureError(f"{where}: {exc}") from None
+
+
+def check_model_before_start(model: str, where: str) -> None:
+    """Forward capture's family check of a model folder or hub id, before vLLM starts.
+
+    Reads the model's ``config.json`` (a folder's, or a hub model's from the Hugging Face
+    cache); when there is none, vLLM will say what is wrong, so nothing is refused here.
+
+    Raises:
+        ForwardCaptureError: No architecture of the model is a known family.
+    """
+    from hidden_state_connector.model_config import ModelConfigError, read_model_config
+
+    try:
+        config = read_model_config(model, hub="cache")
+    except ModelConfigError:
+        return
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if not architectures:
+        return  # nothing named: vLLM will say what it makes of the model
+    try:
+        family_of(architectures)
+    except ValueError as exc:
+        raise ForwardCaptureError(f"{where}: {exc}") from None
