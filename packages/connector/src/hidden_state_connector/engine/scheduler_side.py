@@ -188,7 +188,8 @@ class SchedulerSide:
                 else:
                     tracked.block_ids.extend(step.new_block_ids)
             if self.forward is not None and not tracked.ordered:
-                meta.steps.append(self.forward.step_rows(step))
+                counted = scheduler_output if tracked.include_output else None  # its drafts
+                meta.steps.append(self.forward.step_rows(step, counted))
             if tracked.ordered or tracked.include_output or not tracked.prompt:
                 continue
             if step.computed_before + step.scheduled >= len(tracked.prompt):
@@ -302,6 +303,8 @@ class SchedulerSide:
                 result[ERROR_PARAM] = failure
             return True, result
         order = self._finish_order(request, tracked, block_ids)
+        if self.forward is not None:  # beside a drafter: its drafted and accepted counts
+            self.forward.count_drafts(order, request)
         if order.failure:
             result[ERROR_PARAM] = order.failure
         self._deliver(order)
