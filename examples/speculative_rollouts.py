@@ -31,8 +31,8 @@ import random
 import tempfile
 from pathlib import Path
 
-from hidden_state_connector.server import kv_transfer_config
-from hidden_state_connector.tiny_model import build_tiny_model
+from hidden_state_connector.apps.server import kv_transfer_config
+from hidden_state_connector.apps.tiny_model import build_tiny_model
 from hidden_state_reader import HiddenStateReader
 from hidden_state_reader.format import sample_acceptance
 

@@ -9,9 +9,10 @@ Rows are stored by position, so rows recomputed after a preemption overwrite the
 positions with the same values. A step that computes positions ``[start, stop)`` again
 (the rows of rejected draft tokens are recomputed from the first rejected position on;
 a preempted request restarts) makes ``stop`` the request's frontier: rows past it are
-stale, never counted as filled, and their blocks go back. With prefix caching, blocks are shared: a held prefix
-block (``pin``) and every request that starts from it (``adopt``) count as users, and a
-block goes back to the free list when its last user lets go.
+stale, never counted as filled, and their blocks go back. With prefix caching, blocks
+are shared: a held prefix block (``pin``) and every request that starts from it
+(``adopt``) count as users, and a block goes back to the free list when its last user
+lets go.
 """
 
 from __future__ import annotations
