@@ -302,7 +302,7 @@ class SchedulerSide:
             if failure:
                 result[ERROR_PARAM] = failure
             return True, result
-        order = self._finish_order(request, tracked, block_ids)
+        order = _finish_order(request, tracked, block_ids, self.block_size)
         if self.forward is not None:  # beside a drafter: its drafted and accepted counts
             self.forward.count_drafts(order, request)
         if order.failure:
@@ -326,29 +326,33 @@ class SchedulerSide:
         if self._store is not None:
             self._store.close()
 
-    def _finish_order(self, request: Any, tracked: _Tracked, block_ids: list[int]) -> SaveOrder:
-        prompt = list(request.prompt_token_ids or [])
-        # The last generated token was never fed back, so it has no hidden state.
-        tokens = list(request.all_token_ids)[:-1] if tracked.include_output else prompt
-        failure = None
-        if compat.request_was_aborted(request):
-            failure = f"request ended with status {request.status}"
-        elif not tokens:
-            failure = "request has no token ids (prompt embeddings only?)"
-        elif request.num_computed_tokens < len(tokens):
-            failure = f"only {request.num_computed_tokens} of {len(tokens)} tokens were computed"
-        elif len(block_ids) * self.block_size < len(tokens):
-            failure = f"{len(block_ids)} blocks cannot hold {len(tokens)} tokens"
-        mask = tracked.loss_mask
-        if failure is None and mask is not None:
-            mask, failure = stored_mask(mask, len(prompt), len(tokens))
-        return SaveOrder(
-            request.request_id,
-            tracked.path,
-            [] if failure else tokens,
-            [] if failure else list(block_ids),
-            len(prompt),
-            failure,
-            loss_mask=None if failure else mask,
-            tags=tracked.tags,
-        )
+
+def _finish_order(
+    request: Any, tracked: _Tracked, block_ids: list[int], block_size: int
+) -> SaveOrder:
+    """The save of a request that finished (or a failure order naming why it cannot be)."""
+    prompt = list(request.prompt_token_ids or [])
+    # The last generated token was never fed back, so it has no hidden state.
+    tokens = list(request.all_token_ids)[:-1] if tracked.include_output else prompt
+    failure = None
+    if compat.request_was_aborted(request):
+        failure = f"request ended with status {request.status}"
+    elif not tokens:
+        failure = "request has no token ids (prompt embeddings only?)"
+    elif request.num_computed_tokens < len(tokens):
+        failure = f"only {request.num_computed_tokens} of {len(tokens)} tokens were computed"
+    elif len(block_ids) * block_size < len(tokens):
+        failure = f"{len(block_ids)} blocks cannot hold {len(tokens)} tokens"
+    mask = tracked.loss_mask
+    if failure is None and mask is not None:
+        mask, failure = stored_mask(mask, len(prompt), len(tokens))
+    return SaveOrder(
+        request.request_id,
+        tracked.path,
+        [] if failure else tokens,
+        [] if failure else list(block_ids),
+        len(prompt),
+        failure,
+        loss_mask=None if failure else mask,
+        tags=tracked.tags,
+    )
