@@ -79,7 +79,6 @@ def main() -> None:
         model=model,
         max_model_len=256,
         enforce_eager=True,
-        enable_prefix_caching=False,  # forward capture recomputes every token
         async_scheduling=False,  # forward capture beside a drafter needs it off
         kv_cache_memory_bytes=128 * 1024**2,  # the CPU build reserves host RAM
         skip_tokenizer_init=True,

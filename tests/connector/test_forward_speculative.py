@@ -1,7 +1,8 @@
 """Forward capture beside a drafter (speculative decoding) on the CPU build: values, tokens, counts.
 
 Each drafter runs in one real in-process vLLM engine with forward capture: ngram prompt
-lookup (tiny Qwen3) and EAGLE-3 (tiny Llama with a tiny echo drafter, ``apps.tiny_drafter``).
+lookup (tiny Qwen3, prefix caching on) and EAGLE-3 (tiny Llama with a tiny echo drafter,
+``apps.tiny_drafter``).
 Every stored row is compared with Hugging Face's float32 residual stream; the token ids
 must be the prompt plus the generated tokens fed back (what the same greedy run without
 a drafter gives: HF's greedy continuation); each sample's drafted and accepted counts
@@ -33,8 +34,14 @@ LAYERS = [0, 1, NUM_LAYERS // 2, NUM_LAYERS]
 MAX_TOKENS = 24
 
 
-def _run(model: Path, out: Path, spec: dict[str, Any]) -> tuple[list[Any], list[Any]]:
-    """Generated-token samples of repetitive and random prompts, and prompt-only ones."""
+def _run(
+    model: Path, out: Path, spec: dict[str, Any], **settings: Any
+) -> tuple[list[Any], list[Any]]:
+    """Generated-token samples of repetitive and random prompts, and prompt-only ones.
+
+    The prompt-only requests repeat earlier prompts: with prefix caching on, vLLM serves
+    their prefixes from the cache (rows held from the first requests).
+    """
     from vllm import SamplingParams
 
     llm = engine(
@@ -43,6 +50,7 @@ def _run(model: Path, out: Path, spec: dict[str, Any]) -> tuple[list[Any], list[
         forward_extra(LAYERS, include_output_tokens=True),
         speculative_config=spec,
         per_request_spec_decode_metrics="detailed",
+        **settings,
     )
     try:
         every = repetitive_prompts() + prompts((150, 1, 17))
@@ -107,7 +115,11 @@ def test_ngram_capture_equals_hugging_face(
 ) -> None:
     base = tmp_path_factory.mktemp("forward-ngram")
     model = build_tiny_model(base / "model", arch="qwen3", dtype="float32", num_layers=NUM_LAYERS)
-    with_outputs, prompt_only = _run(model, base / "hs", ngram())
+    # Prefix caching on (forward capture's default with vLLM's): held prefix rows too.
+    with_outputs, prompt_only = _run(
+        model, base / "hs", ngram(), enable_prefix_caching=True, block_size=32
+    )
+    assert any(o.num_cached_tokens for o in prompt_only)
     worst, drafted, accepted = _check(model, with_outputs, prompt_only)
     print(
         f"ngram (Qwen3): worst relative error {worst:.1e}; accepted {accepted} of {drafted} drafts"
