@@ -279,13 +279,14 @@ capture=forward,pc=off,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=fl
     bash "$0" verify --no-install
     bash "$0" fork --no-install
     ;;
-  # Issue 46: forward capture beside a drafter. v46a: the sweep's engines with ngram and a
-  # tiny echo EAGLE-3 drafter (every row against HF, each sample's drafted/accepted counts
-  # checked), one forward engine without a drafter as the control.
+  # Issue 46: forward capture beside a drafter. v46a: the sweep's engines with ngram (one
+  # with prefix caching and fp8 storage) and with a tiny echo EAGLE-3 drafter (every row
+  # against HF, each sample's drafted/accepted counts checked), and one forward engine
+  # without a drafter as the control.
   v46a)
     timeout 420 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --configs \
 "capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off,spec=ngram;\
-capture=forward,pc=off,graphs=off,storage=fp8,sleep=off,async=off,spec=ngram;\
+capture=forward,pc=on,graphs=off,storage=fp8,sleep=off,async=off,spec=ngram;\
 capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off,spec=eagle3;\
 capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       2>"$OUT/v46a.log" | cut -c1-1500
