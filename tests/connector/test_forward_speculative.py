@@ -13,6 +13,7 @@ must be vLLM's own per-request counts (``per_request_spec_decode_metrics``). Ref
 from __future__ import annotations
 
 import gc
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,6 @@ def _check(model: Path, with_outputs: list[Any], prompt_only: list[Any]) -> tupl
     return worst, drafted, accepted
 
 
-# EAGLE-3 runs first: vLLM 0.32's CPU runner patches its EAGLE kernels by scanning every
-# module's attributes (``triton_utils.dispatcher``), and fails on llvmlite's
-# ``_lib_fn_wrapper`` (``vars()`` of it is no dict) once the ngram proposer has imported
-# numba in the same process.
 def test_eagle3_capture_equals_hugging_face(
     tmp_path_factory: pytest.TempPathFactory, in_process: None
 ) -> None:
@@ -111,8 +108,15 @@ def test_eagle3_capture_equals_hugging_face(
 
 
 def test_ngram_capture_equals_hugging_face(
-    tmp_path_factory: pytest.TempPathFactory, in_process: None
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """ngram's engine runs in processes of its own (vLLM's default), not in this one.
+
+    Its proposer imports numba, and then every later engine of this process fails: vLLM
+    0.32's CPU runner patches kernels by scanning every module's attributes
+    (``triton_utils.dispatcher``) and breaks on llvmlite's ``_lib_fn_wrapper``.
+    """
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     base = tmp_path_factory.mktemp("forward-ngram")
     model = build_tiny_model(base / "model", arch="qwen3", dtype="float32", num_layers=NUM_LAYERS)
     # Prefix caching on (forward capture's default with vLLM's): held prefix rows too.
@@ -128,6 +132,7 @@ def test_ngram_capture_equals_hugging_face(
         sample_acceptance(read_one(o.kv_transfer_params["hidden_states_path"]).metadata)
         for o in with_outputs[:3]
     ]
+    assert "llvmlite" not in sys.modules  # the later engines of this process still start
     assert sum(c.accepted for c in repetitive if c is not None) > 0
 
 
