@@ -293,3 +293,22 @@ def test_tagged_rollouts(tmp_path: Path, cache_dir: Path) -> None:
     assert "dataset sample train-000042.safetensors: row_id=train-000042, 29 tokens" in text
     assert "7 files for 7 distinct keys" in text
     assert len(list(out.glob("*.safetensors"))) == 7
+
+
+@runs("speculative_rollouts.py")
+@pytest.mark.vllm  # skipped without vLLM (tests/conftest.py)
+def test_speculative_rollouts(tmp_path: Path, cache_dir: Path) -> None:
+    out = tmp_path / "hs"
+    proc = example(
+        "speculative_rollouts.py",
+        *("--requests", "4", "--min-rate", "0.8", "--out", str(out), "--cache-dir", str(cache_dir)),
+        timeout=240,
+        env=IN_PROCESS_ENGINE,
+    )
+    text = proc.stdout
+    counts = [(int(a), int(d)) for a, d in re.findall(r"accepted (\d+) of (\d+) drafts", text)]
+    assert len(counts) == 4, text  # every sample carries its counts
+    assert all(0 <= a <= d for a, d in counts) and sum(a for a, _ in counts) > 0, text
+    kept = sum(a / d >= 0.8 for a, d in counts if d)
+    assert f"kept {kept} of 4 samples with acceptance rate >= 0.8" in text, text
+    assert len(list(out.glob("*.safetensors"))) == 4

@@ -62,6 +62,11 @@ def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, An
         kw["load_format"] = "dummy"
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.spec:  # a drafter beside the target: none (spec alone) or forward capture
+        if kind not in ("none", "forward"):
+            raise SystemExit(f"--spec runs with kinds none and forward, not {kind}")
+        kw.update(speculative_config=SPEC_CONFIGS[args.spec], async_scheduling=False)
+        kw["disable_log_stats"] = False  # vLLM's drafted/accepted counters
     if kind == "none":
         return kw
     if kind == "forward":  # capture from the forward pass: no speculative config
@@ -93,11 +98,44 @@ def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, An
     return kw
 
 
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+SPEC_CONFIGS = {
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+}
+"""``--spec``: vLLM's ``speculative_config`` of each drafter the throughput rows can run."""
+
+
+def random_prompts(
+    n: int, length: int, vocab: int, seed: int, repetitive: bool = False
+) -> list[list[int]]:
+    """Random token ids; ``repetitive``: each prompt a random 16-token motif repeated."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab - 10, (n, length), generator=gen).tolist()
+    if not repetitive:
+        return torch.randint(10, vocab - 10, (n, length), generator=gen).tolist()
+    motifs = torch.randint(10, vocab - 10, (n, 16), generator=gen)
+    return motifs.repeat(1, length // 16 + 1)[:, :length].tolist()
+
+
+def spec_counters(llm: Any) -> dict[str, float]:
+    """vLLM's drafted/accepted token counters so far (empty without speculation)."""
+    found: dict[str, float] = {}
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # an engine without stats
+        return found
+    for metric in metrics:
+        if metric.name in (
+            "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens",
+        ):
+            found[metric.name.rsplit("_num_", 1)[1]] = float(getattr(metric, "value", 0.0))
+    return found
 
 
 def wait_released(paths: list[str], t0: float) -> list[float]:
@@ -170,9 +208,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True
     )
-    warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, seed=1)
+    repetitive = args.prompt_kind == "repetitive"
+    warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, 1, repetitive)
     llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
-    prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, seed=2)
+    prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, 2, repetitive)
+    counters = spec_counters(llm) if args.spec else {}
     if in_process:
         torch.cuda.synchronize()
         base_alloc = torch.cuda.memory_allocated()
@@ -183,6 +223,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
     paths = [p for p in paths if p]
     result = _throughput_row(args, paths, t0, elapsed, in_process)
+    if args.spec:  # the timed run's drafted and accepted tokens (vLLM's counters)
+        after = spec_counters(llm)
+        result["spec_counts"] = {k: v - counters.get(k, 0.0) for k, v in after.items()}
     cache = llm.llm_engine.vllm_config.cache_config  # vLLM's KV-cache capacity, as it reports
     result["kv_blocks"] = cache.num_gpu_blocks
     result["kv_block_size"] = cache.block_size
@@ -222,6 +265,8 @@ def _throughput_row(
         "prompts": args.num_prompts,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "spec": args.spec or None,
+        "prompt_kind": args.prompt_kind,
         "tok_s": args.num_prompts * args.prompt_len / elapsed,
         "out_tok_s": args.num_prompts * args.max_tokens / elapsed,
         "elapsed_s": elapsed,
@@ -488,7 +533,11 @@ def suite_throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         str(args.max_tokens),
         "--max-model-len",
         str(args.max_model_len),
+        "--prompt-kind",
+        args.prompt_kind,
     ]
+    if args.spec:
+        base += ["--spec", args.spec]
     if args.dummy:
         base.append("--dummy")
     for graphs in args.graph_modes:
@@ -562,6 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--kinds", default="none,example,ours")
     parser.add_argument("--connector", default="{}", help="extra connector config JSON")
+    parser.add_argument(
+        "--spec", default="", choices=["", *SPEC_CONFIGS], help="a drafter (kinds none, forward)"
+    )
+    parser.add_argument("--prompt-kind", default="random", choices=["random", "repetitive"])
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--work", default="/tmp/hs-bench")
     parser.add_argument("--json", default="")
@@ -601,7 +654,9 @@ THROUGHPUT_COLUMNS = [
     "storage",
     "graphs",
     "max_tokens",
+    "spec",
     "tok_s",
+    "out_tok_s",
     "write_gb_s",
     "release_after_return_p50_ms",
     "release_after_return_p99_ms",

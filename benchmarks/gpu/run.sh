@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: installs the vLLM 0.26 kit, then the chosen benchmark plan.
 # Usage (from the repo root, via the device tool):  bash benchmarks/gpu/run.sh PLAN
-#   PLAN: smoke | validate | full | tp2 | v30sleep | ...
+#   PLAN: smoke | validate | full | tp2 | v30sleep | v46a | v46b | ...
 set -uo pipefail
 plan=${1:-smoke}
 if [ "${2:-}" != "--no-install" ]; then source .gpu/install.sh || exit 3; fi
@@ -278,6 +278,29 @@ capture=forward,pc=off,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=fl
   v35)
     bash "$0" verify --no-install
     bash "$0" fork --no-install
+    ;;
+  # Issue 46: forward capture beside a drafter. v46a: the sweep's engines with ngram (one
+  # with prefix caching and fp8 storage) and with a tiny echo EAGLE-3 drafter (every row
+  # against HF, each sample's drafted/accepted counts checked), and one forward engine
+  # without a drafter as the control.
+  v46a)
+    timeout 420 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --configs \
+"capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off,spec=ngram;\
+capture=forward,pc=on,graphs=off,storage=fp8,sleep=off,async=off,spec=ngram;\
+capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off,spec=eagle3;\
+capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
+      2>"$OUT/v46a.log" | cut -c1-1500
+    ;;
+  # v46b: throughput of ngram speculation alone (none) vs with forward capture of prompt
+  # and generated tokens, one engine each; the 8B-shaped model (dummy weights), CUDA
+  # graphs, repetitive prompts (256 x 512 tokens, 256 generated). vLLM's drafted/accepted
+  # counters of each timed run are in its row (spec_counts).
+  v46b)
+    $B throughput --num-prompts 256 --prompt-len 512 --max-tokens 256 --max-model-len 1024 \
+      --kinds none,forward --graph-modes graphs --spec ngram \
+      --prompt-kind repetitive --connector '{"include_output_tokens": true}' --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v46b.log" | tail -6
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac

@@ -14,6 +14,10 @@ round one batch: half the requests store their generated tokens
 (``include_output_tokens``), half only the prompt; ``max_tokens`` 1-64; greedy and sampled
 decoding (sampled drafts get rejected, greedy ones on a random model are often accepted).
 With ``sleep=on`` every round is followed by ``llm.sleep()`` / ``llm.wake_up()``.
+With ``spec=ngram`` or ``spec=eagle3`` (forward capture only, async scheduling off) the
+engine speculates beside the capture (ngram prompt lookup; a tiny echo EAGLE-3 drafter,
+``apps.tiny_drafter``), a quarter of the prompts repeat a motif so drafts get accepted,
+and each sample's drafted/accepted counts are checked (``accepted <= drafted``) and summed.
 
 Then every answered request is accounted for: published (read back, CRC checked, token
 ids equal to the prompt plus the generated tokens that were fed back, every row of every
@@ -50,6 +54,7 @@ SWEEP = [
 # A row is wrong beyond these relative errors (per token, per layer) against HF float32:
 # bf16 engine arithmetic, plus fp8's rounding (2**-4 per element) when stored as fp8.
 ROW_TOL = {"bf16": 0.06, "fp8": 0.12, "fp32": 0.01}
+SPEC_METHODS = ("", "ngram", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -64,13 +69,16 @@ class Config:
     capture: str = "extract"  # or "forward" (no speculative config)
     arch: str = "llama"  # tiny-model --arch (MoE and MLA families: forward capture only)
     dtype: str = "bfloat16"  # the engine's (float32: the families' values, crisply)
+    spec: str = ""  # forward capture beside a drafter: "ngram" or "eagle3"
 
     @classmethod
     def parse(cls, text: str) -> Config:
         """``pc=on,graphs=off,storage=bf16,sleep=on[,async=off,capture=,arch=,dtype=]``."""
         fields = dict(part.split("=", 1) for part in text.split(",") if part)
         flag = {"on": True, "off": False}
-        known = {"pc", "graphs", "storage", "sleep", "async", "capture", "arch", "dtype"}
+        known = {"pc", "graphs", "storage", "sleep", "async", "capture", "arch", "dtype", "spec"}
+        if fields.get("spec", "") not in SPEC_METHODS:
+            raise SystemExit(f"bad --config {text!r}: spec is one of {SPEC_METHODS}")
         if set(fields) - known or fields.get("storage", "bf16") not in ROW_TOL:
             raise SystemExit(f"bad --config {text!r}: keys pc, graphs, storage(bf16|fp8), sleep")
         return cls(
@@ -82,6 +90,7 @@ class Config:
             capture=fields.get("capture", "extract"),
             arch=fields.get("arch", "llama"),
             dtype=fields.get("dtype", "bfloat16"),
+            spec=fields.get("spec", ""),
         )
 
     @property
@@ -147,6 +156,8 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
         extra["async_scheduling"] = cfg.async_scheduling
     if cfg.capture == "forward":
         settings.update(capture="forward", layer_ids=LAYERS)
+        if cfg.spec:
+            extra["speculative_config"] = drafter_config(cfg.spec, model_dir)
     else:
         extra["speculative_config"] = speculative_config(LAYERS)
     return LLM(
@@ -167,10 +178,28 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
     )
 
 
-def make_requests(round_no: int, count: int, earlier: list[list[int]]) -> tuple[list, list]:
+def drafter_config(method: str, model_dir: Path) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` of ``spec=ngram`` or ``spec=eagle3`` (a tiny echo drafter)."""
+    if method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
+    from hidden_state_connector.apps.tiny_drafter import build_tiny_eagle3
+
+    drafter = build_tiny_eagle3(model_dir.parent / f"{model_dir.name}-eagle3", model_dir, echo=True)
+    return {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 2}
+
+
+def make_requests(
+    round_no: int, count: int, earlier: list[list[int]], repeat: bool = False
+) -> tuple[list, list]:
     """Prompts (a quarter extend an earlier prompt's prefix) and their sampling params.
 
     Odd indices store their generated tokens; every third request samples (temperature 1).
+    With ``repeat`` (speculation), a quarter of the prompts repeat a short motif instead.
     """
     import torch
     from vllm import SamplingParams
@@ -180,6 +209,9 @@ def make_requests(round_no: int, count: int, earlier: list[list[int]]) -> tuple[
     for i in range(count):
         n = int(torch.randint(17, 1500, (1,), generator=gen))
         prompt = torch.randint(0, 250, (n,), generator=gen).tolist()
+        if repeat and i % 4 == 1:  # a motif repeated: ngram drafts match
+            motif = prompt[: int(torch.randint(2, 9, (1,), generator=gen))]
+            prompt = (motif * (n // len(motif) + 1))[:n]
         if earlier and i % 4 == 3:  # reuse 64-400 tokens of an earlier prompt: a cache hit
             base = earlier[int(torch.randint(0, len(earlier), (1,), generator=gen))]
             keep = min(len(base), int(torch.randint(64, 400, (1,), generator=gen)))
@@ -223,7 +255,7 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     per_round = max(1, args.requests // args.rounds)
     notes: list[str] = []
     for round_no in range(args.rounds):
-        prompts, params = make_requests(round_no, per_round, earlier)
+        prompts, params = make_requests(round_no, per_round, earlier, repeat=bool(cfg.spec))
         batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs += batch
         if cfg.sleep:
@@ -236,7 +268,7 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    account = account_for(outs, out, model_dir, cfg.row_tolerance)
+    account = account_for(outs, out, model_dir, cfg.row_tolerance, bool(cfg.spec))
     account["cached_tokens"] = sum(int(o.num_cached_tokens or 0) for o in outs)
     account["requests_with_cache_hits"] = sum(1 for o in outs if o.num_cached_tokens)
     # Odd indices of each round asked for their generated tokens (make_requests).
@@ -259,6 +291,7 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         "capture": cfg.capture,
         "arch": cfg.arch,
         "dtype": cfg.dtype,
+        "spec": cfg.spec or None,
         "max_num_batched_tokens": 512,
         "row_tolerance": cfg.row_tolerance,
         **account,
@@ -268,7 +301,9 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def account_for(outs: list[Any], out: str, model_dir: Path, row_tol: float) -> dict[str, Any]:
+def account_for(
+    outs: list[Any], out: str, model_dir: Path, row_tol: float, speculating: bool = False
+) -> dict[str, Any]:
     """Published, client errors, missing (visible or silent), wrong rows vs HF."""
     from hidden_state_reader import HiddenStateReader
     from hidden_state_reader.files.locks import read_status
@@ -293,6 +328,8 @@ def account_for(outs: list[Any], out: str, model_dir: Path, row_tol: float) -> d
         else:
             silent.append(name)
     wrong, worst, rows_checked, details = compare_rows(model_dir, published, row_tol)
+    counts = acceptance(published, speculating)
+    wrong += counts.pop("bad_counts")
     stored_generated = sum(1 for o, s in published if len(s.token_ids) > len(o.prompt_token_ids))
     return {
         "answered": len(outs),
@@ -308,6 +345,34 @@ def account_for(outs: list[Any], out: str, model_dir: Path, row_tol: float) -> d
         "rows_checked": rows_checked,
         "worst_row_rel_err": worst,
         "wrong_examples": details[:10],
+        **counts,
+    }
+
+
+def acceptance(published: list[tuple[Any, Any]], speculating: bool) -> dict[str, Any]:
+    """Summed drafted/accepted counts; ``bad_counts``: samples whose counts are wrong.
+
+    With speculation every sample that stores generated tokens carries them (one that
+    asked for them but generated one token may carry zeros); without, none does.
+    """
+    from hidden_state_reader.format import sample_acceptance
+
+    drafted = accepted = with_counts = bad = 0
+    for o, s in published:
+        counts = sample_acceptance(s.metadata)
+        stores_output = len(s.token_ids) > len(o.prompt_token_ids)
+        if counts is None:
+            bad += int(speculating and stores_output)
+            continue
+        with_counts += 1
+        if not speculating or counts.accepted > counts.drafted:
+            bad += 1
+        drafted, accepted = drafted + counts.drafted, accepted + counts.accepted
+    return {
+        "samples_with_spec_counts": with_counts,
+        "spec_drafted": drafted,
+        "spec_accepted": accepted,
+        "bad_counts": bad,
     }
 
 

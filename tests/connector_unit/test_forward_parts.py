@@ -106,10 +106,14 @@ def test_arena_stores_by_position_and_reports_gaps_and_full() -> None:
 
     assert write("a", torch.arange(5)) is None
     assert arena.filled("a") == 5 and len(arena.blocks("a")) == 2
-    # Recomputed after a preemption: the same positions, overwritten.
+    # Recomputed after a preemption (or after rejected drafts): the same positions,
+    # overwritten; rows past them are stale, not counted, and their block goes back.
     assert write("a", torch.arange(2)) is None
+    assert arena.filled("a") == 2 and len(arena.blocks("a")) == 1
     flat = arena.data[arena.blocks("a")].reshape(-1, 2, 3)
-    assert torch.equal(flat[:5], rows.transpose(0, 1))
+    assert torch.equal(flat[:2], rows.transpose(0, 1)[:2])
+    assert write("a", torch.arange(5)) is None
+    assert arena.filled("a") == 5 and len(arena.blocks("a")) == 2
     full = write("b", torch.arange(1))
     assert full is not None and "all in use" in full
     arena.release("a")

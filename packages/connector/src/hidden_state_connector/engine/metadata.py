@@ -35,6 +35,9 @@ class SaveOrder:
             finish. Otherwise every token was computed in earlier steps.
         loss_mask: The client's 0/1 per token of ``token_ids`` (None: no mask).
         tags: The client's checked tags, recorded in the file's metadata (None: none).
+        num_draft_tokens: With speculative decoding, the draft tokens the target model
+            verified for the generated tokens (None: no speculation, or not known).
+        num_accepted_tokens: Those it accepted (None alike).
     """
 
     req_id: str
@@ -46,6 +49,8 @@ class SaveOrder:
     written_this_step: bool = False
     loss_mask: list[int] | None = None
     tags: dict[str, str] | None = None
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
 
 
 @dataclass

@@ -188,7 +188,8 @@ class SchedulerSide:
                 else:
                     tracked.block_ids.extend(step.new_block_ids)
             if self.forward is not None and not tracked.ordered:
-                meta.steps.append(self.forward.step_rows(step))
+                counted = scheduler_output if tracked.include_output else None  # its drafts
+                meta.steps.append(self.forward.step_rows(step, counted))
             if tracked.ordered or tracked.include_output or not tracked.prompt:
                 continue
             if step.computed_before + step.scheduled >= len(tracked.prompt):
@@ -301,7 +302,9 @@ class SchedulerSide:
             if failure:
                 result[ERROR_PARAM] = failure
             return True, result
-        order = self._finish_order(request, tracked, block_ids)
+        order = _finish_order(request, tracked, block_ids, self.block_size)
+        if self.forward is not None:  # beside a drafter: its drafted and accepted counts
+            self.forward.count_drafts(order, request)
         if order.failure:
             result[ERROR_PARAM] = order.failure
         self._deliver(order)
@@ -323,29 +326,33 @@ class SchedulerSide:
         if self._store is not None:
             self._store.close()
 
-    def _finish_order(self, request: Any, tracked: _Tracked, block_ids: list[int]) -> SaveOrder:
-        prompt = list(request.prompt_token_ids or [])
-        # The last generated token was never fed back, so it has no hidden state.
-        tokens = list(request.all_token_ids)[:-1] if tracked.include_output else prompt
-        failure = None
-        if compat.request_was_aborted(request):
-            failure = f"request ended with status {request.status}"
-        elif not tokens:
-            failure = "request has no token ids (prompt embeddings only?)"
-        elif request.num_computed_tokens < len(tokens):
-            failure = f"only {request.num_computed_tokens} of {len(tokens)} tokens were computed"
-        elif len(block_ids) * self.block_size < len(tokens):
-            failure = f"{len(block_ids)} blocks cannot hold {len(tokens)} tokens"
-        mask = tracked.loss_mask
-        if failure is None and mask is not None:
-            mask, failure = stored_mask(mask, len(prompt), len(tokens))
-        return SaveOrder(
-            request.request_id,
-            tracked.path,
-            [] if failure else tokens,
-            [] if failure else list(block_ids),
-            len(prompt),
-            failure,
-            loss_mask=None if failure else mask,
-            tags=tracked.tags,
-        )
+
+def _finish_order(
+    request: Any, tracked: _Tracked, block_ids: list[int], block_size: int
+) -> SaveOrder:
+    """The save of a request that finished (or a failure order naming why it cannot be)."""
+    prompt = list(request.prompt_token_ids or [])
+    # The last generated token was never fed back, so it has no hidden state.
+    tokens = list(request.all_token_ids)[:-1] if tracked.include_output else prompt
+    failure = None
+    if compat.request_was_aborted(request):
+        failure = f"request ended with status {request.status}"
+    elif not tokens:
+        failure = "request has no token ids (prompt embeddings only?)"
+    elif request.num_computed_tokens < len(tokens):
+        failure = f"only {request.num_computed_tokens} of {len(tokens)} tokens were computed"
+    elif len(block_ids) * block_size < len(tokens):
+        failure = f"{len(block_ids)} blocks cannot hold {len(tokens)} tokens"
+    mask = tracked.loss_mask
+    if failure is None and mask is not None:
+        mask, failure = stored_mask(mask, len(prompt), len(tokens))
+    return SaveOrder(
+        request.request_id,
+        tracked.path,
+        [] if failure else tokens,
+        [] if failure else list(block_ids),
+        len(prompt),
+        failure,
+        loss_mask=None if failure else mask,
+        tags=tracked.tags,
+    )

@@ -43,7 +43,7 @@ from hidden_state_connector.engine.write.store_backend import StoreBackend
 from hidden_state_connector.engine.write.target import SampleTarget, pin_sample
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
-from hidden_state_reader.format import tag_metadata
+from hidden_state_reader.format import speculation_metadata, tag_metadata
 
 log = get_logger(__name__)
 SHUT_DOWN = "HiddenStateConnector shut down: %d files, %.2f GB, %d failed, %d abandoned"
@@ -265,7 +265,8 @@ class WorkerSide:
             metadata=self.capture.metadata(
                 request_id=order.req_id, num_prompt_tokens=order.num_prompt_tokens
             )
-            | tag_metadata(order.tags),
+            | tag_metadata(order.tags)
+            | speculation_metadata(order.num_draft_tokens, order.num_accepted_tokens),
             chunks=extractor.plan(len(order.token_ids)),
             nbytes=len(order.token_ids) * extractor.token_bytes,
             loss_mask=_mask_tensor(order.loss_mask),

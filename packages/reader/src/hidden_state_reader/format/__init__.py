@@ -32,6 +32,11 @@ from hidden_state_reader.format.names import (
     sample_key,
     temp_path,
 )
+from hidden_state_reader.format.speculation import (
+    Acceptance,
+    sample_acceptance,
+    speculation_metadata,
+)
 from hidden_state_reader.format.tags import check_tags, sample_tags, tag_metadata
 from hidden_state_reader.format.tensors import TensorInfo
 
@@ -44,6 +49,7 @@ __all__ = [
     "LOSS_MASK",
     "QUARANTINE_DIR",
     "TOKEN_IDS",
+    "Acceptance",
     "Kind",
     "LockState",
     "LockStatus",
@@ -58,9 +64,11 @@ __all__ = [
     "natural_key",
     "parse_header",
     "safe_component",
+    "sample_acceptance",
     "sample_key",
     "sample_metadata",
     "sample_tags",
+    "speculation_metadata",
     "tag_metadata",
     "temp_path",
 ]

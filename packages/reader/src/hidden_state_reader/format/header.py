@@ -75,6 +75,10 @@ class Meta:
     # The client's idempotency key of a sample it names (``idempotency.py``): a consumer
     # that removes the sample records the key as consumed (``consumed.py``).
     IDEMPOTENCY_KEY = "idempotency_key"
+    # Speculative decoding (``speculation.py``): draft tokens the target model verified
+    # for the sample's generated tokens, and how many of them it accepted (decimal).
+    NUM_DRAFT_TOKENS = "num_draft_tokens"
+    NUM_ACCEPTED_TOKENS = "num_accepted_tokens"
 
 
 @dataclass(frozen=True)

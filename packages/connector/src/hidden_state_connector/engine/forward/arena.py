@@ -6,9 +6,13 @@ chunks out of it unchanged. Blocks are handed to requests as their rows arrive a
 back once their sample's copies are done. It is reserved as address space
 (``capture_buffer_bytes``); the operating system commits pages as rows are written.
 Rows are stored by position, so rows recomputed after a preemption overwrite the same
-positions with the same values. With prefix caching, blocks are shared: a held prefix
-block (``pin``) and every request that starts from it (``adopt``) count as users, and a
-block goes back to the free list when its last user lets go.
+positions with the same values. A step that computes positions ``[start, stop)`` again
+(the rows of rejected draft tokens are recomputed from the first rejected position on;
+a preempted request restarts) makes ``stop`` the request's frontier: rows past it are
+stale, never counted as filled, and their blocks go back. With prefix caching, blocks
+are shared: a held prefix block (``pin``) and every request that starts from it
+(``adopt``) count as users, and a block goes back to the free list when its last user
+lets go.
 """
 
 from __future__ import annotations
@@ -117,7 +121,13 @@ class RowArena:
         filled = self._filled.get(req_id, 0)
         if start > filled:
             return f"rows of tokens [{filled}, {start}) were never computed in a captured step"
-        self._filled[req_id] = max(filled, stop)
+        # Rows from ``start`` on are (re)computed now: rows past ``stop`` are stale (a
+        # rejected draft's, or from before a preemption), never counted; their blocks go.
+        self._filled[req_id] = stop
+        span = -(-stop // bs)
+        for block in have[span:]:
+            self._drop_user(block)
+        del have[span:]
         return None
 
     def scatter(

@@ -1,7 +1,9 @@
 """Start-up checks of forward capture: what it refuses, by name, before vLLM serves.
 
-Refused for now: a ``speculative_config`` (forward capture takes no speculative slot; the
-two engines are not combined yet), prefix caching where held prefix rows cannot follow
+Refused for now: vLLM's ``extract_hidden_states`` speculative method (the other capture
+engine: the two are not combined), speculative decoding under async scheduling (a step's
+positions depend on the previous step's acceptance, which the scheduler half learns only
+after it scheduled the step), prefix caching where held prefix rows cannot follow
 vLLM's blocks (a block size that is not a multiple of the arena's, a recurrent state),
 pipeline parallelism (each stage would own
 its layers; not built yet), models with no full-attention KV-cache group (rows are
@@ -19,6 +21,10 @@ from hidden_state_connector.engine.capture import num_hidden_layers
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.adapter import family_of
 from hidden_state_connector.engine.forward.arena import ARENA_BLOCK_TOKENS
+from hidden_state_connector.engine.output_tokens import NO_ASYNC_FLAG, async_scheduling
+
+EXTRACT_METHOD = "extract_hidden_states"
+"""vLLM's speculative method that the extract engine (``capture: "extract"``) runs on."""
 
 
 class ForwardCaptureError(ValueError):
@@ -49,11 +55,9 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
         ForwardCaptureError: A setting or the model is not supported; the message names it.
     """
     where = "HiddenStateConnector (capture='forward')"
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ForwardCaptureError(
-            f"{where}: takes no speculative_config (remove it; the layers come from "
-            "kv_connector_extra_config.layer_ids)"
-        )
+    speculation = speculation_refusal(vllm_config)
+    if speculation is not None:
+        raise ForwardCaptureError(f"{where}: {speculation}")
     _check_prefix_caching(vllm_config, where)
     if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
         raise ForwardCaptureError(
@@ -81,6 +85,35 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
     block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
     layer_ids = compat.captured_layer_ids(config.layer_ids)
     return ForwardSetup(layer_ids, group, block_size, layer)
+
+
+def speculation_refusal(vllm_config: Any) -> str | None:
+    """Why forward capture cannot run beside this engine's drafter (None: it can, or none).
+
+    Any drafting method runs beside it (ngram, EAGLE/EAGLE-3, MTP, a draft model): the
+    hooks sit on the target model's decoder layers only, and the rows of rejected drafts
+    are recomputed at the same positions in the next step. Refused: the
+    ``extract_hidden_states`` method (the extract engine's; its layers come from
+    ``layer_ids`` here), and speculation under async scheduling.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None
+    method = getattr(spec, "method", None)
+    if method == EXTRACT_METHOD:
+        return (
+            f"speculative_config method {EXTRACT_METHOD!r} is the extract engine's "
+            "(capture='extract'); with capture='forward' remove it (the layers come from "
+            "kv_connector_extra_config.layer_ids), or use capture='extract'"
+        )
+    if async_scheduling(vllm_config):
+        return (
+            f"speculative_config method {method!r} under vLLM's async scheduling is not "
+            "supported yet (a step's token positions depend on the previous step's accepted "
+            "drafts, which the connector learns only after that step is scheduled); start "
+            f"vLLM with {NO_ASYNC_FLAG} (LLM(async_scheduling=False))"
+        )
+    return None
 
 
 def _check_prefix_caching(vllm_config: Any, where: str) -> None:

@@ -5,7 +5,9 @@ before the connector exists, and the compiled code never calls hooks added later
 connector's plugin (``hidden_state_connector.plugin``, loaded by vLLM in every process)
 watches module registration: when a model under construction whose engine asks for
 ``capture: "forward"`` registers its decoder layer list, the staging buffer is built and
-the layers hooked right there. The worker half picks the staging up with
+the layers hooked right there: the target model's (built first, as long as its
+``num_hidden_layers``); a drafter's own layers (EAGLE, MTP, a draft model) are never
+hooked. The worker half picks the staging up with
 ``staging_for(vllm_config)``. The first module registered for an engine whose
 connector is this one (either capture engine) runs the start-up refusals
 (``engine.startup_checks``) before the weights load. Other engines are left untouched.
@@ -93,6 +95,7 @@ def _install(layers: torch.nn.ModuleList, vllm_config: Any, config: ConnectorCon
     if staging_for(vllm_config) is not None:
         return
     from hidden_state_connector.engine import compat
+    from hidden_state_connector.engine.capture import num_hidden_layers
     from hidden_state_connector.engine.forward.adapter import UnsupportedFamilyError, family_of
 
     model_config = vllm_config.model_config
@@ -102,6 +105,9 @@ def _install(layers: torch.nn.ModuleList, vllm_config: Any, config: ConnectorCon
         return  # refused by name when the connector starts
     if not _is_decoder_list(layers, family.layers_path):
         return
+    n = num_hidden_layers(model_config)
+    if n is not None and len(layers) != n:
+        return  # a drafter's own decoder layers (EAGLE, MTP): never captured
     if compat.tensor_parallel_rank() != 0:  # the states are replicated; rank 0 captures them
         return
     layer_ids = compat.captured_layer_ids(list(config.layer_ids or ()))

@@ -3,7 +3,8 @@
 The scheduler half (``SchedulerSide``) names files and orders saves for both capture
 engines; forward capture also tells the worker, per step, which captured requests'
 tokens the step computes (``StepRows``) and, with prefix caching, which held prefix
-rows a request starts from and which full blocks it fills (``PrefixRowIndex``).
+rows a request starts from and which full blocks it fills (``PrefixRowIndex``). Beside a
+drafter it counts each request's drafted and accepted tokens (``DraftCounts``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.prefix_rows import PrefixCounters, PrefixRowIndex
 from hidden_state_connector.engine.forward.routing import rows_of_step
-from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, StepRows
+from hidden_state_connector.engine.metadata import (
+    HiddenStateConnectorMetadata,
+    SaveOrder,
+    StepRows,
+)
+from hidden_state_connector.engine.speculation import DraftCounts, scheduled_drafts
 from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
@@ -49,6 +55,8 @@ class ForwardSchedulerPart:
 
     def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
         self.prefix = _prefix_index(config, vllm_config)
+        speculating = getattr(vllm_config, "speculative_config", None) is not None
+        self.drafts = DraftCounts() if speculating else None
         self._recompute: list[Any] = []  # requests to skip the prefix cache from next step
 
     def admits(self, request: Any, hit_tokens: int) -> bool:
@@ -68,8 +76,15 @@ class ForwardSchedulerPart:
         )
         return False
 
-    def step_rows(self, step: compat.ScheduledRequest) -> StepRows:
-        """A captured request's ``StepRows`` for this step."""
+    def step_rows(self, step: compat.ScheduledRequest, counted: Any = None) -> StepRows:
+        """A captured request's ``StepRows`` for this step.
+
+        ``counted``: the step's scheduler output, for a request whose drafted and accepted
+        tokens are counted (it stores its generated tokens; ``count_drafts`` at its end).
+        """
+        if self.drafts is not None and counted is not None:
+            drafts = scheduled_drafts(counted).get(step.req_id, ())
+            self.drafts.step(step.req_id, step.computed_before, step.scheduled, drafts)
         rows = rows_of_step(step)
         if self.prefix is not None:
             rows.cached_rows, rows.filled_rows = self.prefix.step(
@@ -93,6 +108,17 @@ class ForwardSchedulerPart:
         """A request ended."""
         if self.prefix is not None:
             self.prefix.forget(req_id)
+
+    def count_drafts(self, order: SaveOrder, request: Any) -> None:
+        """A finish-time order: the request's drafted and accepted tokens, beside a drafter.
+
+        Every request counted (``step_rows``) ends in one: it stores its generated tokens.
+        """
+        if self.drafts is None:
+            return
+        counts = self.drafts.finish(request.request_id, int(request.num_computed_tokens))
+        if counts is not None and order.failure is None:
+            order.num_draft_tokens, order.num_accepted_tokens = counts
 
     @property
     def counters(self) -> PrefixCounters | None:
