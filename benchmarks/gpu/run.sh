@@ -298,7 +298,8 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
   v46b)
     $B throughput --num-prompts 256 --prompt-len 512 --max-tokens 256 --max-model-len 1024 \
       --kinds none,forward --graph-modes graphs --spec ngram \
-      --prompt-kind repetitive --connector '{"include_output_tokens": true}' --timeout 200 \
+      --prompt-kind repetitive --timeout 200 \
+      --connector '{"include_output_tokens": true, "capture_buffer_bytes": "12GiB"}' \
       --json "$OUT/t.json" 2>>"$OUT/v46b.log" | tail -6
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
