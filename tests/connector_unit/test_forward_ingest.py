@@ -96,8 +96,8 @@ def test_the_capture_gets_a_compile_cache_key_of_its_own(tiny_model_fp32: Path) 
     ("setting", "message"),
     [
         (
-            {"pipeline_parallel_size": 2, "enable_prefix_caching": False},
-            "pipeline parallelism is not supported yet",
+            {"pipeline_parallel_size": 2, "enable_prefix_caching": True},
+            "pipeline parallelism with prefix caching is not supported yet",
         ),
         (
             {"enable_prefix_caching": True, "block_size": 40},

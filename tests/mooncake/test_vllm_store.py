@@ -42,3 +42,26 @@ def test_round_trip_through_the_connector(
     assert retries["forgotten"] == ["vllm/consumed/" + key]
     assert "hidden_states_existed" not in retries["after_clean"]
     assert retries["taken_again"] == [result["prompts"][0]]
+
+
+def test_pipeline_parallel_forward_capture_into_the_store(
+    cluster: StoreCluster, tmp_path: Path
+) -> None:
+    """PP=2 forward capture: the last stage's rank 0 puts one sample per request."""
+    from hidden_state_connector.apps.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", dtype="float32", num_layers=4, arch="qwen3")
+    argv = [sys.executable, "-m", "tools.store_vllm_pp", str(model), MASTER, "pp"]
+    proc = cluster.net.popen(argv, stdout=subprocess.PIPE)
+    result = finish(proc, timeout=600)
+    requests = result["requests"]
+    assert len(requests) == 4
+    worst = 0.0
+    for row in requests:
+        # The last generated token is never fed back: it has no hidden state.
+        assert row["tokens"] == row["prompt"] + row["generated"][:-1]
+        assert row["layer_ids"] == [0, 1, 2, 4]
+        errors = row["errors"].values()
+        assert max(errors) <= 1e-5, row["errors"]
+        worst = max(worst, *errors)
+    print(f"PP=2 into the store: worst relative error {worst:.1e}")

@@ -75,7 +75,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             vllm_config, kv_cache_config
         )
         files = self.config.storage_backend == "files"
-        if files and (role == KVConnectorRole.SCHEDULER or compat.tensor_parallel_rank() == 0):
+        stage, stages = compat.pipeline_stage()  # the last stage's TP rank 0 writes
+        writes = compat.tensor_parallel_rank() == 0 and stage == stages - 1
+        if files and (role == KVConnectorRole.SCHEDULER or writes):
             # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
             check_storage_root(self.config.shared_storage_path)
         self._group = group

@@ -106,6 +106,34 @@ def tensor_parallel_rank() -> int:
         return 0
 
 
+def pipeline_stage() -> tuple[int, int]:
+    """This worker's pipeline stage and the number of stages ((0, 1) without distributed state)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        group = get_pp_group()
+        return int(group.rank_in_group), int(group.world_size)
+    except (ImportError, AssertionError, RuntimeError):
+        return 0, 1
+
+
+def pipeline_peers() -> list[int]:
+    """Global ranks of this worker's pipeline group, by stage (the same TP rank in each)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return [int(rank) for rank in get_pp_group().ranks]
+
+
+def pipeline_layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """The decoder layers ``[start, end)`` each pipeline stage owns (vLLM's partition).
+
+    vLLM's own function, so ``VLLM_PP_LAYER_PARTITION`` is honoured as the model honours it.
+    """
+    from vllm.distributed.utils import get_pp_indices
+
+    return [get_pp_indices(num_layers, s, num_stages) for s in range(num_stages)]
+
+
 def hidden_state_group(kv_cache_config: Any) -> int:
     """Index of the KV-cache group that holds the captured hidden states.
 

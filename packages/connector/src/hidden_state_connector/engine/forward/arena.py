@@ -81,6 +81,7 @@ class RowArena:
         owner: torch.Tensor,
         positions: torch.Tensor,
         rows: torch.Tensor,
+        columns: slice | None = None,
     ) -> dict[int, str]:
         """Store a step's rows of several requests in one scatter (``reserve``, ``scatter``).
 
@@ -91,6 +92,8 @@ class RowArena:
             owner: Each row's entry index.
             positions: Each row's token position.
             rows: The step's host rows, ``[layers, tokens, hidden]``.
+            columns: The layer-axis columns ``rows`` fill (None: all; a pipeline stage's
+                rows fill its layers' columns).
 
         Returns:
             Why an entry's sample cannot be complete, by entry index (no free block; or a
@@ -104,7 +107,7 @@ class RowArena:
         # Rows after a gap are stored all the same (the sample fails); no block, no rows.
         full = self._full_message
         stored = [None if failures.get(i) == full else e for i, e in enumerate(entries)]
-        self.scatter(stored, row_index, owner, positions, rows)
+        self.scatter(stored, row_index, owner, positions, rows, columns)
         return failures
 
     def reserve(self, req_id: str, start: int, stop: int) -> str | None:
@@ -137,8 +140,12 @@ class RowArena:
         owner: torch.Tensor,
         positions: torch.Tensor,
         rows: torch.Tensor,
+        columns: slice | None = None,
     ) -> None:
-        """Copy the rows of reserved entries (None: skipped) to their blocks, in one scatter."""
+        """Copy the rows of reserved entries (None: skipped) to their blocks, in one scatter.
+
+        ``columns``: the layer-axis columns ``rows`` fill (None: all).
+        """
         bs = self.block_size
         spanned: list[int] = []
         base = [0] * len(entries)  # spanned index of each entry's first block, less it
@@ -152,8 +159,9 @@ class RowArena:
         keep = torch.tensor([e is not None for e in entries])[owner]
         owner, pos = owner[keep], positions[keep].to(torch.int64)
         block = torch.tensor(spanned, dtype=torch.int64)[torch.tensor(base)[owner] + pos // bs]
+        cols = slice(None) if columns is None else columns
         with torch.inference_mode():
-            self._flat[block * bs + pos % bs] = rows[:, row_index[keep]].transpose(0, 1)
+            self._flat[block * bs + pos % bs, cols] = rows[:, row_index[keep]].transpose(0, 1)
 
     def pin(self, req_id: str, start: int, stop: int) -> list[int] | None:
         """Hold a request's blocks of positions ``[start, stop)`` (block-aligned) for later.

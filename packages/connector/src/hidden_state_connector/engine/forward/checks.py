@@ -5,10 +5,10 @@ engine: the two are not combined), speculative decoding under async scheduling (
 positions depend on the previous step's acceptance, which the scheduler half learns only
 after it scheduled the step), prefix caching where held prefix rows cannot follow
 vLLM's blocks (a block size that is not a multiple of the arena's, a recurrent state),
-pipeline parallelism (each stage would own
-its layers; not built yet), models with no full-attention KV-cache group (rows are
-routed by a block table that holds every token), families the adapter does not know,
-and settings a known family refuses (``Family.refusal``).
+pipeline parallelism with prefix caching or a drafter (not run together yet; without
+them each stage captures its layers, ``stages``), models with no full-attention KV-cache
+group (rows are routed by a block table that holds every token), families the adapter
+does not know, and settings a known family refuses (``Family.refusal``).
 """
 
 from __future__ import annotations
@@ -59,11 +59,7 @@ def forward_setup(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfi
     if speculation is not None:
         raise ForwardCaptureError(f"{where}: {speculation}")
     _check_prefix_caching(vllm_config, where)
-    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
-        raise ForwardCaptureError(
-            f"{where}: pipeline parallelism is not supported yet (each stage owns its "
-            "layers; stage-local capture is not built). Use pipeline_parallel_size=1."
-        )
+    _check_pipeline(vllm_config, where)
     model_config = vllm_config.model_config
     architectures = list(getattr(model_config, "architectures", None) or [])
     model_name = "/".join(architectures) or "this model"
@@ -133,6 +129,24 @@ def _check_prefix_caching(vllm_config: Any, where: str) -> None:
         raise ForwardCaptureError(
             f"{where}: prefix caching with a recurrent-state (Mamba / linear-attention) "
             f"model is not supported yet; {off}"
+        )
+
+
+def _check_pipeline(vllm_config: Any, where: str) -> None:
+    """Refuse what pipeline parallelism was not run with: prefix caching, a drafter."""
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) <= 1:
+        return
+    if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise ForwardCaptureError(
+            f"{where}: pipeline parallelism with prefix caching is not supported yet (the "
+            "two were not run together). Start vLLM with --no-enable-prefix-caching "
+            "(enable_prefix_caching=False), or use pipeline_parallel_size=1."
+        )
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ForwardCaptureError(
+            f"{where}: pipeline parallelism with a speculative_config is not supported yet "
+            "(the two were not run together); remove speculative_config, or use "
+            "pipeline_parallel_size=1."
         )
 
 

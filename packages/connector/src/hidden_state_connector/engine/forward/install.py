@@ -97,6 +97,7 @@ def _install(layers: torch.nn.ModuleList, vllm_config: Any, config: ConnectorCon
     from hidden_state_connector.engine import compat
     from hidden_state_connector.engine.capture import num_hidden_layers
     from hidden_state_connector.engine.forward.adapter import UnsupportedFamilyError, family_of
+    from hidden_state_connector.engine.forward.stages import stage_plan
 
     model_config = vllm_config.model_config
     try:
@@ -113,8 +114,9 @@ def _install(layers: torch.nn.ModuleList, vllm_config: Any, config: ConnectorCon
     layer_ids = compat.captured_layer_ids(list(config.layer_ids or ()))
     if any(i > len(layers) for i in layer_ids):
         return  # the connector's start-up check names the bad ids
+    stage = stage_plan(layer_ids, len(layers))  # under PP: this stage's layers only
     staging = StepStaging(
-        layer_ids,
+        stage.ids_of(stage.stage),
         int(vllm_config.scheduler_config.max_num_batched_tokens),
         int(model_config.get_hidden_size()),
         model_config.dtype,
@@ -122,6 +124,9 @@ def _install(layers: torch.nn.ModuleList, vllm_config: Any, config: ConnectorCon
     )
     staging.install(list(layers))
     staging.owner = vllm_config
+    # The hooks keep it alive, and the model keeps it where no hook does (a pipeline stage
+    # that computes none of the ids): ``_installed`` holds it weakly.
+    layers.__dict__["hidden_state_staging"] = staging
     _installed[id(vllm_config)] = staging
     key_compile_cache(vllm_config, layer_ids)
 

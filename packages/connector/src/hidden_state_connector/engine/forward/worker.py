@@ -7,12 +7,15 @@ inside the step's forward context) the engine's thread only starts copying the s
 staging rows to the host (``StepTransfer``); the ingest thread then routes them to their
 requests' positions in the host arena and starts the saves, strictly after every earlier
 step's rows (``IngestThread``). A save's ``block_ids`` are its arena blocks; they go back
-to the arena once its copies are done.
+to the arena once its copies are done. Under pipeline parallelism (``stages``) rank 0 of
+the last stage is this writer, with every stage's rows; rank 0 of each other stage only
+sends its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.install import staging_for
 from hidden_state_connector.engine.forward.prefix_rows import HeldPrefixRows
 from hidden_state_connector.engine.forward.routing import RowRouter
+from hidden_state_connector.engine.forward.stages import Pipeline, join_pipeline
 from hidden_state_connector.engine.forward.staging import StepStaging
 from hidden_state_connector.engine.forward.transfer import StepCopy, StepTransfer
 from hidden_state_connector.engine.layout import CacheLayout
@@ -72,12 +76,20 @@ class ForwardWorkerSide(WorkerSide):
         self.ingest: IngestThread | None = None
         self._row_failures: dict[str, str] = {}
         self._slot_mappings: Any = None  # this step's, from the forward context
+        self.stages: Pipeline | None = None  # pipeline parallel: this stage's part
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Take the staging hooked into the model at its construction; start the writers."""
         self.is_writer = compat.tensor_parallel_rank() == 0
         if not self.is_writer:  # the states are replicated; rank 0 captures them
             return
+        # Under pipeline parallelism every stage joins the channel first: one that fails
+        # below then fails vLLM's start-up instead of leaving the others waiting for it.
+        self.stages = join_pipeline(
+            self.layer_ids,
+            self.capture.num_hidden_layers or 0,
+            max(600.0, self.config.shutdown_timeout),
+        )
         self.staging = staging_for(self.vllm_config)
         if self.staging is None:
             raise RuntimeError(
@@ -87,6 +99,10 @@ class ForwardWorkerSide(WorkerSide):
                 "hidden_state_connector): if VLLM_PLUGINS is set, add hidden_state_connector "
                 "to it; otherwise reinstall hidden-state-connector in vLLM's environment."
             )
+        if not self.stages.plan.is_last:  # no locks, saves or reports: the last stage's
+            self.is_writer = False
+            self.stages.start_sending(self.staging.rows)
+            return
         model_config = self.vllm_config.model_config
         hidden = int(model_config.get_hidden_size())
         dtype = model_config.dtype
@@ -140,6 +156,10 @@ class ForwardWorkerSide(WorkerSide):
 
     def after_forward(self, meta: HiddenStateConnectorMetadata) -> None:
         """Start copying this step's rows to the host; the ingest thread does the rest."""
+        if self.stages is not None and self.stages.sender is not None:
+            mapping = partial(compat.step_slot_mapping, self.slot_layer, self._slot_mappings)
+            self.stages.sender.step(bool(meta.steps), meta.batch_tokens, mapping)
+            return
         if not self.is_writer or self.pipeline is None or self.ingest is None:
             return
         with self._mutex:
@@ -203,32 +223,45 @@ class ForwardWorkerSide(WorkerSide):
                     self.held.release(released)
 
     def _ingest_rows(self, copy: StepCopy, steps: list[Any]) -> None:
-        assert self.transfer is not None
+        assert self.transfer is not None and self.stages is not None and self.arena is not None
         try:
+            shape = (int(self.arena.data.shape[-1]), self.arena.data.dtype)
+            parts = self.stages.parts(copy, bool(steps), shape, partial(self._fail_rows, steps))
             copy.wait()
             with self._mutex, torch.inference_mode():
-                self._take_rows(copy, steps)
+                self.router.update(steps)
+                for columns, slots, rows in parts:
+                    self._take_rows(slots, rows, steps, columns)
         except Exception as exc:  # their samples fail with the reason; the engine runs on
-            with self._mutex:
-                for step in steps:
-                    self._row_failures.setdefault(step.req_id, f"rows not stored: {exc!r}")
+            self._fail_rows(steps, f"rows not stored: {exc!r}")
             raise
         finally:
             self.transfer.done(copy)
 
-    def _take_rows(self, copy: StepCopy, steps: list[Any]) -> None:
-        """Route the step's rows to their requests and store them in one scatter."""
+    def _fail_rows(self, steps: list[Any], reason: str) -> None:
+        with self._mutex:
+            for step in steps:
+                self._row_failures.setdefault(step.req_id, reason)
+
+    def _take_rows(
+        self, slots: Any, rows: Any, steps: list[Any], columns: slice | None = None
+    ) -> None:
+        """Route a stage's rows of the step to their requests and store them in one scatter."""
         assert self.arena is not None
-        self.router.update(steps)
-        flat = self.router.route_flat(copy.slots, steps)
+        flat = self.router.route_flat(slots, steps)
         entries = [
             None
             if i in flat.failures or not step.scheduled
             else (step.req_id, step.computed_before, step.computed_before + step.scheduled)
             for i, step in enumerate(steps)
         ]
-        assert self.held is not None
-        failures = flat.failures | self.held.write_step(steps, entries, flat, copy.rows)
+        if columns is None:
+            assert self.held is not None
+            failures = flat.failures | self.held.write_step(steps, entries, flat, rows)
+        else:  # a pipeline stage's columns (no held prefix rows: refused with PP)
+            failures = flat.failures | self.arena.write_step(
+                entries, flat.rows, flat.owner, flat.positions, rows, columns
+            )
         for index, failure in failures.items():
             req_id = steps[index].req_id
             if req_id not in self._row_failures:
@@ -254,6 +287,8 @@ class ForwardWorkerSide(WorkerSide):
         """Rows in flight stored and their saves started (bounded); then the base's."""
         if self.ingest is not None and not self.ingest.stop(self.config.shutdown_timeout):
             log.warning("forward capture: rows still in flight at shutdown were dropped")
+        if self.stages is not None:
+            self.stages.close(self.config.shutdown_timeout)
         super().shutdown()
         if self.staging is not None:
             self.staging.remove()
