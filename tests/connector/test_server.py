@@ -88,7 +88,8 @@ def test_concurrent_mixed_requests_stream_into_a_follow_reader(server: VllmServe
         assert got[path].hidden_states.shape[1:] == (3, 128)
     assert reader.stats.skipped == 0
     log = Path(server.log_path).read_text()
-    assert "HiddenStateConnector (capture=forward): layers [1, 2, 4]" in log  # our INFO lines reach vLLM's log
+    # Our INFO lines reach vLLM's log (the server runs forward capture, the default).
+    assert "HiddenStateConnector (capture=forward): layers [1, 2, 4]" in log
     assert "hidden states: " in log  # the periodic progress line (stats_interval=1)
     assert not [f for f in os.listdir(out) if f.endswith(".safetensors")], "consumed files deleted"
 
