@@ -62,8 +62,9 @@ if __name__ == "__main__":
 """
 
 CASES = {
-    # name: captured ids (which stages compute them)
-    "both_stages": [0, 1, 2, 4],  # stage 0: 0, 1, 2; the writing last stage: 4
+    # name: captured ids (which stages compute them). Ids on both stages (stage 0: 0, 1,
+    # 2; the writing last stage: 4) are checked by the failure test below, whose other
+    # samples must all equal HF (one engine fewer for the suite).
     "first_stage_only": [1, 2],  # the writing stage computes none of them
 }
 
@@ -198,6 +199,8 @@ def test_a_stage_that_fails_fails_its_samples_loudly(tmp_path: Path) -> None:
         assert sample.token_ids.tolist() == (prompt + generated[:-1] if include else prompt)
         assert max(reference.layer_errors(sample).values()) <= RTOL
     # The first step computed only the first request's first chunk: its sample failed,
-    # with the stage named, in its lock and in the log; every other one is right.
+    # with the stage named, in its lock and in the log; every other one (ids of both
+    # stages, the 150-token prompt-only one with chunked prefill too) equals HF.
     assert failed == ["pipeline stage 0 could not copy this step's rows"], failed
+    assert len(results) == 6
     assert "pipeline stage 0 could not copy this step's rows" in logs
