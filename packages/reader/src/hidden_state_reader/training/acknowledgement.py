@@ -78,8 +78,9 @@ class Ledger:
         self._open: deque[tuple[int, Delivery, bool]] = deque()  # number, delivery, receipt sent
         self._receipts: list[Receipt] = []
         self._lock = threading.Lock()
+        self._passes = 0  # passes begun (a persistent worker's k-th is the loop's k-th)
         self._ended = 0  # the last pass end the training process asked for, handled
-        self._pass_over = False  # the loop's pass ended: nothing more reaches it
+        self.pass_over = False  # the loop's pass ended: nothing more reaches it
 
     def hand_out(self, delivery: Delivery | None) -> None:
         """The consumer hands out its next item (None: a position skipped as unreadable).
@@ -91,7 +92,7 @@ class Ledger:
             self.handed_out += 1
             if delivery is None:
                 return
-            if self._pass_over:
+            if self.pass_over:
                 delivery.give_back()
                 return
             receipt = delivery.receipt() if self.acks is not None else None
@@ -141,14 +142,16 @@ class Ledger:
         """A pass starts: settle and give back what an earlier one left, then hand out again.
 
         A pass end asked for before now is handled by this (a later look of the watcher
-        must not end the new pass).
+        must not end the new pass). A worker slow to start may begin a pass the loop has
+        ended already: then ``pass_over`` is set at once.
         """
         asked = 0 if self.acks is None else self.acks.ends_asked()
         self.catch_up()
         with self._lock:
             self._give_back_open()
+            self._passes += 1
             self._ended = max(self._ended, asked)
-            self._pass_over = False
+            self.pass_over = asked >= self._passes
         if self.acks is not None:
             self.acks.confirm_end(self.consumer, asked)
 
@@ -170,7 +173,7 @@ class Ledger:
                 return
             self._give_back_open()
             self._ended = asked
-            self._pass_over = True
+            self.pass_over = True
         self.acks.confirm_end(self.consumer, asked)
 
 

@@ -163,7 +163,8 @@ class HiddenStateLoader(DataLoader[Any]):
         # Before workers start (or resume) and read the cursor.
         binding.begin_pass()
         workers_stay = bool(self.persistent_workers and self.num_workers)
-        acknowledgements.begin_pass(fresh_workers=not workers_stay)
+        # Persistent workers are fresh too until DataLoader has made them.
+        acknowledgements.begin_pass(fresh_workers=not workers_stay or self._iterator is None)
         batches = self._batches()
         try:
             for positions, batch, ticket in batches:
