@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hidden_state_reader.read.claims import Claim, ClaimResult, ClaimStore
 from hidden_state_reader.training.dataset import HiddenStateDataset
 from hidden_state_reader.training.loader import HiddenStateLoader
 
@@ -108,6 +109,33 @@ def test_commit_records_the_batch_held_and_a_break_gives_it_back(
     assert set(held) <= set(rest)  # delivered again, with what was read ahead
     assert sorted(committed + rest) == sorted(f"hs_{i}.safetensors" for i in range(24))
     assert not [p for p in hs_dir.iterdir() if p.name.endswith(".safetensors")]
+
+
+def test_a_break_gives_back_at_once_what_a_persistent_worker_holds(hs_dir: Path) -> None:
+    """A persistent worker outlives the pass: it gives back at the break, not when it next reads.
+
+    It gave back only when the loader was iterated again, so meanwhile another consumer of
+    the group (or a sibling worker's reader of the next pass, issue 42) found the batch
+    claimed by a live process. Eight samples, two batches: the worker has read every one
+    before the second batch arrives, so nothing is still being claimed at the break.
+    """
+    write_samples(hs_dir, 8, tokens=2)
+    ds = HiddenStateDataset(hs_dir, follow=True, on_consumed="delete", idle_timeout=1.0)
+    loader = HiddenStateLoader(ds, batch_size=4, num_workers=1, persistent_workers=True)
+    batches = iter(loader)
+    committed = batch_names(next(batches))
+    loader.commit()
+    held = batch_names(next(batches))
+    del batches  # the break
+    others = ClaimStore(str(hs_dir))  # another consumer of the group, right now
+    taken = {name: others.try_claim(name) for name in held}
+    assert not [name for name, claim in taken.items() if isinstance(claim, ClaimResult)], taken
+    for claim in taken.values():
+        assert isinstance(claim, Claim)
+        claim.abandon()
+    rest = [name for batch in loader for name in batch_names(batch)]
+    assert sorted(rest) == sorted(held)  # and the loader's next pass delivers it again
+    assert sorted(committed + rest) == sorted(f"hs_{i}.safetensors" for i in range(8))
 
 
 def test_static_delete_removes_a_batch_once_the_loop_is_past_it(hs_dir: Path) -> None:

@@ -15,11 +15,12 @@ A claim is never released before its sample is settled, and a training
 process that dies (its workers die with it: the watcher ends a worker whose parent is
 gone) leaves everything not yet acknowledged claimed by a dead process: the group takes
 it over. What was handed out but not acknowledged when a pass ends early (``break``, an
-exception) is given back the same way.
+exception) is given back when the pass ends, by persistent workers too (``Acks.end_pass``).
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.util
 import os
 import threading
@@ -31,12 +32,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hidden_state_reader.files.identity import pid_alive
 from hidden_state_reader.read.backend import Receipt
 
 if TYPE_CHECKING:
     from hidden_state_reader.reader import Delivery
 
 _WATCH_INTERVAL = 0.05  # seconds between a waiting worker's looks at its acknowledgements
+_END_WAIT = 30.0  # seconds the training process waits for its workers to end a pass
+_END_LOOK = 0.005  # seconds between its looks meanwhile
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,12 +78,22 @@ class Ledger:
         self._open: deque[tuple[int, Delivery, bool]] = deque()  # number, delivery, receipt sent
         self._receipts: list[Receipt] = []
         self._lock = threading.Lock()
+        self._passes = 0  # passes begun (a persistent worker's k-th is the loop's k-th)
+        self._ended = 0  # the last pass end the training process asked for, handled
+        self.pass_over = False  # the loop's pass ended: nothing more reaches it
 
     def hand_out(self, delivery: Delivery | None) -> None:
-        """The consumer hands out its next item (None: a position skipped as unreadable)."""
+        """The consumer hands out its next item (None: a position skipped as unreadable).
+
+        After the training process ended the pass (``end_pass_if_asked``) the item goes
+        into a batch the loader drops: it is given back at once.
+        """
         with self._lock:
             self.handed_out += 1
             if delivery is None:
+                return
+            if self.pass_over:
+                delivery.give_back()
                 return
             receipt = delivery.receipt() if self.acks is not None else None
             if receipt is not None:
@@ -110,14 +126,55 @@ class Ledger:
     def give_back(self) -> None:
         """Return every delivery not settled: the loop never got past it."""
         with self._lock:
-            while self._open:
-                self._open[0][1].give_back()
-                self._open.popleft()
+            self._give_back_open()
+
+    def _give_back_open(self) -> None:
+        while self._open:
+            self._open[0][1].give_back()
+            self._open.popleft()
 
     def finish(self) -> None:
         """Catch up, then give back the rest (a worker's pass or process ends)."""
         self.catch_up()
         self.give_back()
+
+    def begin_pass(self) -> None:
+        """A pass starts: settle and give back what an earlier one left, then hand out again.
+
+        A pass end asked for before now is handled by this (a later look of the watcher
+        must not end the new pass). A worker slow to start may begin a pass the loop has
+        ended already: then ``pass_over`` is set at once.
+        """
+        asked = 0 if self.acks is None else self.acks.ends_asked()
+        self.catch_up()
+        with self._lock:
+            self._give_back_open()
+            self._passes += 1
+            self._ended = max(self._ended, asked)
+            self.pass_over = asked >= self._passes
+        if self.acks is not None:
+            self.acks.confirm_end(self.consumer, asked)
+
+    def end_pass_if_asked(self) -> None:
+        """In a worker process: end the pass once the training process asked for it.
+
+        Settles what the loop acknowledged, gives back the rest (what it held, what was
+        read ahead), gives back at once whatever the worker still reads for the ended
+        pass, and tells the training process (``Acks.end_pass`` waits for it).
+        """
+        if self.acks is None:
+            return
+        asked = self.acks.ends_asked()  # before the catch-up: acknowledged before asked
+        if asked <= self._ended:
+            return
+        self.catch_up()
+        with self._lock:
+            if asked <= self._ended:  # a pass began meanwhile and handled it
+                return
+            self._give_back_open()
+            self._ended = asked
+            self.pass_over = True
+        self.acks.confirm_end(self.consumer, asked)
 
 
 class Acks:
@@ -131,6 +188,9 @@ class Acks:
 
     def __init__(self, workers: int) -> None:
         self._shared = torch.zeros(max(1, workers), dtype=torch.int64).share_memory_()
+        # Pass ends: [0, 0] how many the training process asked for; [1, w] how many
+        # worker w handled; [2, w] its pid (0 until it reads).
+        self._ends = torch.zeros((3, max(1, workers)), dtype=torch.int64).share_memory_()
 
     def acknowledge(self, ticket: Ticket) -> None:
         """Settle the ticket's receipts here, then tell its worker it may let go."""
@@ -145,6 +205,45 @@ class Acks:
     def reset(self) -> None:
         """Fresh worker processes number from 1 again."""
         self._shared.zero_()
+        self._ends.zero_()
+
+    def ends_asked(self) -> int:
+        """How many pass ends the training process has asked for."""
+        return int(self._ends[0, 0])
+
+    def confirm_end(self, consumer: int, asked: int) -> None:
+        """In worker ``consumer``: pass ends up to ``asked`` are handled."""
+        self._ends[2, consumer] = os.getpid()
+        self._ends[1, consumer] = asked
+
+    def end_pass(self) -> None:
+        """In the training process: persistent workers end the pass; wait until they did.
+
+        Each worker's watcher settles what the loop acknowledged and gives back the rest
+        (``Ledger.end_pass_if_asked``), so a sibling's reader of the next pass, or another
+        consumer of the group, finds none of it still claimed. A worker that never read
+        has nothing to give back; one that is gone gave everything back with its claims.
+        """
+        asked = self.ends_asked() + 1
+        self._ends[0, 0] = asked
+        deadline = time.monotonic() + _END_WAIT
+        while True:
+            left = [w for w in range(self._ends.shape[1]) if self._end_pending(w, asked)]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "DataLoader workers %s did not end their pass within %ss; they give "
+                    "back what they hold when they next read",
+                    left,
+                    _END_WAIT,
+                )
+                return
+            time.sleep(_END_LOOK)
+
+    def _end_pending(self, consumer: int, asked: int) -> bool:
+        pid = int(self._ends[2, consumer])
+        return int(self._ends[1, consumer]) < asked and pid != 0 and pid_alive(pid)
 
 
 class Acknowledgements:
@@ -198,7 +297,7 @@ class Acknowledgements:
             ledger = self._ledgers[consumer] = Ledger(self.acks if in_worker else None, consumer)
             if ledger.acks is not None:
                 watch_in_worker(ledger)
-        ledger.finish()
+        ledger.begin_pass()
         return ledger
 
     def ticket(self, consumer: int) -> Ticket | None:
@@ -218,11 +317,19 @@ class Acknowledgements:
         else:
             self._ledgers[ticket.consumer].settle_through(ticket.last)
 
-    def close_pass(self) -> None:
-        """A pass ended: consumers here give back what was not acknowledged."""
+    def close_pass(self, workers_stay: bool = False) -> None:
+        """A pass ended: its consumers give back what was not acknowledged.
+
+        Args:
+            workers_stay: The worker processes outlive the pass (``persistent_workers``):
+                they are asked to give back now, and waited for. Workers that exit
+                give back as they exit.
+        """
         for ledger in self._ledgers.values():
             if ledger.pid == os.getpid() and ledger.acks is None:
                 ledger.give_back()
+        if workers_stay and self.acks is not None:
+            self.acks.end_pass()
 
 
 def watch_in_worker(ledger: Ledger) -> None:
@@ -242,6 +349,7 @@ def watch_in_worker(ledger: Ledger) -> None:
             if os.getppid() != parent:
                 os._exit(1)  # the training process died: the kernel releases the claims
             ledger.catch_up()
+            ledger.end_pass_if_asked()
 
     threading.Thread(target=watch, daemon=True, name="hidden-state-acks").start()
     multiprocessing.util.Finalize(None, ledger.finish, exitpriority=10)

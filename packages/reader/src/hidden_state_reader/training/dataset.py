@@ -309,6 +309,8 @@ class HiddenStateDataset(IterableDataset[Sample]):
             worker_id, num_workers = info.id, info.num_workers
             epoch, start = self._cursor.published()
         ledger = self._acknowledgements.start(worker_id, in_worker=info is not None)
+        if ledger is not None and ledger.pass_over:
+            return  # a persistent worker late for a pass the loop has ended: read nothing
         items = _share(self, epoch, start, worker_id, num_workers, ledger)
         with closing(items):
             for position, item in items:

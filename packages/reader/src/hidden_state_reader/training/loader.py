@@ -162,9 +162,9 @@ class HiddenStateLoader(DataLoader[Any]):
         acknowledgements = binding.acknowledgements
         # Before workers start (or resume) and read the cursor.
         binding.begin_pass()
-        acknowledgements.begin_pass(
-            fresh_workers=not (self.persistent_workers and self.num_workers)
-        )
+        workers_stay = bool(self.persistent_workers and self.num_workers)
+        # Persistent workers are fresh too until DataLoader has made them.
+        acknowledgements.begin_pass(fresh_workers=not workers_stay or self._iterator is None)
         batches = self._batches()
         try:
             for positions, batch, ticket in batches:
@@ -178,7 +178,8 @@ class HiddenStateLoader(DataLoader[Any]):
         finally:
             batches.close()  # the workers or threads stop before the rest is given back
             self._handed_out = None
-            acknowledgements.close_pass()
+            # Persistent workers give back what the pass left now, not when they next read.
+            acknowledgements.close_pass(workers_stay)
         binding.end_pass()
 
     def commit(self) -> None:
