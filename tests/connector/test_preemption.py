@@ -61,8 +61,7 @@ from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
 from hidden_state_connector.apps.server import kv_transfer_config, speculative_config
 from hidden_state_reader import HiddenStateReader
-from hidden_state_reader.files.locks import probe
-from hidden_state_reader.format import LockState, lock_path
+from hidden_state_reader.files.locks import SharedLock
 
 model, out, setup = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 started = time.monotonic()
@@ -147,7 +146,8 @@ report = {
     "outputs": [len(o.outputs[0].token_ids) for o in outputs],
     "errors": errors,
     "published": published,
-    "held_locks": [p for p in paths if probe(lock_path(p)) is not LockState.FREE],
+    # Published small files are read without their locks: wait for each release.
+    "held_locks": [p for p in paths if SharedLock.acquire(p, timeout=60) is None],
     "preemptions": preemptions,
     "flushes": flushes,
     "files": total.files,
