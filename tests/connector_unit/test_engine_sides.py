@@ -18,10 +18,12 @@ deferring the finalize): ``build_metadata`` (scheduler), ``before_forward``
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -537,3 +539,17 @@ def test_fp8_round_trip_of_real_captured_states_is_within_the_bound(
     per_layer = (got - expected).norm(dim=(0, 2)) / expected.norm(dim=(0, 2))
     assert bool((per_layer < 2**-4).all()), per_layer.tolist()
     engine.idle_until_freed("real")
+
+
+def test_a_shut_down_worker_is_freed_with_its_buffers(
+    cache: torch.Tensor, engine_factory: Any
+) -> None:
+    # Nothing process-wide (exit hook, hand-off, order channel) keeps a worker that shut
+    # down: an application that builds engine after engine gets each one's memory back.
+    engine = engine_factory(cache)
+    engine.step(scheduler_output())
+    worker = weakref.ref(engine.worker)
+    engine.close()
+    del engine.worker
+    gc.collect()
+    assert worker() is None

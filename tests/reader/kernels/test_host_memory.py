@@ -64,3 +64,30 @@ def test_large_tensors_come_from_the_process_cache_and_small_ones_from_torch() -
     assert big.untyped_storage().nbytes() >= 3 * MiB
     small = host_memory.empty((16,), torch.float32)
     assert small.shape == (16,) and small.untyped_storage().nbytes() == 64
+
+
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in one of this process's mappings (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+def test_a_pools_large_buffer_goes_back_to_the_system_with_its_last_tensor() -> None:
+    # A pool's slabs freed at an engine's shutdown must not stay reserved by the process
+    # (from malloc's heap they could: a later fork of a large process then fails).
+    # Once a freed buffer has raised malloc's mapping threshold (glibc: up to 32 MiB),
+    # malloc serves buffers below it from its heap.
+    del_me = torch.empty(24 * MiB, dtype=torch.uint8)
+    del del_me
+    buffer = host_memory.byte_buffer(16 * MiB)
+    buffer[::4096].fill_(1)  # touched: its pages are real
+    address = buffer.data_ptr()
+    view = buffer[MiB:]
+    del buffer
+    assert _mapped(address), "a view still reads it"
+    del view
+    assert not _mapped(address)

@@ -285,6 +285,8 @@ class WorkerSide:
             if self._closed:
                 return
             self._closed = True
+        # The interpreter's exit hook would keep this worker (and its buffers) alive.
+        atexit.unregister(self.shutdown)
         same_process.unregister(self._engine_key, self.accept)
         if self._listener is not None:
             self._listener.close()  # hands over the orders already sent first

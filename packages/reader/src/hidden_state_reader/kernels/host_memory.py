@@ -66,11 +66,15 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, *, pin_memory: bool = Fals
 def byte_buffer(nbytes: int, *, pin: bool = False) -> torch.Tensor:
     """A uint8 buffer of ``nbytes`` for a pool to own: page-locked when ``pin`` (CUDA).
 
-    Not recycled here: the pool that asks for it decides when it is reused.
+    Not recycled here: the pool that asks for it decides when it is reused. A large
+    unpinned one is a mapping of its own, given back to the system with its last tensor
+    (from malloc's heap, a pool's freed slabs could stay reserved by the process).
     """
     import torch
 
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if pin or nbytes < HUGE_PAGE:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    return torch.frombuffer(huge_mapping(nbytes), dtype=torch.uint8, count=nbytes)
 
 
 def empty_bytes(nbytes: int) -> np.ndarray:
