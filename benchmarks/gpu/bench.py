@@ -15,6 +15,7 @@ installs the vLLM 0.26 kit and runs a chosen set in one device call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -69,10 +70,21 @@ def engine_kwargs(args: argparse.Namespace, kind: str, out: str) -> dict[str, An
         kw["disable_log_stats"] = False  # vLLM's drafted/accepted counters
     if kind == "none":
         return kw
-    if kind == "forward":  # capture from the forward pass: no speculative config
+    if kind == "noop":  # a KV connector that does nothing: vLLM's connector hooks alone
+        kw["kv_transfer_config"] = {
+            "kv_connector": "NullSinkConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_module_path": "benchmarks.null_sink",
+        }
+        return kw
+    if kind in ("forward", "forward-discard"):  # capture from the forward pass
         extra = {"stats_interval": 0, **json.loads(args.connector)}
         extra.update(capture="forward", layer_ids=args.layers)
         kw["kv_transfer_config"] = kv_transfer_config(out, extra)
+        if kind == "forward-discard":  # every stage but the file: chunks dropped
+            kw["kv_transfer_config"].update(
+                kv_connector="DiscardConnector", kv_connector_module_path="benchmarks.null_sink"
+            )
         return kw
     kw["speculative_config"] = speculative_config(args.layers)
     if kind == "ours":
@@ -211,6 +223,8 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     repetitive = args.prompt_kind == "repetitive"
     warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, 1, repetitive)
     llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
+    if args.workloads:  # several timed runs (and profiles) of one engine
+        return _workloads(args, llm, vocab, out, trace, smi)
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, 2, repetitive)
     counters = spec_counters(llm) if args.spec else {}
     if in_process:
@@ -245,6 +259,89 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     print("RESULT " + json.dumps(result), flush=True)
     shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+def _workloads(
+    args: argparse.Namespace, llm: Any, vocab: int, out: str, trace: Path, smi: Any
+) -> dict[str, Any]:
+    """``--workloads``: each ``PROMPTSxLENxGENERATED`` timed on this engine, in order.
+
+    With ``--pyspy``, the first workload then runs twice more under py-spy (every thread
+    of this process and the engine's, with their idle time; then only samples holding
+    the GIL): raw stacks go to ``--pyspy-out``, the timed rows stay unsampled.
+    """
+    from vllm import SamplingParams
+
+    result: dict[str, Any] = {}
+    for index, spec in enumerate(args.workloads.split(",")):
+        n, length, generated = (int(x) for x in spec.split("x"))
+        run = argparse.Namespace(**{**vars(args), "num_prompts": n, "prompt_len": length})
+        run.max_tokens = generated
+        sampling = SamplingParams(
+            max_tokens=generated, temperature=0.0, detokenize=False, ignore_eos=True
+        )
+        prompts = [
+            {"prompt_token_ids": p}
+            for p in random_prompts(n, length, vocab, 2 + index, args.prompt_kind == "repetitive")
+        ]
+        llm.generate(prompts[:8], sampling, use_tqdm=False)  # this shape warm
+        t0 = time.monotonic()
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        elapsed = time.monotonic() - t0
+        paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
+        paths = [p for p in paths if p]
+        result = _throughput_row(run, paths, t0, elapsed, False)
+        result["workload"] = spec
+        cache = llm.llm_engine.vllm_config.cache_config
+        result["kv_blocks"], result["kv_block_size"] = cache.num_gpu_blocks, cache.block_size
+        if trace.exists():
+            result["stages_ms"] = stage_summary(trace, set(paths), t0 + elapsed)
+        if paths and args.check:
+            result["verified"] = _read_back(paths[:8])
+        print("RESULT " + json.dumps(result), flush=True)
+        _remove(paths)  # the next run writes as much again
+        if args.pyspy and index == 0:
+            for mode in ("idle", "gil"):
+                _profiled(args, llm, prompts, sampling, f"{args.kind}_{spec}_{mode}", mode)
+    shutil.rmtree(out, ignore_errors=True)
+    if smi is not None:
+        smi.stop()
+    return result
+
+
+def _profiled(
+    args: argparse.Namespace, llm: Any, prompts: list[Any], sampling: Any, name: str, mode: str
+) -> None:
+    """One more run of ``prompts`` with py-spy sampling this process tree (raw stacks)."""
+    os.makedirs(args.pyspy_out, exist_ok=True)
+    target = os.path.join(args.pyspy_out, f"pyspy_{name}.txt")
+    cmd = [
+        args.pyspy, "record", "--pid", str(os.getpid()), "--subprocesses", "--threads",
+        "--nonblocking", "--rate", "200", "--format", "raw", "--output", target,
+        "--idle" if mode == "idle" else "--gil",
+    ]  # fmt: skip
+    spy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(2.0)  # py-spy attaches to every process of the tree
+    t0 = time.monotonic()
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    elapsed = time.monotonic() - t0
+    spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+    try:
+        said = spy.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        said = spy.communicate()[0]
+    log(f"py-spy {name}: {elapsed:.1f} s sampled run; {said.strip()[-300:]}")
+    paths = [str((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outputs]
+    _remove([p for p in paths if p])
+
+
+def _remove(paths: list[str]) -> None:
+    """Delete published samples once their writers let go (disk space between runs)."""
+    wait_released(paths, time.monotonic())
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _throughput_row(
@@ -349,12 +446,18 @@ def spawn_one(
     except subprocess.TimeoutExpired as exc:
         log(f"TIMED OUT after {args.timeout} s:\n" + str(exc.stderr or "")[-3000:])
         return None
+    found = []
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             if args.json:  # append as we go: a time-out keeps what finished
                 with open(args.json + "l", "a") as f:
                     f.write(line[7:] + "\n")
-            return dict(json.loads(line[7:]))
+            found.append(dict(json.loads(line[7:])))
+    if args.workloads and found:
+        log(proc.stderr[-2000:] if proc.returncode else "")
+        return found[-1]
+    if found:
+        return found[0]
     log(f"FAILED ({proc.returncode}):\n" + proc.stderr[-4000:])
     return None
 
@@ -540,6 +643,10 @@ def suite_throughput(args: argparse.Namespace) -> list[dict[str, Any]]:
         base += ["--spec", args.spec]
     if args.dummy:
         base.append("--dummy")
+    if args.workloads:
+        base += ["--workloads", args.workloads]
+    if args.pyspy:
+        base += ["--pyspy", args.pyspy, "--pyspy-out", args.pyspy_out]
     for graphs in args.graph_modes:
         g = ["--graphs"] if graphs else []
         for storage in args.storages:
@@ -616,6 +723,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--prompt-kind", default="random", choices=["random", "repetitive"])
     parser.add_argument("--check", action="store_true")
+    parser.add_argument(
+        "--workloads", default="", help="PROMPTSxLENxGENERATED,... timed on one engine each kind"
+    )
+    parser.add_argument("--pyspy", default="", help="py-spy binary: profile the first workload")
+    parser.add_argument("--pyspy-out", default="/tmp/out/pyspy")
     parser.add_argument("--work", default="/tmp/hs-bench")
     parser.add_argument("--json", default="")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per engine run")

@@ -28,6 +28,25 @@ python3 -c "from hidden_state_reader.kernels.fp8_cpu import kernel; print('fp8 C
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h /tmp /dev/shm | tail -2
 B="python3 benchmarks/gpu/bench.py"
+# py-spy from its wheel in .gpu/extra (a static binary; pip --target drops it): its path,
+# once it has shown it can read a Python process here (ptrace may be refused).
+pyspy_binary() {
+  python3 - <<'PY' || return 1
+import glob, os, subprocess, sys, zipfile
+wheels = glob.glob(".gpu/extra/py_spy-*.whl")
+if not wheels:
+    sys.exit(1)
+with zipfile.ZipFile(wheels[0]) as z:
+    name = next(n for n in z.namelist() if n.endswith("/scripts/py-spy"))
+    open("/tmp/py-spy", "wb").write(z.read(name))
+os.chmod("/tmp/py-spy", 0o755)
+probe = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+said = subprocess.run(["/tmp/py-spy", "dump", "--pid", str(probe.pid)], capture_output=True, text=True)
+probe.kill()
+print("/tmp/py-spy" if said.returncode == 0 else "", end="")
+sys.stderr.write(f"py-spy dump: rc {said.returncode} {said.stderr[-300:]}\n")
+PY
+}
 case "$plan" in
   smoke)
     $B validate --dtype float32 2>&1 | tail -5 | tee "$OUT/validate_fp32.txt"
@@ -301,6 +320,22 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       --prompt-kind repetitive --timeout 200 \
       --connector '{"include_output_tokens": true, "capture_buffer_bytes": "12GiB"}' \
       --json "$OUT/t.json" 2>>"$OUT/v46b.log" | tail -6
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  # Issue 45: where the time goes. One engine per kind, decode-heavy (256 x 512 tokens,
+  # 256 generated) then prefill-heavy (256 x 1,024, 1 generated) on each, CUDA graphs;
+  # py-spy (every thread, idle included; then GIL holders) on the decode-heavy run of
+  # none and forward. noop: a KV connector that does nothing (vLLM's connector hooks);
+  # forward-discard: forward capture with every stage but the file.
+  v45a)
+    spy=$(pyspy_binary) || echo "py-spy unavailable"
+    $B throughput --workloads 256x512x256,256x1024x1 --max-model-len 2048 \
+      --kinds none,forward --graph-modes graphs --timeout 300 --pyspy "$spy" \
+      --pyspy-out "$OUT/pyspy" --json "$OUT/t.json" 2>>"$OUT/v45a.log" | tail -4
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    $B throughput --workloads 256x512x256,256x1024x1 --max-model-len 2048 \
+      --kinds noop,forward-discard --graph-modes graphs --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v45a.log" | tail -4
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
   *) echo "unknown plan $plan"; exit 2 ;;
