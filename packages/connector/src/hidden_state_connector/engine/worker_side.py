@@ -285,8 +285,7 @@ class WorkerSide:
             if self._closed:
                 return
             self._closed = True
-        # The interpreter's exit hook would keep this worker (and its buffers) alive.
-        atexit.unregister(self.shutdown)
+        atexit.unregister(self.shutdown)  # the hook would keep this worker's buffers alive
         same_process.unregister(self._engine_key, self.accept)
         if self._listener is not None:
             self._listener.close()  # hands over the orders already sent first
