@@ -171,7 +171,7 @@ class SchedulerSide:
             new.req_id: compat.new_request_params(new)
             for new in scheduler_output.scheduled_new_reqs
         }
-        for step in compat.scheduled_requests(scheduler_output, self.group):
+        for step in compat.scheduled_requests(scheduler_output, self.group, self._settled):
             tracked = self._requests.get(step.req_id)
             if tracked is None:
                 if step.req_id not in new_params:
@@ -203,6 +203,11 @@ class SchedulerSide:
             if tracked is not None and tracked.ordered:
                 meta.preempted.append(req_id)
         return meta
+
+    def _settled(self, req_id: str) -> bool:
+        """A request a step changes nothing for: not ours, holding nothing, or ordered."""
+        tracked = self._requests.get(req_id)
+        return tracked is None or tracked.ordered or tracked.holds_nothing
 
     def _track(self, step: compat.ScheduledRequest, params: dict[str, Any]) -> _Tracked:
         keyed, problem = keyed_path(self.root, params, PATH_PARAM)
