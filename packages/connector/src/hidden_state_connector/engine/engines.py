@@ -24,7 +24,7 @@ from hidden_state_connector.engine.cpu_build import amx_mla_dtype_refusal
 from hidden_state_connector.engine.extract import checks as extract_checks
 from hidden_state_connector.engine.extract.planner import ExtractPlanner
 from hidden_state_connector.engine.extract.rows import ExtractRows
-from hidden_state_connector.engine.forward.checks import forward_setup
+from hidden_state_connector.engine.forward.checks import EXTRACT_METHOD, forward_setup
 from hidden_state_connector.engine.forward.planner import ForwardPlanner
 from hidden_state_connector.engine.forward.rows import ForwardRows
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
@@ -39,8 +39,6 @@ from hidden_state_connector.layers import default_layer_ids
 from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
-
-EXTRACT_METHOD = "extract_hidden_states"
 
 
 @dataclass(frozen=True)
