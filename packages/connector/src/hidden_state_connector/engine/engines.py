@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from hidden_state_connector.engine.capture import num_hidden_layers
@@ -28,7 +27,7 @@ from hidden_state_connector.engine.forward.checks import EXTRACT_METHOD, forward
 from hidden_state_connector.engine.forward.planner import ForwardPlanner
 from hidden_state_connector.engine.forward.rows import ForwardRows
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
-from hidden_state_connector.engine.seam import RowPlanner, RowSource, Sink, SinkIndex
+from hidden_state_connector.engine.seam import CapturePlan, RowPlanner, RowSource, Sink, SinkIndex
 from hidden_state_connector.engine.sinks.files import FilesIndex, FilesSink
 from hidden_state_connector.engine.sinks.mooncake import StoreBackend, StoreLookup
 from hidden_state_connector.engine.stats import WriteStats
@@ -39,26 +38,6 @@ from hidden_state_connector.layers import default_layer_ids
 from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class CapturePlan:
-    """What both halves need of the engine's capture, checked.
-
-    Attributes:
-        group: The KV-cache group whose blocks index the rows (extract: the hidden-state
-            group; forward: the attention group its slot mapping routes through).
-        block_size: That group's block size.
-        layer_ids: Layer ids as captured, in layer-axis order.
-        configured: Layer ids as configured.
-        slot_layer: Forward capture: an attention layer of ``group`` ("" otherwise).
-    """
-
-    group: int
-    block_size: int
-    layer_ids: list[int] = field(default_factory=list)
-    configured: list[int] = field(default_factory=list)
-    slot_layer: str = ""
 
 
 # -- the choice ---------------------------------------------------------------------
@@ -154,8 +133,7 @@ class _Extract:
         return CapturePlan(setup.group, setup.block_size, setup.layer_ids, setup.configured)
 
     def rows(self, config: ConnectorConfig, vllm_config: Any, plan: CapturePlan) -> RowSource:
-        root = os.path.abspath(config.shared_storage_path)
-        return ExtractRows(config, vllm_config, plan.block_size, plan.layer_ids, root)
+        return ExtractRows(config, vllm_config, plan)
 
     def planner(self, config: ConnectorConfig, vllm_config: Any, plan: CapturePlan) -> RowPlanner:
         return ExtractPlanner(vllm_config, plan.layer_ids)
@@ -177,10 +155,7 @@ class _Forward:
         )
 
     def rows(self, config: ConnectorConfig, vllm_config: Any, plan: CapturePlan) -> RowSource:
-        root = os.path.abspath(config.shared_storage_path)
-        return ForwardRows(
-            config, vllm_config, plan.block_size, plan.layer_ids, root, slot_layer=plan.slot_layer
-        )
+        return ForwardRows(config, vllm_config, plan)
 
     def planner(self, config: ConnectorConfig, vllm_config: Any, plan: CapturePlan) -> RowPlanner:
         return ForwardPlanner(config, vllm_config, plan.block_size)

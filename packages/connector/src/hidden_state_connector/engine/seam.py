@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +23,26 @@ import torch
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.target import SampleTarget
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What both halves need of the engine's capture, checked.
+
+    Attributes:
+        group: The KV-cache group whose blocks index the rows (extract: the hidden-state
+            group; forward: the attention group its slot mapping routes through).
+        block_size: That group's block size.
+        layer_ids: Layer ids as captured, in layer-axis order.
+        configured: Layer ids as configured.
+        slot_layer: Forward capture: an attention layer of ``group`` ("" otherwise).
+    """
+
+    group: int
+    block_size: int
+    layer_ids: list[int] = field(default_factory=list)
+    configured: list[int] = field(default_factory=list)
+    slot_layer: str = ""
 
 
 class Saves(Protocol):

@@ -8,6 +8,7 @@ finished first (``before_forward``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +18,7 @@ from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.capture import num_hidden_layers
 from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
-from hidden_state_connector.engine.seam import Saves
+from hidden_state_connector.engine.seam import CapturePlan, Saves
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.logs import get_logger
 
@@ -30,24 +31,15 @@ class ExtractRows:
     Args:
         config: Validated connector settings.
         vllm_config: The engine's configuration.
-        block_size: Block size of the hidden-state cache group.
-        layer_ids: Captured layer ids, in layer-axis order.
-        root: Where samples go (for the start-up log line).
+        plan: The hidden-state cache group's block size and the captured layer ids.
     """
 
-    def __init__(
-        self,
-        config: ConnectorConfig,
-        vllm_config: Any,
-        block_size: int,
-        layer_ids: list[int],
-        root: str,
-    ) -> None:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any, plan: CapturePlan) -> None:
         self.config = config
         self.vllm_config = vllm_config
-        self.block_size = block_size
-        self.layer_ids = layer_ids
-        self.root = root
+        self.block_size = plan.block_size
+        self.layer_ids = plan.layer_ids
+        self.root = os.path.abspath(config.shared_storage_path)  # for the log line
         self._saves: Saves | None = None  # set on the writing rank
         self._extractor: Extractor | None = None
 
@@ -58,16 +50,8 @@ class ExtractRows:
         layer_name = compat.find_cache_only_layer(self.vllm_config, kv_caches)
         kv_cache = kv_caches[layer_name]
         layout = compat.probe_layout(kv_cache, self.block_size, len(self.layer_ids))
-        token_bytes = layout.num_layers * layout.hidden_size * kv_cache.dtype.itemsize
-        block_bytes = layout.block_size * token_bytes
-        blocks_per_chunk = max(1, self.config.chunk_bytes // block_bytes)
-        extractor = Extractor(
-            kv_cache,
-            layout,
-            blocks_per_chunk,
-            check_nonfinite=self.config.check_nonfinite,
-            storage=self.config.storage_dtype,
-        )
+        extractor = Extractor.for_settings(kv_cache, layout, self.config)
+        blocks_per_chunk = extractor.blocks_per_chunk
         log.info(
             "HiddenStateConnector: %s, layers %s of %s, hidden %d, %s; cache %s (token axis "
             "%d), %d blocks (%d tokens) per chunk; writing to %s%s",

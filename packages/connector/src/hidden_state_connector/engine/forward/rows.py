@@ -13,6 +13,7 @@ own.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from functools import partial
 from typing import Any
@@ -31,7 +32,7 @@ from hidden_state_connector.engine.forward.staging import StepStaging, staging_f
 from hidden_state_connector.engine.forward.transfer import StepCopy, StepTransfer
 from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
-from hidden_state_connector.engine.seam import Saves
+from hidden_state_connector.engine.seam import CapturePlan, Saves
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.logs import get_logger
 
@@ -52,28 +53,17 @@ class ForwardRows:
     Args:
         config: Validated connector settings.
         vllm_config: The engine's configuration.
-        block_size: Block size of the attention group the slot mapping indexes.
-        layer_ids: Captured layer ids, ascending.
-        root: Where samples go (for the start-up log line).
-        slot_layer: An attention layer of that group (its slot mapping is read).
+        plan: The attention group the slot mapping indexes (its block size, one of its
+            layers, whose slot mapping is read) and the captured layer ids, ascending.
     """
 
-    def __init__(
-        self,
-        config: ConnectorConfig,
-        vllm_config: Any,
-        block_size: int,
-        layer_ids: list[int],
-        root: str,
-        *,
-        slot_layer: str,
-    ) -> None:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any, plan: CapturePlan) -> None:
         self.config = config
         self.vllm_config = vllm_config
-        self.layer_ids = layer_ids
-        self.root = root
-        self.slot_layer = slot_layer
-        self.router = RowRouter(block_size)
+        self.layer_ids = plan.layer_ids
+        self.root = os.path.abspath(config.shared_storage_path)  # for the log line
+        self.slot_layer = plan.slot_layer
+        self.router = RowRouter(plan.block_size)
         self.staging: StepStaging | None = None
         self.arena: RowArena | None = None
         self.held: HeldPrefixRows | None = None
@@ -129,14 +119,7 @@ class ForwardRows:
         )
         self.held = HeldPrefixRows(self.arena, int(self.vllm_config.cache_config.block_size))
         layout = CacheLayout(1, ARENA_BLOCK_TOKENS, layers, hidden)
-        block_bytes = ARENA_BLOCK_TOKENS * layers * hidden * dtype.itemsize
-        extractor = Extractor(
-            self.arena.data,
-            layout,
-            max(1, self.config.chunk_bytes // block_bytes),
-            check_nonfinite=self.config.check_nonfinite,
-            storage=self.config.storage_dtype,
-        )
+        extractor = Extractor.for_settings(self.arena.data, layout, self.config)
         log.info(
             "HiddenStateConnector (capture=forward): layers %s, hidden %d, %s; "
             "staging %s on %s; host arena %d blocks of %d tokens; writing to %s",
