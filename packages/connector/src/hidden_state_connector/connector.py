@@ -31,12 +31,9 @@ from hidden_state_connector.engine.scheduler_side import SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
 from hidden_state_connector.engine.write.sample_file import PRODUCTION_HOOKS, WriteHooks
-from hidden_state_connector.logs import get_logger
 
 if TYPE_CHECKING:
     from hidden_state_connector.engine.metrics import HiddenStateConnectorStats
-
-log = get_logger(__name__)
 
 
 class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
