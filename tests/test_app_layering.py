@@ -170,7 +170,7 @@ def test_the_patch_finder_finds_patches() -> None:
     source = (
         "from hidden_state_reader.files import inotify as discovery\n"
         "import hidden_state_reader.store.load\n"
-        "from hidden_state_connector.engine.write.store_backend import StoreLock\n"
+        "from hidden_state_connector.engine.sinks.mooncake import StoreLock\n"
         "discovery.Inotify.dispatch = None\n"
         "hidden_state_reader.store.load.crc32 += 1\n"
         "setattr(StoreLock, 'release', None)\n"

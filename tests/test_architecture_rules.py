@@ -271,7 +271,6 @@ RENAME_ELSEWHERE = {
 }
 PINNED_ELSEWHERE = {
     # The capture engine's own page-locked buffers, left to its owner (issue 43):
-    ENGINE / "forward" / "transfer.py",  # the host ring of forward capture
     ENGINE / "write" / "gather.py",  # each slab's non-finite flag
 }
 TENSOR_FACTORIES = frozenset(

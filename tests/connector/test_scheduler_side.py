@@ -17,6 +17,7 @@ from typing import Any
 from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.engines import CapturePlan, scheduler_side
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.metadata import SaveOrder
 from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
@@ -39,7 +40,9 @@ def _scheduler(root: Path, **extra: Any) -> SchedulerSide:
     # A fresh engine id per test: nobody listens on its order channel, and no other
     # test's local_handoff registration can be found under it.
     engine_id = f"unit-{uuid.uuid4().hex}"
-    return SchedulerSide(config, _vllm_config(engine_id), BLOCK_SIZE, HS_GROUP, WriteStats(0))
+    return scheduler_side(
+        config, _vllm_config(engine_id), CapturePlan(HS_GROUP, BLOCK_SIZE), WriteStats(0)
+    )
 
 
 def _finished(req_id: str, prompt: list[int], output: list[int]) -> SimpleNamespace:

@@ -36,10 +36,10 @@ from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.engines import CapturePlan, scheduler_side, worker_side
 from hidden_state_connector.engine.layout import CacheLayout
-from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
+from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.worker_side import WorkerSide
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import JobState, SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
@@ -107,8 +107,12 @@ class FakeEngine:
             parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
         )
         self.stats = stats if stats is not None else WriteStats(0)
-        self.scheduler = SchedulerSide(self.config, self.vllm_config, BLOCK, HS_GROUP, self.stats)
-        self.worker = WorkerSide(self.config, self.vllm_config, BLOCK, LAYER_IDS, self.stats)
+        self.scheduler = scheduler_side(
+            self.config, self.vllm_config, CapturePlan(HS_GROUP, BLOCK), self.stats
+        )
+        self.worker = worker_side(
+            self.config, self.vllm_config, CapturePlan(HS_GROUP, BLOCK, LAYER_IDS), self.stats
+        )
         self.worker.register({"model.drafter.cache_only": cache})
         self.announced: set[str] = set()  # finished in the last step; told the worker next
 

@@ -42,8 +42,9 @@ from engine_fakes import (
 
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.engines import CapturePlan, scheduler_side, worker_side
 from hidden_state_connector.engine.sample_params import EXISTED_PARAM
-from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM, SchedulerSide
+from hidden_state_connector.engine.scheduler_side import ERROR_PARAM, PATH_PARAM
 from hidden_state_connector.engine.sleep_guard import RELEASE_REASON
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
@@ -97,14 +98,18 @@ class V2Engine:
             parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
         )
         self.stats = WriteStats(0)
-        self.scheduler = SchedulerSide(self.config, self.vllm_config, BLOCK, HS_GROUP, self.stats)
+        self.scheduler = scheduler_side(
+            self.config, self.vllm_config, CapturePlan(HS_GROUP, BLOCK), self.stats
+        )
         self.worker: WorkerSide | None = None  # created after warm-up
         self.cache = committed_view(COMMITTED)
         self.announced: set[str] = set()
 
     def warm_up_and_register(self) -> None:
         """``extend_kv_cache``: the worker connector is built now, on committed views."""
-        self.worker = WorkerSide(self.config, self.vllm_config, BLOCK, LAYER_IDS, self.stats)
+        self.worker = worker_side(
+            self.config, self.vllm_config, CapturePlan(HS_GROUP, BLOCK, LAYER_IDS), self.stats
+        )
         self.worker.register({"model.drafter.cache_only": self.cache})
 
     def propose(self, tokens: dict[int, torch.Tensor]) -> None:

@@ -139,7 +139,7 @@ def test_a_step_keeps_its_block_ids_while_later_steps_are_scheduled(tmp_path: Pa
 
     from engine_fakes import new_request, scheduler_output
 
-    from hidden_state_connector.engine.scheduler_side import SchedulerSide
+    from hidden_state_connector.engine.engines import CapturePlan, scheduler_side
     from hidden_state_connector.engine.stats import WriteStats
 
     config = ConnectorConfig(
@@ -150,9 +150,9 @@ def test_a_step_keeps_its_block_ids_while_later_steps_are_scheduled(tmp_path: Pa
         kv_transfer_config=SimpleNamespace(engine_id="unit-forward-steps"),
         parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
     )
-    scheduler = SchedulerSide(config, vllm_config, 4, 1, WriteStats(0))
+    scheduler = scheduler_side(config, vllm_config, CapturePlan(1, 4), WriteStats(0))
     first = scheduler.build_metadata(
         scheduler_output(new=(new_request("a", list(range(20)), [7, 8]),), scheduled={"a": 8})
     )
     scheduler.build_metadata(scheduler_output(cached=(("a", 8, [9]),), scheduled={"a": 4}))
-    assert first.steps[0].new_block_ids == [7, 8]
+    assert first.steps[0].block_ids == [7, 8]

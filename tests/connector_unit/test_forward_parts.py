@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hidden_state_connector.engine import compat
-from hidden_state_connector.engine.capture_choice import choose_capture
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.engines import choose_capture
 from hidden_state_connector.engine.forward.adapter import (
     FAMILIES,
     UnsupportedFamilyError,
@@ -73,8 +73,8 @@ def _by_entry(router: RowRouter, slots: torch.Tensor, steps: list[StepRows]) -> 
 def test_rows_are_routed_by_slot_whatever_the_batch_order() -> None:
     router = RowRouter(block_size=4)
     # a: prefill chunk, tokens [0, 6) in blocks 7, 2; b: decode of token 9 (block 5, slot 1).
-    steps = [StepRows("a", 0, 6, [7, 2], True), StepRows("b", 9, 1, [3, 8, 5], True)]
-    router.update(steps)
+    # (Each names the blocks of its tokens: b's table is [3, 8, 5], token 9 is in block 2.)
+    steps = [StepRows("a", 0, 6, [7, 2], 2), StepRows("b", 9, 1, [5], 3)]
     # The runner put b first and padded the batch to 8 rows (slot -1).
     slots = torch.tensor([5 * 4 + 1, 7 * 4, 7 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 2 * 4, 2 * 4 + 1, -1])
     routed = _by_entry(router, slots, steps)
@@ -84,8 +84,7 @@ def test_rows_are_routed_by_slot_whatever_the_batch_order() -> None:
 
 def test_missing_rows_fail_the_request_not_store_wrong_ones() -> None:
     router = RowRouter(block_size=4)
-    steps = [StepRows("a", 0, 3, [7], True), StepRows("b", 0, 1, [1], True)]
-    router.update(steps)
+    steps = [StepRows("a", 0, 3, [7], 1), StepRows("b", 0, 1, [1], 1)]
     # a: one of its rows is missing; b: its row maps outside the token it computes.
     routed = _by_entry(router, torch.tensor([7 * 4, 7 * 4 + 1, 1 * 4 + 2, -1]), steps)
     assert routed["a"][2] is not None and "2 rows of the batch" in routed["a"][2]

@@ -75,8 +75,8 @@ def test_a_request_starts_from_held_rows_filled_in_the_same_step() -> None:
     # "a" computes positions 0-7 and fills blocks 0, 1; "b" (listed first) starts from
     # them and computes 8-9 in the same step.
     steps = [
-        StepRows("b", 8, 2, None, True, cached_rows=[11, 12]),
-        StepRows("a", 0, 8, None, True, filled_rows=[(0, 11), (1, 12)]),
+        StepRows("b", 8, 2, [], 0, cached_rows=[11, 12]),
+        StepRows("a", 0, 8, [], 0, filled_rows=[(0, 11), (1, 12)]),
     ]
     entries = [("b", 8, 10), ("a", 0, 8)]
     route = _route([1] * 8 + [0, 0], list(range(10)))
@@ -95,7 +95,7 @@ def test_a_request_starts_from_held_rows_filled_in_the_same_step() -> None:
 def test_rows_not_held_fail_the_sample_with_the_reason() -> None:
     arena = RowArena(1 << 16, 4, 1, 2, torch.float32)
     held = HeldPrefixRows(arena, block_tokens=4)
-    steps = [StepRows("b", 4, 1, None, True, cached_rows=[MISSING])]
+    steps = [StepRows("b", 4, 1, [], 0, cached_rows=[MISSING])]
     failures = held.write_step(steps, [("b", 4, 5)], _route([0], [4]), torch.randn(1, 1, 2))
     assert "rows of tokens [0, 4) were served from vLLM's prefix cache" in failures[0]
     assert arena.filled("b") == 0

@@ -19,6 +19,7 @@ from engine_fakes import new_request, scheduler_output
 
 from hidden_state_connector.apps.server import ServeOptions
 from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.engines import CapturePlan, scheduler_side
 from hidden_state_connector.engine.output_tokens import (
     NO_ASYNC_FLAG,
     check_output_tokens_default,
@@ -41,7 +42,7 @@ def _vllm_config(async_scheduling: bool | None) -> SimpleNamespace:
 
 def _scheduler(root: Path, vllm_config: Any) -> SchedulerSide:
     config = ConnectorConfig(shared_storage_path=str(root), instance_id="unit")
-    return SchedulerSide(config, vllm_config, BLOCK_SIZE, HS_GROUP, WriteStats(0))
+    return scheduler_side(config, vllm_config, CapturePlan(HS_GROUP, BLOCK_SIZE), WriteStats(0))
 
 
 def test_under_async_scheduling_a_request_for_generated_tokens_is_refused_loudly(

@@ -11,9 +11,9 @@ from engine_fakes import finished_request, new_request, scheduler_output
 
 from hidden_state_connector.client import Completion
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.scheduler_side import SchedulerSide
+from hidden_state_connector.engine.engines import MEDIA, CapturePlan, scheduler_side
+from hidden_state_connector.engine.sinks.mooncake import transfer_params
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.write.store_backend import transfer_params
 from hidden_state_reader.store.url import parse_store_url
 
 
@@ -30,7 +30,8 @@ def test_mooncake_keys_are_parsed() -> None:
         "hidden_states_key": "req-1.x.safetensors",
         "hidden_states_url": "mooncake://10.0.0.5:50051/hs/req-1.x.safetensors",
     }
-    assert transfer_params(ConnectorConfig(), "/data", "/data/a.safetensors") == {}
+    files = ConnectorConfig(shared_storage_path="/data")
+    assert MEDIA[files.storage_backend].index(files, "/data").client_params("/data/a") is None
 
 
 @pytest.mark.parametrize(
@@ -104,7 +105,7 @@ def test_a_store_response_names_the_key_and_no_local_file(tmp_path: Path) -> Non
         kv_transfer_config=SimpleNamespace(engine_id=f"unit-{uuid.uuid4().hex}"),
         parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
     )
-    side = SchedulerSide(config, vllm_config, 4, 1, WriteStats(0))
+    side = scheduler_side(config, vllm_config, CapturePlan(1, 4), WriteStats(0))
     try:
         prompt, blocks = list(range(10, 16)), [3, 1]
         # A local file where the name's folder would be: the name is still a fine key.

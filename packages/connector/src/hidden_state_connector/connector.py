@@ -1,10 +1,10 @@
 """``HiddenStateConnector``: the class vLLM instantiates, once per role.
 
 A thin adapter: vLLM's KV-connector interface on one side, ``SchedulerSide`` and
-``WorkerSide`` (``hidden_state_connector.engine``) on the other. Store-only; captures from
-the forward pass by default (``engine.forward``: ``ForwardWorkerSide``), or, with vLLM's
-``extract_hidden_states`` speculative method, from its hidden-state cache
-(``engine.capture_choice`` decides). This module's path is
+``WorkerSide`` (``hidden_state_connector.engine``) on the other, both built by the
+factory (``engine.engines``), which picks the capture engine (``engine.forward`` by
+default, ``engine.extract`` beside vLLM's ``extract_hidden_states``) and the storage
+medium (``engine.sinks``). Store-only; it branches on neither. This module's path is
 ``CONNECTOR_MODULE``, the one the plugin registers and users pass as
 ``kv_connector_module_path``; importing it imports vLLM.
 """
@@ -24,24 +24,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from hidden_state_connector.engine import compat
-from hidden_state_connector.engine.capture_choice import choose_capture
-from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
-from hidden_state_connector.engine.forward.checks import ForwardSetup, forward_setup
-from hidden_state_connector.engine.forward.worker import ForwardWorkerSide
+from hidden_state_connector.engine import compat, engines
+from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
-from hidden_state_connector.engine.startup_checks import refuse_unsupported
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.storage_check import check_storage_root
 from hidden_state_connector.engine.worker_side import WorkerSide
 from hidden_state_connector.engine.write.sample_file import PRODUCTION_HOOKS, WriteHooks
-from hidden_state_connector.logs import get_logger
 
 if TYPE_CHECKING:
     from hidden_state_connector.engine.metrics import HiddenStateConnectorStats
-
-log = get_logger(__name__)
 
 
 class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
@@ -67,77 +59,27 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
         # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
         KVConnectorMetadata.register(HiddenStateConnectorMetadata)
-        self.config = choose_capture(
+        self.config = engines.choose_capture(
             ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config),
             vllm_config,
         )
-        forward, group, block_size, configured, captured = self._capture_plan(
-            vllm_config, kv_cache_config
-        )
-        files = self.config.storage_backend == "files"
+        # Refuses, by name, what the capture engine cannot capture (run before the model
+        # loaded too, where vLLM loaded the plugin).
+        plan = engines.plan_capture(vllm_config, kv_cache_config, self.config)
         stage, stages = compat.pipeline_stage()  # the last stage's TP rank 0 writes
         writes = compat.tensor_parallel_rank() == 0 and stage == stages - 1
-        if files and (role == KVConnectorRole.SCHEDULER or writes):
-            # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
-            check_storage_root(self.config.shared_storage_path)
-        self._group = group
+        # Raises StorageRootError (naming shared_storage_path), so vLLM does not start.
+        engines.check_storage(self.config, writes_here=role == KVConnectorRole.SCHEDULER or writes)
+        self._group = plan.group
         self._stats = WriteStats(self.config.stats_interval)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if captured != configured:
-                log.warning(
-                    "eagle_aux_hidden_state_layer_ids %s are captured in the order %s; files "
-                    "record that order in their layer_ids metadata",
-                    configured,
-                    captured,
-                )
-            if 0 in captured and torch.cuda.is_available() and forward is None:
-                log.warning(
-                    "layer id 0 (embeddings) is unreliable on CUDA: vLLM's fused add-RMSNorm "
-                    "updates the captured tensor in place (seen with vLLM 0.26 on an H200). "
-                    "Capture layers >= 1."
-                )
-            self._scheduler = SchedulerSide(
-                self.config, vllm_config, block_size, group, self._stats
-            )
-        elif forward is not None:
-            self._worker = ForwardWorkerSide(
-                self.config,
-                vllm_config,
-                block_size,
-                captured,
-                self._stats,
-                slot_layer=forward.slot_layer,
-                hooks=self.write_hooks,
-            )
+            self._scheduler = engines.scheduler_side(self.config, vllm_config, plan, self._stats)
         else:
-            self._worker = WorkerSide(
-                self.config, vllm_config, block_size, captured, self._stats, self.write_hooks
+            self._worker = engines.worker_side(
+                self.config, vllm_config, plan, self._stats, self.write_hooks
             )
-
-    def _capture_plan(
-        self, vllm_config: Any, kv_cache_config: Any
-    ) -> tuple[ForwardSetup | None, int, int, list[int], list[int]]:
-        """Check the engine for its capture engine; its group, block size and layer ids.
-
-        Returns:
-            The forward set-up (None: extract), the KV-cache group and its block size, the
-            layer ids as configured and as captured.
-        """
-        # What the capture engine cannot capture, by name (run before the model loaded
-        # too, where vLLM loaded the plugin): extract refuses MLA, models without the
-        # aux-hidden-state interface, a recurrent state with prefix caching or generated
-        # tokens, and generated tokens by default under async scheduling.
-        refuse_unsupported(vllm_config, self.config)
-        if self.config.capture == CAPTURE_FORWARD:
-            forward = forward_setup(vllm_config, kv_cache_config, self.config)
-            configured = list(self.config.layer_ids or ())
-            return forward, forward.group, forward.block_size, configured, forward.layer_ids
-        group = compat.hidden_state_group(kv_cache_config)
-        block_size = compat.hidden_state_block_size(vllm_config, kv_cache_config, group)
-        configured = compat.configured_layer_ids(vllm_config)
-        return None, group, block_size, configured, compat.captured_layer_ids(configured)
 
     # -- shared -----------------------------------------------------------------------
 
@@ -192,9 +134,9 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.before_forward(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Store-only: nothing to load. Forward capture keeps the step's slot mappings."""
-        if isinstance(self._worker, ForwardWorkerSide):
-            self._worker.before_forward(forward_context, kwargs.get("attn_metadata"))
+        """Store-only: nothing to load. The capture engine may keep the forward context."""
+        if self._worker is not None:
+            self._worker.bind_forward(forward_context, kwargs.get("attn_metadata"))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Store-only: nothing to load."""
@@ -256,11 +198,12 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         """Store-only: never provides tokens.
 
-        Forward capture with prefix caching: a request whose cached prefix's rows are not
-        held is told to skip the prefix cache and waits a step (None), then computes them.
+        A capture engine may refuse a prefix-cache hit (forward capture, whose cached
+        prefix's rows are not held): the request waits a step (None), then computes them.
         """
-        forward = None if self._scheduler is None else self._scheduler.forward
-        if forward is not None and not forward.admits(request, num_computed_tokens):
+        if self._scheduler is not None and not self._scheduler.rows.admits(
+            request, num_computed_tokens
+        ):
             return None, False
         return 0, False
 
@@ -277,8 +220,6 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """Queue the save of a finished request and return its path to the client."""
         assert self._scheduler is not None
-        if self._scheduler.forward is not None:
-            self._scheduler.forward.forget(request.request_id)
         return self._scheduler.request_finished(request, block_ids)
 
     def request_finished_all_groups(

@@ -74,7 +74,7 @@ class ConnectorConfig:
             during the forward pass; ``engine.forward``) or ``"extract"`` (vLLM's
             ``extract_hidden_states`` speculative method fills a hidden-state KV-cache
             group). None (the default): extract where that speculative method is
-            configured, forward otherwise (``engine.capture_choice``).
+            configured, forward otherwise (``engine.engines.choose_capture``).
         layer_ids: For forward capture, the layer ids to capture (0 = embeddings, N =
             last layer before the final norm; default ``[2, N/2, N-3, N]``); refused
             with ``capture="extract"``, which takes them from its speculative config.

@@ -61,11 +61,11 @@ class StepRows:
         req_id: vLLM request id.
         computed_before: Position of the first token computed in this step.
         scheduled: Tokens computed in this step.
-        new_block_ids: KV blocks (the attention group) added since its last step, or its
-            whole table (``replaces_table``); None when none were added. The worker maps
-            each row of the batch to a request and position through them and the step's
-            slot mapping.
-        replaces_table: ``new_block_ids`` is the whole table (first step, or resumed).
+        block_ids: The KV blocks (the attention group) that hold this step's tokens: the
+            request's block table from block ``computed_before // block_size`` on. The
+            worker maps each row of the batch to a request and position through them
+            and the step's slot mapping (the table itself is the scheduler half's).
+        table_blocks: Length of the request's whole block table (named when short).
         cached_rows: Prefix caching: the held rows (``PrefixRowIndex`` entry ids) of
             each prefix block ``0 .. computed_before // block`` that vLLM served from its
             cache (-1: not held), on a request's first step; None when none.
@@ -76,8 +76,8 @@ class StepRows:
     req_id: str
     computed_before: int
     scheduled: int
-    new_block_ids: list[int] | None
-    replaces_table: bool
+    block_ids: list[int]
+    table_blocks: int
     cached_rows: list[int] | None = None
     filled_rows: list[tuple[int, int]] | None = None
 

@@ -16,7 +16,9 @@ complete:
 
 ``request_finished`` returns ``{"hidden_states_path": ...}`` to the client (with the
 Mooncake Store backend ``hidden_states_key`` and ``hidden_states_url`` instead) and keeps
-the KV blocks until the worker has copied them out.
+the KV blocks until the worker has copied them out. It is the one home of a request's
+block table. What differs between capture engines is the ``RowPlanner``
+(``engine.seam``), between media the ``SinkIndex``; ``engine.engines`` builds both.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hidden_state_connector.engine import compat
-from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
-from hidden_state_connector.engine.forward.scheduler_part import ForwardSchedulerPart
+from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderSender
 from hidden_state_connector.engine.loss_mask_param import requested_mask, stored_mask
@@ -37,17 +38,14 @@ from hidden_state_connector.engine.metadata import (
     NewSample,
     SaveOrder,
 )
-from hidden_state_connector.engine.output_tokens import output_tokens_refusal
 from hidden_state_connector.engine.sample_params import (
     EXISTED_PARAM,
     KEY_PARAM,
     keyed_path,
     requested_tags,
-    sample_exists,
 )
+from hidden_state_connector.engine.seam import RowPlanner, SinkIndex
 from hidden_state_connector.engine.stats import WriteStats
-from hidden_state_connector.engine.storage_check import usable_directory
-from hidden_state_connector.engine.write.store_backend import StoreLookup, transfer_params
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.files.paths import resolve_inside
@@ -94,20 +92,19 @@ class _Tracked:
         return self.refused or self.found
 
 
-def _store_lookup(config: ConnectorConfig, root: str) -> StoreLookup | None:
-    """The store backend's lookup: is a keyed sample in the store, or consumed?"""
-    return StoreLookup(config, root) if config.storage_backend == "mooncake" else None
-
-
 class SchedulerSide:
     """State the scheduler-side connector keeps between steps.
+
+    Built by ``engine.engines.scheduler_side``.
 
     Args:
         config: Validated connector settings.
         vllm_config: The engine's configuration.
-        block_size: Block size of the hidden-state cache group.
-        group: Index of the hidden-state cache group.
+        block_size: Block size of the KV-cache group whose blocks hold the rows.
+        group: Index of that group.
         stats: Shared counters.
+        rows: The capture engine's scheduler half.
+        index: The storage medium's scheduler half.
     """
 
     def __init__(
@@ -117,6 +114,9 @@ class SchedulerSide:
         block_size: int,
         group: int,
         stats: WriteStats,
+        *,
+        rows: RowPlanner,
+        index: SinkIndex,
     ) -> None:
         self.config = config
         self.root = os.path.abspath(config.shared_storage_path)
@@ -129,10 +129,8 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._paths_in_use: Counter[str] = Counter()  # requests in flight per path
         self._outgoing = HiddenStateConnectorMetadata()
-        forward = config.capture == CAPTURE_FORWARD  # the worker needs StepRows
-        self.forward = ForwardSchedulerPart(config, vllm_config) if forward else None
-        self._no_output_tokens = output_tokens_refusal(vllm_config, forward=forward)
-        self._store = _store_lookup(config, self.root)
+        self.rows = rows
+        self.index = index
 
     def default_path(self, req_id: str) -> str:
         """Where a request's sample goes unless the client chose a path."""
@@ -187,17 +185,14 @@ class SchedulerSide:
                     tracked.block_ids = step.new_block_ids
                 else:
                     tracked.block_ids.extend(step.new_block_ids)
-            if self.forward is not None and not tracked.ordered:
+            if not tracked.ordered:
                 counted = scheduler_output if tracked.include_output else None  # its drafts
-                meta.steps.append(self.forward.step_rows(step, counted))
+                self.rows.plan_step(meta, step, tracked.block_ids, counted)
             if tracked.ordered or tracked.include_output or not tracked.prompt:
                 continue
             if step.computed_before + step.scheduled >= len(tracked.prompt):
                 meta.saves.append(self._prompt_order(step.req_id, tracked))
-        if meta.steps:
-            meta.batch_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
-        if self.forward is not None:
-            self.forward.end_step(meta)
+        self.rows.end_step(meta, scheduler_output)
         for req_id in compat.preempted_request_ids(scheduler_output):
             tracked = self._requests.get(req_id)
             if tracked is not None and tracked.ordered:
@@ -218,19 +213,15 @@ class SchedulerSide:
         include = bool(params.get(INCLUDE_OUTPUT_PARAM, self.config.include_output_tokens))
         tracked = _Tracked(path, step.prompt_token_ids, include, keyed=keyed is not None)
         self._requests[step.req_id] = tracked
-        if (
-            problem is None
-            and path != self.default_path(step.req_id)
-            and self.config.storage_backend == "files"
-        ):
+        if problem is None and path != self.default_path(step.req_id):
             # A client-chosen directory: find out now, not when the writer fails. (The
             # store backend writes no directory: the path only names the store key.)
-            reason = usable_directory(os.path.dirname(path))
+            reason = self.index.unusable(path)
             if reason is not None:
                 problem = f"{PATH_PARAM} {path!r} cannot be written: {reason}"
                 self.stats.refused_path()
-        if problem is None and include and self._no_output_tokens is not None:
-            problem = self._no_output_tokens
+        if problem is None and include and self.rows.output_tokens_refusal is not None:
+            problem = self.rows.output_tokens_refusal
         if problem is None:
             tracked.tags, problem = requested_tags(params)
         if problem is None:
@@ -251,7 +242,7 @@ class SchedulerSide:
 
     def _written(self, path: str) -> bool:
         """Whether the keyed sample bound for ``path`` is written (or consumed)."""
-        return self._store.written(path) if self._store is not None else sample_exists(path)
+        return self.index.written(path)
 
     def _written_without_key(self, path: str) -> bool:
         """Whether a request in flight writes ``path`` under a name no key gave it."""
@@ -285,6 +276,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """Order the save of a finished request (unless ordered already); keep its blocks."""
         req_id = request.request_id
+        self.rows.forget(req_id)
         tracked = self._requests.pop(req_id, None)
         if tracked is None:
             return False, None  # never scheduled: no lock, nothing computed
@@ -293,7 +285,7 @@ class SchedulerSide:
             del self._paths_in_use[tracked.path]
         # Files: the sample's path. The store: its key and URL, and no path (nothing is
         # ever written there, so a path would send the client to a file that never exists).
-        store = transfer_params(self.config, self.root, tracked.path)
+        store = self.index.client_params(tracked.path)
         result: dict[str, Any] = dict(store) if store else {PATH_PARAM: tracked.path}
         if tracked.refused:  # the worker holds nothing for it: free the blocks now
             return False, result | {ERROR_PARAM: tracked.failure}
@@ -308,8 +300,7 @@ class SchedulerSide:
                 result[ERROR_PARAM] = failure
             return True, result
         order = _finish_order(request, tracked, block_ids, self.block_size)
-        if self.forward is not None:  # beside a drafter: its drafted and accepted counts
-            self.forward.count_drafts(order, request)
+        self.rows.count_drafts(order, request)  # beside a drafter: drafted, accepted
         if order.failure:
             result[ERROR_PARAM] = order.failure
         self._deliver(order)
@@ -326,10 +317,9 @@ class SchedulerSide:
             self._outgoing.saves.append(order)  # next step's metadata
 
     def shutdown(self) -> None:
-        """Close the order channel (and the store lookup's client)."""
+        """Close the order channel (and the medium's index)."""
         self._sender.close()
-        if self._store is not None:
-            self._store.close()
+        self.index.close()
 
 
 def _finish_order(

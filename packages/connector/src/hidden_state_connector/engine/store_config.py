@@ -2,7 +2,7 @@
 
 Checked when the connector is built (scheduler and workers), so a mistake stops vLLM at
 start-up with a message naming the key; joining the store itself happens when the
-worker registers its caches (``write.store_backend``), and fails start-up naming the
+worker registers its caches (``sinks.mooncake``), and fails start-up naming the
 master. This module knows the keys, not ``ConnectorConfig`` (which calls it): it takes
 any object that has them.
 """

@@ -1,17 +1,17 @@
-"""Worker-side half of the connector: locks, gathering and writing (TP rank 0 only).
+"""Worker-side half of the connector: locks, save orders, block reports (TP rank 0 only).
 
 Runs in each worker process. Only tensor-parallel rank 0 writes: the hidden states are
 replicated across TP ranks, and ``get_finished_count() == 1`` tells vLLM to wait for
-one report per request, so the other ranks never hold blocks.
+one report per request, so the other ranks never hold blocks. What differs between
+capture engines is the ``RowSource`` (``engine.seam``): where a save's rows live and the
+per-step hooks; what differs between media is the ``Sink``. Per step (vLLM's order):
 
-Per engine step (vLLM calls these in this order):
-
-- ``before_forward`` (``handle_preemptions``): requests preempted after their save was
-  ordered get their copies finished before the forward pass may reuse their blocks.
-- ``get_finished``: create new locks, start saves ordered for hidden states computed
+- ``before_forward`` (``handle_preemptions``) and ``bind_forward`` (``start_load_kv``):
+  the row source's, before the forward pass.
+- ``get_finished``: create new locks, queue saves ordered for hidden states computed
   in earlier steps, report copied samples so vLLM frees their blocks.
-- ``after_forward`` (``wait_for_save``, after the drafter stored this step's hidden
-  states): create new locks, start saves of prompts this step completed.
+- ``after_forward`` (``wait_for_save``): create new locks; the row source takes the
+  step's rows and starts the saves this step completed.
 
 Orders can also arrive between steps from the scheduler half in the same process
 (``accept``, see ``handoff.same_process``).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -33,14 +34,14 @@ from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.handoff import same_process
 from hidden_state_connector.engine.handoff.socket_channel import OrderListener
 from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, SaveOrder
+from hidden_state_connector.engine.seam import RowSource, Sink
 from hidden_state_connector.engine.sleep_guard import RELEASE_REASON, SleepGuard
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.write.gather import Extractor
 from hidden_state_connector.engine.write.job import SaveJob
 from hidden_state_connector.engine.write.pipeline import WritePipeline
 from hidden_state_connector.engine.write.sample_file import PRODUCTION_HOOKS, WriteHooks
-from hidden_state_connector.engine.write.store_backend import StoreBackend
-from hidden_state_connector.engine.write.target import SampleTarget, pin_sample
+from hidden_state_connector.engine.write.target import SampleTarget
 from hidden_state_connector.logs import get_logger
 from hidden_state_reader.errors import PathOutsideRootError
 from hidden_state_reader.format import speculation_metadata, tag_metadata
@@ -50,14 +51,16 @@ SHUT_DOWN = "HiddenStateConnector shut down: %d files, %.2f GB, %d failed, %d ab
 
 
 class WorkerSide:
-    """State the worker-side connector keeps.
+    """State the worker-side connector keeps (built by ``engine.engines.worker_side``).
 
     Args:
         config: Validated connector settings.
         vllm_config: The engine's configuration.
-        block_size: Block size of the hidden-state cache group.
         layer_ids: Captured layer ids, in layer-axis order.
         stats: Shared counters.
+        rows: The capture engine's worker half.
+        open_sink: Joins the storage medium (rank 0, at ``register``; raises: start-up
+            fails).
         hooks: Handed to the ``WritePipeline`` (``HiddenStateConnector.write_hooks``).
     """
 
@@ -65,18 +68,21 @@ class WorkerSide:
         self,
         config: ConnectorConfig,
         vllm_config: Any,
-        block_size: int,
         layer_ids: list[int],
         stats: WriteStats,
+        *,
+        rows: RowSource,
+        open_sink: Callable[[], Sink],
         hooks: WriteHooks = PRODUCTION_HOOKS,
     ) -> None:
         self.config = config
         self.hooks = hooks
         self.root = os.path.abspath(config.shared_storage_path)
-        self.block_size = block_size
         self.layer_ids = layer_ids
         self.stats = stats
         self.vllm_config = vllm_config
+        self.rows = rows
+        self._open_sink = open_sink
         # Raises ValueError for layer ids the model does not have: vLLM does not start.
         self.capture = describe_capture(
             vllm_config,
@@ -86,75 +92,50 @@ class WorkerSide:
         )
         self.is_writer = True
         self.pipeline: WritePipeline | None = None
-        self.store: StoreBackend | None = None  # storage_backend="mooncake"
+        self.sink: Sink | None = None
         self._targets: dict[str, SampleTarget] = {}
         self._target_errors: dict[str, str] = {}
         # The step metadata whose locks exist: get_finished and wait_for_save both see
         # it, and a save started in between must not get a second lock.
         self._locked_meta: HiddenStateConnectorMetadata | None = None
-        # Samples whose blocks vLLM holds for us, until reported: ``_unreported`` from
+        # Samples whose rows are held for us, until reported: ``_unreported`` from
         # submission; ``_announced`` once vLLM has said the request finished (only then
-        # may it be reported); ``_copied`` once its device-to-host copies are done.
+        # may it be reported); ``_copied`` once its copies to the host are done.
         self._unreported: set[str] = set()
         self._announced: set[str] = set()
         self._copied: set[str] = set()
-        # The engine's thread and same-process hand-offs both enter here.
+        # The engine's thread, the row source's thread and hand-offs all enter here.
         self._mutex = threading.RLock()
         self._engine_key = compat.engine_key(vllm_config)
         self._listener: OrderListener | None = None
         self._closed = False
         self.sleep = SleepGuard(config.shutdown_timeout, self._mutex)
 
+    @property
+    def mutex(self) -> threading.RLock:
+        """The lock the engine's thread, the row source and hand-offs share."""
+        return self._mutex
+
     # -- set-up ---------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Find the hidden-state cache, work out its layout, start the writers."""
-        self.is_writer = compat.tensor_parallel_rank() == 0
-        layer_name = compat.find_cache_only_layer(self.vllm_config, kv_caches)
-        kv_cache = kv_caches[layer_name]
-        layout = compat.probe_layout(kv_cache, self.block_size, len(self.layer_ids))
-        token_bytes = layout.num_layers * layout.hidden_size * kv_cache.dtype.itemsize
-        block_bytes = layout.block_size * token_bytes
-        blocks_per_chunk = max(1, self.config.chunk_bytes // block_bytes)
-        extractor = Extractor(
-            kv_cache,
-            layout,
-            blocks_per_chunk,
-            check_nonfinite=self.config.check_nonfinite,
-            storage=self.config.storage_dtype,
-        )
-        log.info(
-            "HiddenStateConnector: %s, layers %s of %s, hidden %d, %s; cache %s (token axis "
-            "%d), %d blocks (%d tokens) per chunk; writing to %s%s",
-            kv_cache.device,
-            self.layer_ids,
-            self.capture.num_hidden_layers or "?",
-            layout.hidden_size,
-            f"{kv_cache.dtype} stored as {extractor.storage}",
-            tuple(kv_cache.shape),
-            layout.token_axis,
-            blocks_per_chunk,
-            blocks_per_chunk * layout.block_size,
-            self.root,
-            "" if self.is_writer else " (not this TP rank)",
-        )
-        if self.is_writer:
+        """Find the rows' source (the row source's), start the writers (rank 0)."""
+        writes = compat.tensor_parallel_rank() == 0
+        extractor = self.rows.register(kv_caches, writes, self)
+        self.is_writer = writes and extractor is not None
+        if extractor is not None:
             self._start_writers(extractor)
 
     def _start_writers(self, extractor: Extractor) -> None:
-        """Start the write pipeline (rank 0) over ``extractor``'s source of rows."""
-        if self.config.storage_backend == "mooncake":
-            self.store = StoreBackend(self.config, self.root)  # raises: start-up fails
-        else:
-            os.makedirs(self.root, exist_ok=True)
+        """Join the medium and start the write pipeline over ``extractor``'s rows."""
+        self.sink = self._open_sink()
         self.pipeline = WritePipeline(
             extractor,
             num_threads=self.config.num_writer_threads,
             host_budget=self.config.host_buffer_bytes,
             when_full=self.config.when_full,
             max_queued_bytes=self.config.max_queued_bytes,
-            # Store samples always carry a CRC32: readers check every one.
-            checksum=self.config.checksum or self.store is not None,
+            checksum=self.config.checksum or self.sink.always_checksum,
             check_nonfinite=self.config.check_nonfinite,
             fsync=self.config.fsync,
             stats=self.stats,
@@ -172,28 +153,29 @@ class WorkerSide:
     # -- per step -------------------------------------------------------------------
 
     def before_forward(self, meta: HiddenStateConnectorMetadata) -> None:
-        """Finish the copies of preempted requests' samples before their blocks are reused."""
-        if not self.is_writer or self.pipeline is None or not meta.preempted:
-            return
-        with self._mutex:
-            self.pipeline.flush(set(meta.preempted), self.config.shutdown_timeout)
+        """Before the forward pass (``handle_preemptions``): the row source's hook."""
+        self.rows.before_forward(meta)
+
+    def bind_forward(self, forward_context: Any, attn_metadata: Any = None) -> None:
+        """The step's forward context (``start_load_kv``): the row source's hook."""
+        self.rows.bind_forward(forward_context, attn_metadata)
 
     def after_forward(self, meta: HiddenStateConnectorMetadata) -> None:
-        """Create new locks; start the saves whose last tokens this step computed."""
-        if not self.is_writer or self.pipeline is None:
-            return
-        with self._mutex:
-            self.pipeline.extractor.mark_step()
-            self.create_locks(meta)
-            for order in meta.saves:
-                if order.written_this_step:
-                    self._start(order)
+        """Create new locks; the row source takes the step's rows and starts its saves."""
+        if self.is_writer and self.pipeline is not None:
+            with self._mutex:
+                self.create_locks(meta)
+        self.rows.after_forward(meta)
 
     def accept(self, order: SaveOrder) -> None:
-        """Start a save handed over between steps (``handoff``: same process or socket)."""
-        with self._mutex:
-            if self.pipeline is not None:
-                self._start(order, engine_thread=False)  # after shutdown: failed, with why
+        """A save handed over between steps (``handoff``): after the rows in flight."""
+        self.rows.queue_saves((order,), engine_thread=False)
+
+    def flush(self, req_ids: set[str]) -> None:
+        """Finish the copies of these requests' samples now (bounded)."""
+        if self.is_writer and self.pipeline is not None:
+            with self._mutex:
+                self.pipeline.flush(req_ids, self.config.shutdown_timeout)
 
     def create_locks(self, meta: HiddenStateConnectorMetadata) -> None:
         """Pin the directory and create the lock of every new request."""
@@ -209,22 +191,23 @@ class WorkerSide:
                 self._target_errors[new.req_id] = f"cannot create lock: {exc}"
 
     def _pin(self, req_id: str, path: str) -> SampleTarget:
-        if self.store is not None:
-            return self.store.target(req_id, path)
-        return pin_sample(self.root, req_id, path, lock=self.config.use_synchronization_lock)
+        assert self.sink is not None
+        return self.sink.target(req_id, path)
 
     def get_finished(
         self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        """Start saves of earlier steps' states; report requests whose blocks may be freed."""
+        """Queue saves of earlier steps' states; report requests whose blocks may be freed."""
         if not self.is_writer or self.pipeline is None:
             return None, None
-        with self._mutex:
-            if meta is not None:
+        if meta is not None:
+            with self._mutex:
                 self.create_locks(meta)
-                for order in meta.saves:
-                    if not order.written_this_step:
-                        self._start(order)
+            if meta.saves:
+                later = [order for order in meta.saves if not order.written_this_step]
+                if later:
+                    self.rows.queue_saves(later, engine_thread=True)
+        with self._mutex:
             self.pipeline.pump()
             # vLLM only accepts ids it has announced as finished (this call or before);
             # ids of requests we hold nothing for (never scheduled) must not pile up.
@@ -239,13 +222,23 @@ class WorkerSide:
             self._copied -= done
             self._announced -= done
             self._unreported -= done
+            if done:
+                self.rows.release(done)
             self.stats.maybe_log(len(self._unreported))
         return (done or None), None
 
+    def start_saves(self, orders: Iterable[SaveOrder], *, engine_thread: bool) -> None:
+        """Turn save orders into save jobs (after shutdown: failed, with why)."""
+        with self._mutex:
+            if self.pipeline is not None:
+                for order in orders:
+                    self._start(order, engine_thread=engine_thread)
+
     def _start(self, order: SaveOrder, *, engine_thread: bool = True) -> None:
         assert self.pipeline is not None
+        block_ids, missing = self.rows.rows_of(order)
         target = self._targets.pop(order.req_id, None)
-        failure = order.failure or self._target_errors.pop(order.req_id, None)
+        failure = order.failure or missing or self._target_errors.pop(order.req_id, None)
         if failure is None and self.sleep.released:  # its states went with the cache
             failure = RELEASE_REASON
         if failure is None and target is None:
@@ -253,13 +246,13 @@ class WorkerSide:
                 target = self._pin(order.req_id, order.path)
             except (OSError, PathOutsideRootError) as exc:
                 failure = f"cannot create lock: {exc}"
-        token_ids = torch.tensor(order.token_ids, dtype=torch.int64)
+        assert self.sink is not None
         extractor = self.pipeline.extractor
         job = SaveJob(
             req_id=order.req_id,
-            path=self.store.staged_path(order.path) if self.store else order.path,
-            token_ids=token_ids,
-            block_ids=order.block_ids,
+            path=self.sink.staged_path(order.path),
+            token_ids=torch.tensor(order.token_ids, dtype=torch.int64),
+            block_ids=block_ids,
             lock=target.lock if target is not None else None,
             dir_fd=target.dir_fd if target is not None else None,
             metadata=self.capture.metadata(
@@ -280,7 +273,10 @@ class WorkerSide:
     # -- shutdown -------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Drain queued writes (bounded), then release every lock (idempotent)."""
+        """Rows in flight stored, queued writes drained (bounded), every lock released.
+
+        Idempotent.
+        """
         with self._mutex:
             if self._closed:
                 return
@@ -289,14 +285,15 @@ class WorkerSide:
         same_process.unregister(self._engine_key, self.accept)
         if self._listener is not None:
             self._listener.close()  # hands over the orders already sent first
+        self.rows.close(self.config.shutdown_timeout)
         abandoned = 0
         if self.pipeline is not None:
             abandoned = self.pipeline.close(self.config.shutdown_timeout)
         for target in self._targets.values():
             target.abandon("engine shut down before the request finished")
         self._targets.clear()
-        if self.store is not None:
-            self.store.close()
+        if self.sink is not None:
+            self.sink.close()
         total = self.stats.total
         log.info(SHUT_DOWN, total.files, total.bytes / 1e9, total.failures, abandoned)
 

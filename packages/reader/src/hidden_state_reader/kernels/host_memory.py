@@ -6,7 +6,7 @@ asked), and every page-locked tensor comes from here (``byte_buffer``, ``empty(.
 pin_memory=True)``; ``tests/test_architecture_rules.py`` keeps it so). The pools stay
 apart because they reuse memory on different signals (listed in docs/reader.md, "Host
 memory"): this module's cache, the store's receive arena, the device feed's batch
-buffers and the connector's slab pool.
+buffers, the connector's slab pool and forward capture's arena and transfer ring.
 
 This module's cache exists because a tensor written into fresh memory pays one page
 fault per 4 KiB page, slower than dequantizing fp8 into it (docs/reader.md, "How do I

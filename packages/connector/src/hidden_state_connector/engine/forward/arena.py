@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hidden_state_reader.kernels import host_memory
+
 ARENA_BLOCK_TOKENS = 16
 """Tokens per arena block (independent of the KV cache's block size)."""
 
@@ -48,7 +50,9 @@ class RowArena:
         block_bytes = block_size * num_layers * hidden_size * dtype.itemsize
         num_blocks = max(1, capacity_bytes // block_bytes)
         with torch.inference_mode():
-            self.data = torch.empty(num_blocks, block_size, num_layers, hidden_size, dtype=dtype)
+            # From the host-memory home: huge-page-advised, as every large host buffer.
+            shape = (num_blocks, block_size, num_layers, hidden_size)
+            self.data = host_memory.empty(shape, dtype)
         self._flat = self.data.view(num_blocks * block_size, num_layers, hidden_size)
         self._free = list(range(num_blocks - 1, -1, -1))
         self._users = [0] * num_blocks  # requests and held prefixes using each block

@@ -10,7 +10,7 @@ the layers hooked right there: the target model's (built first, as long as its
 hooked. The worker half picks the staging up with
 ``staging_for(vllm_config)``. The first module registered for an engine whose
 connector is this one (either capture engine) runs the start-up refusals
-(``engine.startup_checks``) before the weights load. Other engines are left untouched.
+(``engine.engines.refuse_unsupported``) before the weights load. Other engines are left untouched.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from hidden_state_connector.engine.config import CAPTURE_FORWARD, ConnectorConfig
-from hidden_state_connector.engine.forward.staging import StepStaging
+from hidden_state_connector.engine.config import ConnectorConfig
+from hidden_state_connector.engine.forward.staging import StepStaging, installed, staging_for
 from hidden_state_connector.logs import get_logger
 
 log = get_logger(__name__)
@@ -29,7 +29,6 @@ log = get_logger(__name__)
 _LAYER_LIST_NAME = "layers"
 COMPILE_CACHE_KEY = "hidden_state_connector"
 """The ``additional_config`` entry that keys compiled code with the capture apart."""
-_installed: weakref.WeakValueDictionary[int, StepStaging] = weakref.WeakValueDictionary()
 _hook_handle: Any = None
 # The engine configuration checked last, and its connector settings (capture chosen).
 _checked: tuple[weakref.ref[Any], ConnectorConfig] | None = None
@@ -44,28 +43,22 @@ def watch_model_construction() -> None:
         )
 
 
-def staging_for(vllm_config: Any) -> StepStaging | None:
-    """The staging installed when this engine's model was built (None: none was)."""
-    staging = _installed.get(id(vllm_config))
-    if staging is None or staging.owner is not vllm_config:
-        return None
-    return staging
-
-
 def _on_module_registered(parent: torch.nn.Module, name: str, module: Any) -> None:
     """Registration hook: check an engine of ours early; hook a forward-capture model's layers.
 
     The first module vLLM registers for an engine whose connector is this one runs the
-    start-up refusals (``startup_checks``), so a refused model stops before its weights
+    start-up refusals (``engines.refuse_unsupported``), so a refused model stops before its weights
     load; their error leaves the model's construction on purpose.
     """
     vllm_config = _our_engine()
     if vllm_config is None:
         return None
+    from hidden_state_connector.engine.engines import hooks_model
+
     config = _checked_config(vllm_config)
     if name != _LAYER_LIST_NAME or not isinstance(module, torch.nn.ModuleList) or not module:
         return None
-    if config.capture != CAPTURE_FORWARD:
+    if not hooks_model(config):
         return None
     try:
         _install(module, vllm_config, config)
@@ -79,8 +72,7 @@ def _checked_config(vllm_config: Any) -> ConnectorConfig:
     global _checked
     if _checked is not None and _checked[0]() is vllm_config:
         return _checked[1]
-    from hidden_state_connector.engine.capture_choice import choose_capture
-    from hidden_state_connector.engine.startup_checks import refuse_unsupported
+    from hidden_state_connector.engine.engines import choose_capture, refuse_unsupported
 
     config = choose_capture(ConnectorConfig.from_extra_config(_extra(vllm_config)), vllm_config)
     refuse_unsupported(vllm_config, config)
@@ -123,11 +115,10 @@ def _install(layers: torch.nn.ModuleList, vllm_config: Any, config: ConnectorCon
         torch.get_default_device(),
     )
     staging.install(list(layers))
-    staging.owner = vllm_config
     # The hooks keep it alive, and the model keeps it where no hook does (a pipeline stage
     # that computes none of the ids): ``_installed`` holds it weakly.
     layers.__dict__["hidden_state_staging"] = staging
-    _installed[id(vllm_config)] = staging
+    installed(vllm_config, staging)
     key_compile_cache(vllm_config, layer_ids)
 
 

@@ -4,9 +4,10 @@ The runner may order requests in the batch as it likes (and pads it for CUDA gra
 the order is not assumed. Each row's KV slot (the forward context's slot mapping, which
 the attention layers write through) names a block; a block belongs to exactly one
 running request (prefix caching, which shares blocks, is refused), and its index in that
-request's block table gives the row's position. The scheduler half sends each captured
-request's table and this step's token range (``StepRows``); rows that do not add up to
-the scheduled count fail that request's sample instead of storing wrong rows.
+request's block table gives the row's position. The table has one home, the scheduler
+half (``SchedulerSide``); it sends each captured request's token range of this step and
+the blocks of its table that hold them (``StepRows``); rows that do not add up to the
+scheduled count fail that request's sample instead of storing wrong rows.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ import torch
 from hidden_state_connector.engine.metadata import StepRows
 
 
-def rows_of_step(step: Any) -> StepRows:
+def rows_of_step(step: Any, block_table: list[int], block_size: int) -> StepRows:
     """The ``StepRows`` of a ``compat.ScheduledRequest`` (scheduler side).
 
-    The block ids are copied: the worker may read a step after the scheduler has added
-    later blocks to its own lists (the ingest thread runs behind; the scheduler and the
-    worker share objects in one process).
+    ``block_table``: the request's whole table. The blocks of this step's tokens are
+    copied out of it (a slice): the worker may read a step after the scheduler has added
+    later blocks (the ingest thread runs behind; both halves share objects in one process).
     """
-    blocks = None if step.new_block_ids is None else list(step.new_block_ids)
-    return StepRows(step.req_id, step.computed_before, step.scheduled, blocks, step.replaces_table)
+    first = step.computed_before // block_size
+    last = (step.computed_before + step.scheduled - 1) // block_size
+    blocks = block_table[first : last + 1]
+    return StepRows(step.req_id, step.computed_before, step.scheduled, blocks, len(block_table))
 
 
 @dataclass
@@ -49,7 +52,7 @@ class FlatRoute:
 
 
 class RowRouter:
-    """Keeps captured requests' KV block tables and routes each step's rows.
+    """Routes each step's rows through the blocks its ``StepRows`` name.
 
     Args:
         block_size: Tokens per block of the attention group the slot mapping indexes.
@@ -57,21 +60,6 @@ class RowRouter:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._tables: dict[str, list[int]] = {}
-
-    def update(self, steps: Sequence[StepRows]) -> None:
-        """Apply this step's block table changes."""
-        for step in steps:
-            if step.new_block_ids is None:
-                continue
-            if step.replaces_table or step.req_id not in self._tables:
-                self._tables[step.req_id] = list(step.new_block_ids)
-            else:
-                self._tables[step.req_id].extend(step.new_block_ids)
-
-    def forget(self, req_id: str) -> None:
-        """Drop a finished request's table."""
-        self._tables.pop(req_id, None)
 
     def route_flat(self, slots: torch.Tensor, steps: Sequence[StepRows]) -> FlatRoute:
         """Every matched row of the batch with its step entry and position, in one pass.
@@ -85,15 +73,15 @@ class RowRouter:
         first_pos: list[int] = []
         failures: dict[int, str] = {}
         for index, step in enumerate(steps):
-            table = self._tables.get(step.req_id, [])
+            blocks = step.block_ids  # of block ``lo`` on
             lo = step.computed_before // bs
             hi = (step.computed_before + step.scheduled - 1) // bs
-            if step.scheduled > 0 and hi >= len(table):
-                failures[index] = f"block table of {len(table)} blocks lacks block {hi}"
+            if step.scheduled > 0 and hi - lo >= len(blocks):
+                failures[index] = f"block table of {step.table_blocks} blocks lacks block {hi}"
                 continue
-            keys.extend(table[lo : hi + 1])
-            key_owner.extend([index] * (hi + 1 - lo))
-            first_pos.extend(range(lo * bs, (hi + 1) * bs, bs))
+            keys.extend(blocks)
+            key_owner.extend([index] * len(blocks))
+            first_pos.extend(range(lo * bs, (lo + len(blocks)) * bs, bs))
         rows, owner, positions = self._lookup(slots.to(torch.int64), keys, key_owner, first_pos)
         start = torch.tensor([st.computed_before for st in steps], dtype=torch.int64)
         scheduled = torch.tensor([st.scheduled for st in steps], dtype=torch.int64)

@@ -3,11 +3,13 @@
 Forward hooks on the decoder layers write the captured layers' residual stream into it,
 every row of the batch (padding included), at fixed addresses: the buffer never grows or
 moves, so a CUDA graph that records the writes can replay them. Rows leave it after the
-forward pass (``ForwardWorkerSide.after_forward``), before the next step overwrites it.
+forward pass (``ForwardRows.after_forward``), before the next step overwrites it. The
+staging of each engine is found by its vLLM config (``installed``, ``staging_for``).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,6 +17,23 @@ import torch
 
 from hidden_state_connector.engine.forward.adapter import stream_after, stream_before
 from hidden_state_connector.engine.forward.capture_op import store_rows_op
+
+# The staging of each engine's model, by ``id(vllm_config)``: the hooks keep it alive.
+_installed: weakref.WeakValueDictionary[int, StepStaging] = weakref.WeakValueDictionary()
+
+
+def installed(vllm_config: Any, staging: StepStaging) -> None:
+    """Record ``staging`` as the one hooked into ``vllm_config``'s model."""
+    staging.owner = vllm_config
+    _installed[id(vllm_config)] = staging
+
+
+def staging_for(vllm_config: Any) -> StepStaging | None:
+    """The staging installed when this engine's model was built (None: none was)."""
+    staging = _installed.get(id(vllm_config))
+    if staging is None or staging.owner is not vllm_config:
+        return None
+    return staging
 
 
 class StepStaging:

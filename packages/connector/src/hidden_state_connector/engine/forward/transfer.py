@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from hidden_state_reader.kernels import host_memory
+
 
 @dataclass
 class StepCopy:
@@ -57,12 +59,14 @@ class StepTransfer:
         tokens = staging_rows.shape[1]
         pinned = self.on_cuda
         with torch.inference_mode():
+            # Page-locked on CUDA (the copies run asynchronously), from the host-memory home.
+            shape = tuple(staging_rows.shape)
             self._host = [
-                torch.empty(staging_rows.shape, dtype=staging_rows.dtype, pin_memory=pinned)
+                host_memory.empty(shape, staging_rows.dtype, pin_memory=pinned)
                 for _ in range(depth)
             ]
             self._host_slots = [
-                torch.empty(tokens, dtype=torch.int64, pin_memory=pinned) for _ in range(depth)
+                host_memory.empty((tokens,), torch.int64, pin_memory=pinned) for _ in range(depth)
             ]
             if self.on_cuda:
                 self._shadow = torch.empty_like(staging_rows)

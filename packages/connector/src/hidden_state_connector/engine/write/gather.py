@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hidden_state_connector.engine import compat
+from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.layout import CacheLayout
 from hidden_state_connector.engine.write.buffers import Slab
 from hidden_state_reader.files.publish import has_nonfinite
@@ -100,6 +101,24 @@ class Extractor:
         self.device_fp8 = self.on_cuda and self.storage == fp8.STORAGE_FP8
         if self.device_fp8 and self._scales_offset + rows * 4 > self.slab_bytes:
             raise ValueError(f"hidden size {layout.hidden_size} is too small for fp8 storage")
+
+    @classmethod
+    def for_settings(
+        cls, source: torch.Tensor, layout: CacheLayout, config: ConnectorConfig
+    ) -> Extractor:
+        """An extractor over ``source`` with chunks of about ``chunk_bytes`` (a block at least).
+
+        Checked and stored as the connector's settings say.
+        """
+        itemsize = source.dtype.itemsize
+        block_bytes = layout.block_size * layout.num_layers * layout.hidden_size * itemsize
+        return cls(
+            source,
+            layout,
+            max(1, config.chunk_bytes // block_bytes),
+            check_nonfinite=config.check_nonfinite,
+            storage=config.storage_dtype,
+        )
 
     @property
     def staging_bytes(self) -> int:

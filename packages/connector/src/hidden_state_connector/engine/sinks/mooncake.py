@@ -1,4 +1,7 @@
-"""The Mooncake Store backend: samples go to the store instead of ``shared_storage_path``.
+"""The Mooncake Store medium (``storage_backend="mooncake"``): samples go to the store.
+
+``StoreBackend`` is its ``seam.Sink`` (worker half), ``StoreLookup`` its ``seam.SinkIndex``
+(scheduler half); the factory (``engine.engines``) builds them.
 
 The write pipeline stays the file pipeline: each sample is streamed by the format's
 ``SampleFileWriter`` into a private staging directory (a tmpfs), so the store receives
@@ -44,9 +47,7 @@ def store_name(root: str, path: str) -> str:
 
 
 def transfer_params(config: ConnectorConfig, root: str, path: str) -> dict[str, str]:
-    """What a client learns about its sample when the store backend is on ({} if not)."""
-    if config.storage_backend != "mooncake":
-        return {}
+    """What a client learns about its sample in the store: its key and URL."""
     name = store_name(root, path)
     url = f"mooncake://{config.mooncake_master}/{config.mooncake_prefix}/{name}"
     return {KEY_PARAM: name, URL_PARAM: url}
@@ -139,6 +140,7 @@ class StoreLookup:
 
     def __init__(self, config: ConnectorConfig, root: str) -> None:
         self.root = root
+        self._config = config
         self._settings = replace(store_settings(config), segment_bytes=0,
                                  buffer_bytes=_LOOKUP_BUFFER)  # fmt: skip
         self._client: StoreClient | None = None
@@ -156,6 +158,14 @@ class StoreLookup:
             log.warning("cannot ask the store whether %s is written (%s); the request is "
                         "computed, and its publish checks again", name, exc)  # fmt: skip
             return False
+
+    def unusable(self, path: str) -> str | None:
+        """Never: the store writes no directory (the path only names the store key)."""
+        return None
+
+    def client_params(self, path: str) -> dict[str, str] | None:
+        """Its store key and URL, and no path (nothing is ever written there)."""
+        return transfer_params(self._config, self.root, path)
 
     def close(self) -> None:
         """Leave the store (idempotent)."""
@@ -175,6 +185,8 @@ class StoreBackend:
         StoreError: The store cannot be joined or no producer slot is free.
         StoreUnavailableError: The Mooncake client is not installed.
     """
+
+    always_checksum = True  # store samples always carry a CRC32: readers check every one
 
     def __init__(self, config: ConnectorConfig, root: str) -> None:
         self.root = root

@@ -1,10 +1,11 @@
-"""Forward capture's part of the scheduler half: each step's ``StepRows``, prefix caching.
+"""Forward capture's scheduler half (a ``seam.RowPlanner``): ``StepRows``, prefix caching.
 
-The scheduler half (``SchedulerSide``) names files and orders saves for both capture
-engines; forward capture also tells the worker, per step, which captured requests'
-tokens the step computes (``StepRows``) and, with prefix caching, which held prefix
-rows a request starts from and which full blocks it fills (``PrefixRowIndex``). Beside a
-drafter it counts each request's drafted and accepted tokens (``DraftCounts``).
+The scheduler half (``SchedulerSide``) names files, orders saves and keeps each
+request's block table for both capture engines; forward capture also tells the worker,
+per step, which captured requests' tokens the step computes and the blocks that hold
+them (``StepRows``) and, with prefix caching, which held prefix rows a request starts
+from and which full blocks it fills (``PrefixRowIndex``). Beside a drafter it counts
+each request's drafted and accepted tokens (``DraftCounts``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hidden_state_connector.engine.metadata import (
     SaveOrder,
     StepRows,
 )
+from hidden_state_connector.engine.output_tokens import output_tokens_refusal
 from hidden_state_connector.engine.speculation import DraftCounts, scheduled_drafts
 from hidden_state_connector.logs import get_logger
 
@@ -45,15 +47,18 @@ def _prefix_index(config: ConnectorConfig, vllm_config: Any) -> PrefixRowIndex |
     return PrefixRowIndex(block_tokens, max_blocks)
 
 
-class ForwardSchedulerPart:
+class ForwardPlanner:
     """What forward capture adds to the scheduler half.
 
     Args:
         config: Validated connector settings (``capture="forward"``).
         vllm_config: The engine's configuration.
+        block_size: Block size of the attention group the worker routes rows through.
     """
 
-    def __init__(self, config: ConnectorConfig, vllm_config: Any) -> None:
+    def __init__(self, config: ConnectorConfig, vllm_config: Any, block_size: int) -> None:
+        self.block_size = block_size
+        self.output_tokens_refusal = output_tokens_refusal(vllm_config, forward=True)
         self.prefix = _prefix_index(config, vllm_config)
         speculating = getattr(vllm_config, "speculative_config", None) is not None
         self.drafts = DraftCounts() if speculating else None
@@ -76,28 +81,42 @@ class ForwardSchedulerPart:
         )
         return False
 
-    def step_rows(self, step: compat.ScheduledRequest, counted: Any = None) -> StepRows:
-        """A captured request's ``StepRows`` for this step.
+    def plan_step(
+        self,
+        meta: HiddenStateConnectorMetadata,
+        step: compat.ScheduledRequest,
+        block_table: list[int],
+        counted: Any,
+    ) -> None:
+        """A captured request's ``StepRows`` for this step, into ``meta.steps``.
 
         ``counted``: the step's scheduler output, for a request whose drafted and accepted
         tokens are counted (it stores its generated tokens; ``count_drafts`` at its end).
         """
+        meta.steps.append(self.step_rows(step, block_table, counted))
+
+    def step_rows(
+        self, step: compat.ScheduledRequest, block_table: list[int], counted: Any = None
+    ) -> StepRows:
+        """A captured request's ``StepRows`` for this step (see ``plan_step``)."""
         if self.drafts is not None and counted is not None:
             drafts = scheduled_drafts(counted).get(step.req_id, ())
             self.drafts.step(step.req_id, step.computed_before, step.scheduled, drafts)
-        rows = rows_of_step(step)
+        rows = rows_of_step(step, block_table, self.block_size)
         if self.prefix is not None:
             rows.cached_rows, rows.filled_rows = self.prefix.step(
                 step.req_id, step.computed_before, step.scheduled, step.replaces_table
             )
         return rows
 
-    def end_step(self, meta: HiddenStateConnectorMetadata) -> None:
-        """End of the step's metadata: prefix rows over the bound; requests to recompute.
+    def end_step(self, meta: HiddenStateConnectorMetadata, scheduler_output: Any) -> None:
+        """End of the step's metadata: its batch size, prefix rows over the bound, recomputes.
 
         The worker lets go of the dropped rows after this step; requests refused their
         hit in this step skip the prefix cache from the next.
         """
+        if meta.steps:
+            meta.batch_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         for request in self._recompute:
             request.skip_reading_prefix_cache = True
         self._recompute.clear()
