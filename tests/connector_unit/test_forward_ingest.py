@@ -78,6 +78,24 @@ def test_arena_stores_many_requests_in_one_scatter() -> None:
     assert not any(torch.equal(row, rows[:, 11]) for row in held)  # the refused entry's
 
 
+def test_a_deferred_scatter_places_rows_now_and_moves_them_later() -> None:
+    # The ingest thread places a step's rows holding the lock the engine's thread takes
+    # every step, and moves the bytes after letting go of it.
+    arena = RowArena(1 << 20, 4, 2, 3, torch.float32)
+    arena.data.zero_()
+    rows = torch.randn(2, 5, 3) + 10
+    copies: list = []
+    entries = [("a", 0, 5)]
+    index, owner = torch.arange(5), torch.zeros(5, dtype=torch.int64)
+    assert arena.write_step(entries, index, owner, torch.arange(5), rows, deferred=copies) == {}
+    assert arena.filled("a") == 5 and len(arena.blocks("a")) == 2  # placed ...
+    assert not arena.data.any()  # ... not yet copied
+    (copy,) = copies
+    copy()
+    stored = arena.data[arena.blocks("a")].reshape(-1, 2, 3)[:5]
+    assert torch.equal(stored, rows.transpose(0, 1))
+
+
 @pytest.mark.vllm
 def test_the_capture_gets_a_compile_cache_key_of_its_own(tiny_model_fp32: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs

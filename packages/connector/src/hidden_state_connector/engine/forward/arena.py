@@ -17,7 +17,7 @@ lets go.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,6 +25,9 @@ from hidden_state_reader.kernels import host_memory
 
 ARENA_BLOCK_TOKENS = 16
 """Tokens per arena block (independent of the KV cache's block size)."""
+
+RowCopies = list[Callable[[], None]]
+"""Copies of rows into reserved blocks, run later (``deferred``): outside a caller's lock."""
 
 
 class RowArena:
@@ -86,6 +89,7 @@ class RowArena:
         positions: torch.Tensor,
         rows: torch.Tensor,
         columns: slice | None = None,
+        deferred: RowCopies | None = None,
     ) -> dict[int, str]:
         """Store a step's rows of several requests in one scatter (``reserve``, ``scatter``).
 
@@ -98,6 +102,7 @@ class RowArena:
             rows: The step's host rows, ``[layers, tokens, hidden]``.
             columns: The layer-axis columns ``rows`` fill (None: all; a pipeline stage's
                 rows fill its layers' columns).
+            deferred: Where to put the copy instead of running it (``scatter``).
 
         Returns:
             Why an entry's sample cannot be complete, by entry index (no free block; or a
@@ -111,7 +116,7 @@ class RowArena:
         # Rows after a gap are stored all the same (the sample fails); no block, no rows.
         full = self._full_message
         stored = [None if failures.get(i) == full else e for i, e in enumerate(entries)]
-        self.scatter(stored, row_index, owner, positions, rows, columns)
+        self.scatter(stored, row_index, owner, positions, rows, columns, deferred)
         return failures
 
     def reserve(self, req_id: str, start: int, stop: int) -> str | None:
@@ -145,10 +150,13 @@ class RowArena:
         positions: torch.Tensor,
         rows: torch.Tensor,
         columns: slice | None = None,
+        deferred: RowCopies | None = None,
     ) -> None:
         """Copy the rows of reserved entries (None: skipped) to their blocks, in one scatter.
 
-        ``columns``: the layer-axis columns ``rows`` fill (None: all).
+        ``columns``: the layer-axis columns ``rows`` fill (None: all). ``deferred``: the
+        copy is appended there instead of run: the blocks are placed now (the caller's
+        lock held), the bytes move later without it, before anything reads those blocks.
         """
         bs = self.block_size
         spanned: list[int] = []
@@ -164,8 +172,16 @@ class RowArena:
         owner, pos = owner[keep], positions[keep].to(torch.int64)
         block = torch.tensor(spanned, dtype=torch.int64)[torch.tensor(base)[owner] + pos // bs]
         cols = slice(None) if columns is None else columns
-        with torch.inference_mode():
-            self._flat[block * bs + pos % bs, cols] = rows[:, row_index[keep]].transpose(0, 1)
+        flat, dest, picked = self._flat, block * bs + pos % bs, row_index[keep]
+
+        def copy() -> None:
+            with torch.inference_mode():
+                flat[dest, cols] = rows[:, picked].transpose(0, 1)
+
+        if deferred is None:
+            copy()
+        else:
+            deferred.append(copy)
 
     def pin(self, req_id: str, start: int, stop: int) -> list[int] | None:
         """Hold a request's blocks of positions ``[start, stop)`` (block-aligned) for later.

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hidden_state_connector.engine.forward.arena import RowArena
+from hidden_state_connector.engine.forward.arena import RowArena, RowCopies
 from hidden_state_connector.engine.forward.routing import FlatRoute
 from hidden_state_connector.engine.metadata import StepRows
 
@@ -173,6 +173,7 @@ class HeldPrefixRows:
         entries: Sequence[tuple[str, int, int] | None],
         route: FlatRoute,
         rows: torch.Tensor,
+        deferred: RowCopies | None = None,
     ) -> dict[int, str]:
         """Store a step's rows (``RowArena.write_step``), with the held prefixes they use.
 
@@ -198,7 +199,9 @@ class HeldPrefixRows:
                 stored[i] = None
             if steps[i].filled_rows:
                 self._hold(steps[i])
-        self.arena.scatter(stored, route.rows, route.owner, route.positions, rows)
+        self.arena.scatter(
+            stored, route.rows, route.owner, route.positions, rows, deferred=deferred
+        )
         return failures
 
     def _adopt(self, step: StepRows) -> str | None:

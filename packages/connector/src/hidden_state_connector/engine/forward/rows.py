@@ -23,7 +23,7 @@ import torch
 from hidden_state_connector.engine import compat
 from hidden_state_connector.engine.capture import num_hidden_layers
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.forward.arena import ARENA_BLOCK_TOKENS, RowArena
+from hidden_state_connector.engine.forward.arena import ARENA_BLOCK_TOKENS, RowArena, RowCopies
 from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.prefix_rows import HeldPrefixRows
 from hidden_state_connector.engine.forward.routing import RowRouter
@@ -232,9 +232,14 @@ class ForwardRows:
             parts = self.stages.parts(copy, bool(steps), shape, partial(self._fail_rows, steps))
             copy.wait()
             assert self._saves is not None
+            copies: RowCopies = []
             with self._saves.mutex, torch.inference_mode():
                 for columns, slots, rows in parts:
-                    self._take_rows(slots, rows, steps, columns)
+                    self._take_rows(slots, rows, steps, columns, copies)
+            # The bytes move without the lock, which the engine's thread takes every step
+            # (a prefill step's rows are hundreds of MiB); this step's saves start after.
+            for copy_rows in copies:
+                copy_rows()
         except Exception as exc:  # their samples fail with the reason; the engine runs on
             self._fail_rows(steps, f"rows not stored: {exc!r}")
             raise
@@ -248,9 +253,14 @@ class ForwardRows:
                 self._row_failures.setdefault(step.req_id, reason)
 
     def _take_rows(
-        self, slots: Any, rows: Any, steps: list[Any], columns: slice | None = None
+        self,
+        slots: Any,
+        rows: Any,
+        steps: list[Any],
+        columns: slice | None,
+        copies: RowCopies,
     ) -> None:
-        """Route a stage's rows of the step to their requests and store them in one scatter."""
+        """Route a stage's rows of the step to their requests and place them (``copies``)."""
         assert self.arena is not None
         flat = self.router.route_flat(slots, steps)
         entries = [
@@ -261,10 +271,10 @@ class ForwardRows:
         ]
         if columns is None:
             assert self.held is not None
-            failures = flat.failures | self.held.write_step(steps, entries, flat, rows)
+            failures = flat.failures | self.held.write_step(steps, entries, flat, rows, copies)
         else:  # a pipeline stage's columns (no held prefix rows: refused with PP)
             failures = flat.failures | self.arena.write_step(
-                entries, flat.rows, flat.owner, flat.positions, rows, columns
+                entries, flat.rows, flat.owner, flat.positions, rows, columns, copies
             )
         for index, failure in failures.items():
             req_id = steps[index].req_id
