@@ -82,7 +82,8 @@ def test_a_deferred_scatter_places_rows_now_and_moves_them_later() -> None:
     # The ingest thread places a step's rows holding the lock the engine's thread takes
     # every step, and moves the bytes after letting go of it.
     arena = RowArena(1 << 20, 4, 2, 3, torch.float32)
-    arena.data.zero_()
+    with torch.inference_mode():
+        arena.data.zero_()
     rows = torch.randn(2, 5, 3) + 10
     copies: list = []
     entries = [("a", 0, 5)]
