@@ -256,6 +256,16 @@ capture=forward,pc=on,graphs=off,storage=fp8,sleep=on,async=off;\
 capture=forward,pc=on,graphs=on,storage=bf16,sleep=off,async=off" \
       2>"$OUT/v44a.log" | cut -c1-900
     ;;
+  # Issues 43-45: the sweep again for the code after the engine seam, the deferred arena
+  # copy and the scheduler's skip of settled requests: two engines, 512 requests, every
+  # row against HF float32 (prefix caching, async or sync scheduling, graphs, fp8, sleep).
+  v44d)
+    timeout 540 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 256 \
+      --label v44d --configs \
+"capture=forward,pc=on,graphs=on,storage=bf16,sleep=off;\
+capture=forward,pc=on,graphs=off,storage=fp8,sleep=on,async=off" \
+      2>"$OUT/v44d.log" | cut -c1-900
+    ;;
   # Issue 44: the MoE and MLA families on CUDA with forward capture (Triton fused MoE,
   # Triton MLA), float32 (crisp values) and bf16, prefix caching on, eager.
   v44b)
