@@ -11,7 +11,8 @@ Face's float32 residual stream (``forward_kit.RTOL``):
 - multi-turn: the next turn's prompt is the last turn's prompt and reply; the reply's
   rows are held only where the last turn stored its generated tokens, else the request
   skips the prefix cache and computes them;
-- a ``prefix_rows_bytes`` too small for a prefix: requests recompute it, rows still right.
+- a ``prefix_rows_bytes`` too small for a prefix: requests recompute it, rows still right;
+  a ``capture_buffer_bytes`` too small for the requests at once: they wait for room.
 """
 
 from __future__ import annotations
@@ -123,23 +124,34 @@ def test_cached_prefixes_get_the_rows_computed_when_they_were_first_filled(
     print(f"prefix caching: worst relative error {worst:.1e}")
 
 
-def test_a_prefix_over_the_held_rows_budget_is_recomputed(
+def test_small_budgets_make_requests_wait_or_recompute_never_fail(
     model: Path, tmp_path_factory: pytest.TempPathFactory, in_process: None
 ) -> None:
+    """A prefix over ``prefix_rows_bytes`` is recomputed; requests whose rows do not fit
+    ``capture_buffer_bytes`` beside the running ones wait for room (back-pressure); a
+    prompt larger than the whole arena fails its sample, naming the setting."""
     out = tmp_path_factory.mktemp("forward-prefix-budget")
     gen = torch.Generator().manual_seed(1)
     prompt = _tokens(gen, SYSTEM + 20)
-    # Room for two blocks' rows (3 layers x 128 x 4 bytes per token): the 3-block prefix
-    # is never held whole, so no request may start from it.
-    llm = _engine(model, out, prefix_rows_bytes=2 * BLOCK * 3 * 128 * 4)
+    token_bytes = 3 * 128 * 4  # 3 layers x 128 x float32
+    # Room for two blocks' rows: the 3-block prefix is never held whole, so no request
+    # may start from it. The arena holds that and 1.5 requests' rows (120 + 8 tokens).
+    held = 2 * BLOCK * token_bytes
+    arena = held + 192 * token_bytes
+    llm = _engine(model, out, prefix_rows_bytes=held, capture_buffer_bytes=arena)
     try:
         outputs = _generate(llm, [prompt] * 3, 8, True) + _generate(llm, [prompt], 8, True)
+        too_big = _generate(llm, [_tokens(gen, 300)], 2, False)[0].kv_transfer_params
+        rows = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.rows
+        waits, in_use = rows.admission.waits, rows.admission.blocks_in_use
     finally:
         del llm
         gc.collect()
     assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0]
     worst = _check(Reference(model, NUM_LAYERS), [(o, True) for o in outputs])
-    print(f"prefix over budget: worst relative error {worst:.1e}")
+    assert waits > 0 and in_use == 0  # requests waited; every request's rows were let go
+    assert "capture_buffer_bytes" in too_big["hidden_states_error"]
+    print(f"small budgets: {waits} waits; worst relative error {worst:.1e}")
 
 
 def test_the_default_config_captures_from_the_forward_pass(

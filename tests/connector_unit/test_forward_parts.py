@@ -187,3 +187,22 @@ def test_rows_are_routed_through_a_group_that_holds_every_token() -> None:
     assert compat.attention_group(SimpleNamespace(kv_cache_groups=[mla])) == (0, "m.0")
     with pytest.raises(ValueError, match=r"has none \(groups: SlidingWindowSpec\)"):
         compat.attention_group(SimpleNamespace(kv_cache_groups=[sliding]))
+
+
+def test_arena_admission_is_first_come_first_served_and_counts_until_freed() -> None:
+    from hidden_state_connector.engine.forward.admission import ArenaAdmission
+
+    admission = ArenaAdmission(budget_blocks=10, block_tokens=4, block_bytes=1024)
+    assert admission.admits("a", 24)  # 6 blocks
+    assert not admission.admits("b", 20)  # 5 more do not fit: b waits ...
+    assert not admission.admits("c", 4)  # ... and c, which fits, does not overtake it
+    assert admission.admits("a", 24)  # a looked at again: let in before
+    admission.grow("a", 28)  # its generated tokens: 7 blocks
+    assert admission.blocks_in_use == 7
+    admission.freed(["a"])  # the worker wrote a's sample
+    assert admission.admits("b", 20) and admission.admits("c", 4)
+    assert admission.blocks_in_use == 6
+    assert admission.admits("huge", 44)  # never fits: let in to fail, not to wait forever
+    admission.forget("d")  # ended while not waiting: nothing changes
+    admission.freed(["b", "c", "huge"])
+    assert admission.blocks_in_use == 0 and admission.waits == 2

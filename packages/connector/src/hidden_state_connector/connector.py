@@ -207,6 +207,11 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
             return None, False
         return 0, False
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The worker's report: requests whose samples are done no longer hold rows."""
+        if self._scheduler is not None:
+            self._scheduler.rows.freed(getattr(connector_output, "finished_sending", None) or ())
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Store-only: nothing to track."""
 

@@ -274,7 +274,17 @@ class SchedulerSide:
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Order the save of a finished request (unless ordered already); keep its blocks."""
+        """Order the save of a finished request (unless ordered already); keep its blocks.
+
+        A request whose blocks are freed now is one the worker holds nothing for: the row
+        source stops counting it here (the others: when the worker reports them).
+        """
+        delay, result = self._finish(request, block_ids)
+        if not delay:
+            self.rows.freed((request.request_id,))
+        return delay, result
+
+    def _finish(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self.rows.forget(req_id)
         tracked = self._requests.pop(req_id, None)

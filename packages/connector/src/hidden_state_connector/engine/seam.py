@@ -132,6 +132,9 @@ class RowPlanner(Protocol):
     def forget(self, req_id: str) -> None:
         """A request ended."""
 
+    def freed(self, req_ids: Iterable[str]) -> None:
+        """The worker is done with these requests (or never held anything for them)."""
+
     def count_drafts(self, order: SaveOrder, request: Any) -> None:
         """A finish-time order: its drafted and accepted tokens, where counted."""
 

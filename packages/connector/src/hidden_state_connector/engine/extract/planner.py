@@ -7,6 +7,7 @@ the worker needs no per-step word about rows; a save order names the request's b
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ class ExtractPlanner:
 
     def forget(self, req_id: str) -> None:
         """Nothing is kept per request."""
+
+    def freed(self, req_ids: Iterable[str]) -> None:
+        """Nothing is counted: the rows live in vLLM's KV cache."""
 
     def count_drafts(self, order: SaveOrder, request: Any) -> None:
         """Not counted: the extract engine is the speculative method."""
