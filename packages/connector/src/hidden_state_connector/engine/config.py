@@ -79,7 +79,8 @@ class ConnectorConfig:
             last layer before the final norm; default ``[2, N/2, N-3, N]``); refused
             with ``capture="extract"``, which takes them from its speculative config.
         capture_buffer_bytes: With ``capture="forward"``, host memory for the rows of
-            requests still running (reserved as address space, committed as rows arrive).
+            requests still running (reserved as address space, committed as rows arrive);
+            a request waits until its prompt's rows fit.
         prefix_rows_bytes: With ``capture="forward"`` and prefix caching, the part of
             ``capture_buffer_bytes`` that keeps the rows of full prefix blocks for later
             requests that vLLM serves them from its cache (least recently used go first;

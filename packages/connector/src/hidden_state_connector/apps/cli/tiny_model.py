@@ -134,12 +134,12 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{os.fspath(path)}: tiny random {title}, {args.layers} layers, hidden {args.hidden}, "
         f"{args.heads} heads, {args.dtype} ({what})\n"
-        + next_step(f"hidden-state serve {os.fspath(path)} --out /tmp/hs --layers {layers}", path)
+        + next_step(f"hidden-state serve {os.fspath(path)} --out /tmp/hs --layers {layers}")
     )
     return 0
 
 
-def next_step(serve: str, model: Path) -> str:
+def next_step(serve: str) -> str:
     """What to run next: ``serve`` (its forward capture takes every architecture built here)."""
     return f"next: {serve}"
 
