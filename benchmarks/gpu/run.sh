@@ -348,5 +348,13 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       --json "$OUT/t.json" 2>>"$OUT/v45a.log" | tail -4
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
+  # v45b: v45a cut to what a short call holds: decode-heavy only, none and forward (py-spy).
+  v45b)
+    spy=$(pyspy_binary) || echo "py-spy unavailable"
+    $B throughput --workloads 256x512x256 --max-model-len 1024 --kinds none,forward \
+      --graph-modes graphs --timeout 240 --pyspy "$spy" --pyspy-out "$OUT/pyspy" \
+      --json "$OUT/t.json" 2>>"$OUT/v45b.log" | tail -4
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
   *) echo "unknown plan $plan"; exit 2 ;;
 esac
