@@ -165,7 +165,9 @@ def test_a_step_keeps_its_block_ids_while_later_steps_are_scheduled(tmp_path: Pa
         shared_storage_path=str(tmp_path), capture="forward", layer_ids=[1], instance_id="u"
     )
     vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(model="fake-model"),
+        model_config=SimpleNamespace(
+            model="fake-model", get_hidden_size=lambda: 8, dtype=torch.float32
+        ),  # the row size (the arena's room is counted on this side)
         kv_transfer_config=SimpleNamespace(engine_id="unit-forward-steps"),
         parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
     )
