@@ -7,7 +7,8 @@ its own (the engine core in it), vLLM's ``mp`` executor with one worker process 
 stage, each bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND="0|1"``; the CPU
 build refuses two ranks without a binding). Prompts of 1-150 tokens with chunked prefill
 at 64, with and without their generated tokens; every stored row is compared with Hugging
-Face's float32 stream. And a stage that fails: its step's samples fail, loudly.
+Face's float32 stream, while a stage fails the first step: that step's sample fails,
+loudly, the others are right. (The store medium's test captures first-stage ids only.)
 """
 
 from __future__ import annotations
@@ -61,13 +62,6 @@ if __name__ == "__main__":
     print("RESULT " + json.dumps(rows))
 """
 
-CASES = {
-    # name: captured ids (which stages compute them). Ids on both stages (stage 0: 0, 1,
-    # 2; the writing last stage: 4) are checked by the failure test below, whose other
-    # samples must all equal HF (one engine fewer for the suite).
-    "first_stage_only": [1, 2],  # the writing stage computes none of them
-}
-
 
 def _prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(2)
@@ -98,36 +92,6 @@ def _run(
     logs = stdout + stderr
     assert proc.returncode == 0, logs[-6000:]
     return stdout, logs
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_pp2_stores_every_requested_layer_equal_to_hf(case: str, tmp_path: Path) -> None:
-    layers = CASES[case]
-    model = build_tiny_model(
-        tmp_path / "model", dtype="float32", num_layers=NUM_LAYERS, arch="qwen3"
-    )
-    out = tmp_path / "hs"
-    stdout, logs = _run(model, out, forward_extra(layers, include_output_tokens=True), tmp_path)
-    assert "pipeline stage 1 of 2" in logs and "pipeline stage 0 of 2" in logs, logs[-6000:]
-    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
-    results = json.loads(line[len("RESULT ") :])
-    assert len(results) == 6
-    reference = Reference(model, NUM_LAYERS)
-    worst = 0.0
-    for include, prompt, generated, path in results:
-        sample = read_one(path)
-        assert len(generated) == MAX_TOKENS
-        # The last generated token is never fed back: it has no hidden state.
-        assert sample.token_ids.tolist() == (prompt + generated[:-1] if include else prompt)
-        assert sample.layer_ids == layers
-        errors = reference.layer_errors(sample)
-        assert max(errors.values()) <= RTOL, f"{case}: relative errors {errors}"
-        worst = max(worst, *errors.values())
-    # One sample per request, published once: no part, temp file or extra name is left.
-    names = sorted(os.listdir(out))
-    assert [n for n in names if not n.endswith((".safetensors", ".safetensors.lock"))] == []
-    assert len([n for n in names if n.endswith(".safetensors")]) == len(results)
-    print(f"{case}: worst relative error {worst:.1e}")
 
 
 # Fault injection, in every process of the engine (``sitecustomize``): the first step's
@@ -196,7 +160,10 @@ def test_a_stage_that_fails_fails_its_samples_loudly(tmp_path: Path) -> None:
             failed.append(status.reason)
             continue
         sample = read_one(sample_path)
+        assert len(generated) == MAX_TOKENS
+        # The last generated token is never fed back: it has no hidden state.
         assert sample.token_ids.tolist() == (prompt + generated[:-1] if include else prompt)
+        assert sample.layer_ids == [0, 1, 2, 4]
         assert max(reference.layer_errors(sample).values()) <= RTOL
     # The first step computed only the first request's first chunk: its sample failed,
     # with the stage named, in its lock and in the log; every other one (ids of both
@@ -204,3 +171,9 @@ def test_a_stage_that_fails_fails_its_samples_loudly(tmp_path: Path) -> None:
     assert failed == ["pipeline stage 0 could not copy this step's rows"], failed
     assert len(results) == 6
     assert "pipeline stage 0 could not copy this step's rows" in logs
+    assert "pipeline stage 1 of 2" in logs and "pipeline stage 0 of 2" in logs
+    # One sample per request, published once: no part, temp file or extra name is left.
+    # (Captured ids on the first stage only: tests/mooncake/test_vllm_store.py.)
+    names = sorted(os.listdir(out))
+    assert [n for n in names if not n.endswith((".safetensors", ".safetensors.lock"))] == []
+    assert len([n for n in names if n.endswith(".safetensors")]) == len(results) - 1
