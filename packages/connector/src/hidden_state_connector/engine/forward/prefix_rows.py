@@ -69,6 +69,7 @@ class PrefixRowIndex:
         """Whether ``request`` may use its prefix-cache hit of ``hit_tokens`` tokens."""
         self._requests[request.request_id] = request
         if hit_tokens <= 0:
+            self._promise_prompt(request, 0)
             return True
         blocks, partial = divmod(hit_tokens, self.block_tokens)
         hashes = list(request.block_hashes[:blocks])
@@ -79,9 +80,16 @@ class PrefixRowIndex:
                 self._entries.move_to_end(h)
             self.counters.admitted += 1
             self.counters.hit_tokens += hit_tokens
+            self._promise_prompt(request, hit_tokens)
         else:
             self.counters.recomputed += 1
         return ok
+
+    def _promise_prompt(self, request: Any, computed: int) -> None:
+        """Promised at admission: a request vLLM lets in later in the same scheduling pass
+        may hit the blocks this one computes in this step (GRPO's samples of one prompt)."""
+        prompt_tokens = len(request.prompt_token_ids or ())
+        self._promise(request.request_id, request.block_hashes, computed, prompt_tokens)
 
     def _usable(self, entry: _Entry | None) -> bool:
         return entry is not None and (entry.filled or entry.owner in self._requests)
