@@ -86,8 +86,11 @@ class PrefixRowIndex:
         return ok
 
     def _promise_prompt(self, request: Any, computed: int) -> None:
-        """Promised at admission: a request vLLM lets in later in the same scheduling pass
-        may hit the blocks this one computes in this step (GRPO's samples of one prompt)."""
+        """Promise a request's prompt blocks when it is let in.
+
+        A request vLLM lets in later in the same scheduling pass may hit the blocks this
+        one computes in this step (GRPO's samples of one prompt).
+        """
         prompt_tokens = len(request.prompt_token_ids or ())
         self._promise(request.request_id, request.block_hashes, computed, prompt_tokens)
 
