@@ -221,10 +221,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         max_tokens=args.max_tokens, temperature=0.0, detokenize=False, ignore_eos=True
     )
     repetitive = args.prompt_kind == "repetitive"
+    if args.workloads:  # several timed runs (and profiles) of one engine, each warmed
+        return _workloads(args, llm, vocab, out, trace, smi)
     warm = random_prompts(min(8, args.num_prompts), args.prompt_len, vocab, 1, repetitive)
     llm.generate([{"prompt_token_ids": p} for p in warm], sampling, use_tqdm=False)
-    if args.workloads:  # several timed runs (and profiles) of one engine
-        return _workloads(args, llm, vocab, out, trace, smi)
     prompts = random_prompts(args.num_prompts, args.prompt_len, vocab, 2, repetitive)
     counters = spec_counters(llm) if args.spec else {}
     if in_process:
@@ -605,7 +605,7 @@ def _compare_with_hf(
 
 
 def table(rows: list[dict[str, Any]], keys: list[str]) -> str:
-    widths = [max(len(k), *(len(_fmt(r.get(k))) for r in rows)) for k in keys]
+    widths = [max([len(k), *(len(_fmt(r.get(k))) for r in rows)]) for k in keys]
     line = " | ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True))
     sep = "-|-".join("-" * w for w in widths)
     body = [

@@ -18,6 +18,7 @@ Face's float32 residual stream (``forward_kit.RTOL``):
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from forward_kit import RTOL, engine, forward_extra
 from hf_reference import Reference, read_one
 
 from hidden_state_connector.apps.tiny_model import build_tiny_model
+from hidden_state_reader.files.locks import SharedLock, read_status
+from hidden_state_reader.format import lock_path
 
 pytestmark = pytest.mark.vllm
 
@@ -144,6 +147,11 @@ def test_small_budgets_make_requests_wait_or_recompute_never_fail(
     try:
         outputs = _generate(llm, [prompt] * 3, 8, True) + _generate(llm, [prompt], 8, True)
         too_big = _generate(llm, [_tokens(gen, 300)], 2, False)[0].kv_transfer_params
+        # Its sample fails once its rows run out of room, maybe after the response went
+        # (a prompt-only sample is written while the request decodes): the lock tells.
+        lock = SharedLock.acquire(too_big["hidden_states_path"], timeout=60)
+        assert lock is not None
+        lock.release()
         rows = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler.rows
         waits, in_use = rows.admission.waits, rows.admission.blocks_in_use
     finally:
@@ -152,7 +160,9 @@ def test_small_budgets_make_requests_wait_or_recompute_never_fail(
     assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0]
     worst = _check(Reference(model, NUM_LAYERS), [(o, True) for o in outputs])
     assert waits > 0 and in_use == 0  # requests waited; every request's rows were let go
-    assert "capture_buffer_bytes" in too_big["hidden_states_error"]
+    status = read_status(lock_path(too_big["hidden_states_path"]))
+    assert status.failed and "capture_buffer_bytes" in status.reason, status
+    assert not os.path.exists(too_big["hidden_states_path"])
     print(f"small budgets: {waits} waits; worst relative error {worst:.1e}")
 
 
