@@ -39,7 +39,9 @@ class ArenaAdmission:
         self.block_bytes = block_bytes
         self._blocks: dict[str, int] = {}  # blocks counted per request let in
         self._in_use = 0
-        self._waiting: list[str] = []  # requests waiting for room, oldest first
+        # Requests waiting for room, oldest first (a dict: vLLM asks about every waiting
+        # request each step, so membership and removal must not scan).
+        self._waiting: dict[str, None] = {}
         self.waits = 0  # admissions refused for room (a counter for logs and tests)
 
     @property
@@ -64,15 +66,14 @@ class ArenaAdmission:
             )
             self._count(req_id, 0)
             return True
-        first = self._waiting[0] if self._waiting else req_id
+        first = next(iter(self._waiting), req_id)
         if first != req_id or self._in_use + need > self.budget_blocks:
             if req_id not in self._waiting:
-                self._waiting.append(req_id)
+                self._waiting[req_id] = None
                 log.debug("request %s waits for room in the host arena", req_id)
             self.waits += 1
             return False
-        if self._waiting:
-            self._waiting.pop(0)
+        self._waiting.pop(req_id, None)
         self._count(req_id, need)
         return True
 
@@ -86,8 +87,7 @@ class ArenaAdmission:
 
     def forget(self, req_id: str) -> None:
         """A request ended before it was let in: it waits no more."""
-        if req_id in self._waiting:
-            self._waiting.remove(req_id)
+        self._waiting.pop(req_id, None)
 
     def freed(self, req_ids: Iterable[str]) -> None:
         """The worker is done with these requests' rows: their blocks count no more."""
