@@ -225,11 +225,10 @@ def test_the_raw_loop_hands_its_consumer_what_the_reader_hands_over(
     assert raw == touched and sum(raw) == nbytes and len(raw) == 6
 
 
-def test_consume_quick_section_measures_every_kind_it_can(tmp_path: Path) -> None:
-    # Not a vLLM test: the consume section alone, in quick mode (seconds).
-    out = tmp_path / "out"
-    proc = run_bench("--quick", "--only", "consume", "--out", str(out), "--scratch",
-                     str(tmp_path / "s"), timeout=600)  # fmt: skip
+@pytest.mark.vllm
+def test_consume_quick_section_measures_every_kind_it_can(quick_run) -> None:
+    # The consume section of the quick run.
+    out, proc = quick_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads((out / "benchmarks.json").read_text())
     res = doc["benchmarks"]["consume"]
