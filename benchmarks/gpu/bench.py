@@ -285,6 +285,7 @@ def _workloads(
             for p in random_prompts(n, length, vocab, 2 + index, args.prompt_kind == "repetitive")
         ]
         llm.generate(prompts[:8], sampling, use_tqdm=False)  # this shape warm
+        counters = spec_counters(llm) if args.spec else {}
         t0 = time.monotonic()
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         elapsed = time.monotonic() - t0
@@ -292,6 +293,9 @@ def _workloads(
         paths = [p for p in paths if p]
         result = _throughput_row(run, paths, t0, elapsed, False)
         result["workload"] = spec
+        if args.spec:  # the timed run's drafted and accepted tokens (vLLM's counters)
+            after = spec_counters(llm)
+            result["spec_counts"] = {k: v - counters.get(k, 0.0) for k, v in after.items()}
         cache = llm.llm_engine.vllm_config.cache_config
         result["kv_blocks"], result["kv_block_size"] = cache.num_gpu_blocks, cache.block_size
         if trace.exists():

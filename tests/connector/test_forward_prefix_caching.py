@@ -166,6 +166,50 @@ def test_small_budgets_make_requests_wait_or_recompute_never_fail(
     print(f"small budgets: {waits} waits; worst relative error {worst:.1e}")
 
 
+def test_a_prompt_only_requests_rows_count_until_its_sample_is_written(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, in_process: None
+) -> None:
+    """Back-pressure lets a prompt-only request's rows go once its sample is copied out
+    (the worker tells the scheduler half through vLLM's worker metadata), not when the
+    request ends: with an arena for two prompts, four long-decoding requests run at once.
+    (Before, the last two waited until the first two had generated every token.)"""
+    from vllm import SamplingParams
+
+    out = tmp_path_factory.mktemp("forward-let-go")
+    gen = torch.Generator().manual_seed(3)
+    prompts = [_tokens(gen, 64) for _ in range(4)]
+    token_bytes = 3 * 128 * 4  # 3 layers x 128 x float32
+    held = 2 * BLOCK * token_bytes
+    llm = _engine(model, out, prefix_rows_bytes=held, capture_buffer_bytes=held + 128 * token_bytes)
+    params = SamplingParams(
+        max_tokens=120,  # decoding outlasts a 64-row sample's copy by far
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        extra_args={"kv_transfer_params": {"include_output_tokens": False}},
+    )
+    try:
+        engine = llm.llm_engine
+        scheduler = engine.engine_core.engine_core.scheduler
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"let-go-{i}", {"prompt_token_ids": prompt}, params)
+        finished: list[Any] = []
+        most_running = 0
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+            most_running = max(most_running, len(scheduler.running))
+        admission = scheduler.connector._scheduler.rows.admission
+        waits, in_use = admission.waits, admission.blocks_in_use
+    finally:
+        del llm
+        gc.collect()
+    assert most_running == 4, most_running
+    assert waits > 0 and in_use == 0  # the last two waited for room; nothing left counted
+    worst = _check(Reference(model, NUM_LAYERS), [(o, False) for o in finished])
+    assert len(finished) == 4
+    print(f"let go once written: {waits} waits; worst relative error {worst:.1e}")
+
+
 def test_the_default_config_captures_from_the_forward_pass(
     model: Path, tmp_path_factory: pytest.TempPathFactory, in_process: None
 ) -> None:

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hidden_state_connector.engine import compat, engines
 from hidden_state_connector.engine.config import ConnectorConfig
-from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata
+from hidden_state_connector.engine.metadata import HiddenStateConnectorMetadata, RowsLetGo
 from hidden_state_connector.engine.scheduler_side import SchedulerSide
 from hidden_state_connector.engine.stats import WriteStats
 from hidden_state_connector.engine.worker_side import WorkerSide
@@ -59,6 +59,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         # Our per-step metadata is a plain dataclass (importable without vLLM): make it a
         # KVConnectorMetadata for vLLM's type checks (an empty ABC; registering is idempotent).
         KVConnectorMetadata.register(HiddenStateConnectorMetadata)
+        compat.register_worker_metadata(RowsLetGo)
         self.config = engines.choose_capture(
             ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config),
             vllm_config,
@@ -74,6 +75,7 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats = WriteStats(self.config.stats_interval)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._let_go: list[str] = []  # for the scheduler half (build_connector_worker_meta)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = engines.scheduler_side(self.config, vllm_config, plan, self._stats)
         else:
@@ -166,7 +168,18 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         """Start saves of finished requests; report those whose blocks may be freed."""
         if self._worker is None:
             return None, None
-        return self._worker.get_finished(self._metadata(), finished_req_ids)
+        done, let_go = self._worker.get_finished(self._metadata(), finished_req_ids)
+        self._let_go += let_go
+        return done, None
+
+    def build_connector_worker_meta(self) -> Any:
+        """To the scheduler half: requests whose rows this worker let go of (``RowsLetGo``).
+
+        vLLM 0.26-0.34 ask after every step; the scheduler half then counts their rows
+        no more (forward capture's back-pressure), even while they still run.
+        """
+        let_go, self._let_go = self._let_go, []
+        return RowsLetGo(let_go) if let_go else None
 
     def shutdown(self) -> None:
         """Drain queued writes (bounded by ``shutdown_timeout``) and release every lock."""
@@ -208,9 +221,16 @@ class HiddenStateConnector(KVConnectorBase_V1, SupportsHMA):
         return 0, False
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The worker's report: requests whose samples are done no longer hold rows."""
+        """The workers' report: requests whose rows are let go of count no more.
+
+        Requests reported finished (``finished_sending``), and those whose samples were
+        copied out while they still run (``RowsLetGo``, ``build_connector_worker_meta``).
+        """
         if self._scheduler is not None:
             self._scheduler.rows.freed(getattr(connector_output, "finished_sending", None) or ())
+            let_go = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(let_go, RowsLetGo):
+                self._scheduler.rows.freed(let_go.req_ids)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Store-only: nothing to track."""

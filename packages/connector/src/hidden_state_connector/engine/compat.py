@@ -96,6 +96,15 @@ def check_vllm_version() -> str:
     return found
 
 
+def register_worker_metadata(cls: type) -> None:
+    """Make ``cls`` a ``KVConnectorWorkerMetadata`` for vLLM (0.26-0.34 all define it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import base
+
+    abc = getattr(base, "KVConnectorWorkerMetadata", None)
+    if abc is not None:
+        abc.register(cls)  # idempotent
+
+
 def tensor_parallel_rank() -> int:
     """This worker's tensor-parallel rank (0 when distributed state is not set up)."""
     try:

@@ -1,8 +1,10 @@
-"""What the scheduler-side connector tells the worker-side connector each step.
+"""What the connector's two halves tell each other each step.
 
+``HiddenStateConnectorMetadata`` goes from the scheduler half to the workers;
+``RowsLetGo`` comes back (vLLM's worker metadata, ``build_connector_worker_meta``).
 Plain dataclasses: importing this module imports no vLLM (importing vLLM's connector base
-costs about 10 CPU-seconds). The connector facade registers ``HiddenStateConnectorMetadata``
-as a virtual subclass of vLLM's ``KVConnectorMetadata`` (an empty ABC) when vLLM builds it.
+costs about 10 CPU-seconds). The connector facade registers them as virtual subclasses of
+vLLM's ``KVConnectorMetadata`` and ``KVConnectorWorkerMetadata`` when vLLM builds it.
 """
 
 from __future__ import annotations
@@ -105,3 +107,22 @@ class HiddenStateConnectorMetadata:
     steps: list[StepRows] = field(default_factory=list)
     batch_tokens: int = 0
     released_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RowsLetGo:
+    """Worker to scheduler, per step: requests whose rows the worker has let go of.
+
+    Their saves have copied the rows out (the sample is written or failed), possibly
+    while the request still runs (a prompt-only sample is ordered in the step that
+    computes its prompt's last token): what their rows held counts no more.
+
+    Attributes:
+        req_ids: The requests, in the order their copies finished.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+
+    def aggregate(self, other: object) -> RowsLetGo:
+        """Merge another worker's ids into these (vLLM merges its workers' metadata per step)."""
+        return RowsLetGo(self.req_ids + list(getattr(other, "req_ids", ())))

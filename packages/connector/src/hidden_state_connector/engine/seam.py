@@ -96,6 +96,13 @@ class RowSource(Protocol):
     def release(self, req_ids: set[str]) -> None:
         """Requests reported done: what their rows held is free (under ``mutex``)."""
 
+    def copied(self, req_ids: set[str]) -> set[str]:
+        """Saves whose copies are done, requests maybe still running (under ``mutex``).
+
+        Returns the requests whose rows were let go of now (an engine whose rows live in
+        vLLM's KV cache lets go of nothing before the request ends).
+        """
+
     def close(self, timeout: float) -> None:
         """Shutdown: rows in flight stored and their saves started (bounded); threads end."""
 

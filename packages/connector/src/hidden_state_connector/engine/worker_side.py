@@ -196,10 +196,10 @@ class WorkerSide:
 
     def get_finished(
         self, meta: HiddenStateConnectorMetadata | None, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
-        """Queue saves of earlier steps' states; report requests whose blocks may be freed."""
+    ) -> tuple[set[str] | None, list[str]]:
+        """Queue earlier steps' saves; requests whose blocks may go, and rows let go of."""
         if not self.is_writer or self.pipeline is None:
-            return None, None
+            return None, []
         if meta is not None:
             with self._mutex:
                 self.create_locks(meta)
@@ -217,7 +217,9 @@ class WorkerSide:
                 for r in finished_req_ids
                 if r in self._unreported or r in self._targets or r in self._target_errors
             }
-            self._copied.update(self.pipeline.finished())
+            copied = set(self.pipeline.finished())
+            self._copied |= copied
+            let_go = sorted(self.rows.copied(copied)) if copied else []
             done = self._copied & self._announced
             self._copied -= done
             self._announced -= done
@@ -225,7 +227,7 @@ class WorkerSide:
             if done:
                 self.rows.release(done)
             self.stats.maybe_log(len(self._unreported))
-        return (done or None), None
+        return (done or None), let_go
 
     def start_saves(self, orders: Iterable[SaveOrder], *, engine_thread: bool) -> None:
         """Turn save orders into save jobs (after shutdown: failed, with why)."""

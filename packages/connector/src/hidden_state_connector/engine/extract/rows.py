@@ -104,5 +104,9 @@ class ExtractRows:
     def release(self, req_ids: set[str]) -> None:
         """Nothing: vLLM frees the blocks once the requests are reported."""
 
+    def copied(self, req_ids: set[str]) -> set[str]:
+        """Nothing yet: the blocks are vLLM's until the requests end."""
+        return set()
+
     def close(self, timeout: float) -> None:
         """Nothing runs here."""

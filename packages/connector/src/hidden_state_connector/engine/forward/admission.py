@@ -6,7 +6,8 @@ The scheduler half counts the arena blocks of every request it let in (its promp
 at admission, more as its stored generated tokens are computed) and of the held prefix
 rows' budget, and lets a new request in only when its prompt's rows fit beside them
 (vLLM's ``get_num_new_matched_tokens`` answers None: the request stays waiting). A
-request's blocks count until the worker reports its sample done. Requests get in first
+request's blocks count until the worker reports its rows copied out (a prompt-only
+sample's while its request still decodes: ``RowsLetGo``). Requests get in first
 come, first served: one waiting for room is not overtaken by later, smaller ones.
 
 A prompt larger than the whole arena can never fit: it is let in with a warning naming

@@ -151,7 +151,7 @@ class ForwardPlanner:
             self.prefix.forget(req_id)
 
     def freed(self, req_ids: Iterable[str]) -> None:
-        """The worker is done with these requests' rows (their samples are written)."""
+        """The worker is done with these requests' rows (their copies are done)."""
         self.admission.freed(req_ids)
 
     def count_drafts(self, order: SaveOrder, request: Any) -> None:

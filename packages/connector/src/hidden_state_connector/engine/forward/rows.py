@@ -6,9 +6,9 @@ step's forward context) the engine's thread only starts copying the step's stagi
 to the host (``StepTransfer``); the ingest thread then routes them to their requests'
 positions in the host arena and starts the saves, strictly after every earlier step's
 rows (``IngestThread``). A save's rows are its arena blocks; they go back to the arena
-once the request is reported. Under pipeline parallelism (``stages``) rank 0 of the last
-stage is the writer, with every stage's rows; rank 0 of each other stage only sends its
-own.
+once the save's copies are done (``copied``), also while its request still runs.
+Under pipeline parallelism (``stages``) rank 0 of the last stage is the writer, with
+every stage's rows; rank 0 of each other stage only sends its own.
 """
 
 from __future__ import annotations
@@ -194,6 +194,19 @@ class ForwardRows:
         if self.arena is not None:
             for req_id in req_ids:
                 self.arena.release(req_id)
+
+    def copied(self, req_ids: set[str]) -> set[str]:
+        """Saves copied out of the arena: their blocks go back now, not at the request's end.
+
+        A prompt-only sample is ordered in the step that computes its prompt's last token
+        and no later step routes rows to it, so its blocks are free while the request
+        goes on decoding (``release`` at its end finds nothing left).
+        """
+        if self.arena is None:
+            return set()
+        for req_id in req_ids:
+            self.arena.release(req_id)
+        return set(req_ids)
 
     def close(self, timeout: float) -> None:
         """Rows in flight stored and their saves started (bounded); the hooks off."""
