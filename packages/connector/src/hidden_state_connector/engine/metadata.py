@@ -118,7 +118,7 @@ class RowsLetGo:
     computes its prompt's last token): what their rows held counts no more.
 
     Attributes:
-        req_ids: The requests, in the order their copies finished.
+        req_ids: The requests.
     """
 
     req_ids: list[str] = field(default_factory=list)

@@ -93,14 +93,11 @@ class RowSource(Protocol):
     def rows_of(self, order: SaveOrder) -> tuple[list[int], str | None]:
         """Where a save's rows live (blocks of the extractor's source); why not all (None)."""
 
-    def release(self, req_ids: set[str]) -> None:
-        """Requests reported done: what their rows held is free (under ``mutex``)."""
-
     def copied(self, req_ids: set[str]) -> set[str]:
         """Saves whose copies are done, requests maybe still running (under ``mutex``).
 
         Returns the requests whose rows were let go of now (an engine whose rows live in
-        vLLM's KV cache lets go of nothing before the request ends).
+        vLLM's KV cache lets go of nothing: vLLM frees them once the request is reported).
         """
 
     def close(self, timeout: float) -> None:

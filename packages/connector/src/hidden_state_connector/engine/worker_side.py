@@ -219,13 +219,11 @@ class WorkerSide:
             }
             copied = set(self.pipeline.finished())
             self._copied |= copied
-            let_go = sorted(self.rows.copied(copied)) if copied else []
+            let_go = list(self.rows.copied(copied))
             done = self._copied & self._announced
             self._copied -= done
             self._announced -= done
             self._unreported -= done
-            if done:
-                self.rows.release(done)
             self.stats.maybe_log(len(self._unreported))
         return (done or None), let_go
 

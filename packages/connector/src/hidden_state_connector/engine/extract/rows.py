@@ -101,11 +101,8 @@ class ExtractRows:
         """The request's blocks in the cache group, as the scheduler half ordered them."""
         return order.block_ids, None
 
-    def release(self, req_ids: set[str]) -> None:
-        """Nothing: vLLM frees the blocks once the requests are reported."""
-
     def copied(self, req_ids: set[str]) -> set[str]:
-        """Nothing yet: the blocks are vLLM's until the requests end."""
+        """Nothing: the blocks are vLLM's, freed once the requests are reported."""
         return set()
 
     def close(self, timeout: float) -> None:

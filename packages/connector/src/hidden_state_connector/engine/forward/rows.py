@@ -189,18 +189,12 @@ class ForwardRows:
             failure = f"rows of {have} of {len(order.token_ids)} tokens were captured"
         return self.arena.blocks(order.req_id), failure
 
-    def release(self, req_ids: set[str]) -> None:
-        """Reported requests' arena blocks go back to the arena."""
-        if self.arena is not None:
-            for req_id in req_ids:
-                self.arena.release(req_id)
-
     def copied(self, req_ids: set[str]) -> set[str]:
         """Saves copied out of the arena: their blocks go back now, not at the request's end.
 
         A prompt-only sample is ordered in the step that computes its prompt's last token
         and no later step routes rows to it, so its blocks are free while the request
-        goes on decoding (``release`` at its end finds nothing left).
+        goes on decoding.
         """
         if self.arena is None:
             return set()
