@@ -290,6 +290,31 @@ capture=extract,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss,dtype=float
 capture=forward,pc=off,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=float32" \
       2>"$OUT/v44c.log" | cut -c1-1200
     ;;
+  # Issue 44, after the worker's let-go signal (RowsLetGo): the sweep's two engines, 32k-token
+  # prompts against a 40 MiB arena (fewer than two prompts' rows: requests wait for room),
+  # and beside them the MoE families in float32 with Triton's float32 dots in IEEE
+  # precision (TRITON_F32_DEFAULT: the fused MoE's TF32 rounding made rows differ from HF
+  # float32 at router near-ties, in the extract engine too) and in bf16.
+  v44e)
+    python3 .gpu/check_moe.py 2>&1 | tail -2
+    TRITON_F32_DEFAULT=ieee timeout 500 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" \
+      --requests 64 --rounds 1 --label v44e --configs \
+"capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=float32;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss,dtype=float32;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe;\
+capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss" \
+      2>"$OUT/v44e-moe.log" | cut -c1-900 &
+    timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 8 \
+      --rounds 1 --label v44e --configs \
+"capture=forward,pc=on,graphs=on,storage=bf16,sleep=off,long=32768,arena=40MiB" \
+      2>"$OUT/v44e-long.log" | cut -c1-900 &
+    timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 256 \
+      --label v44e --configs \
+"capture=forward,pc=on,graphs=on,storage=bf16,sleep=off;\
+capture=forward,pc=on,graphs=off,storage=fp8,sleep=on,async=off" \
+      2>"$OUT/v44e.log" | cut -c1-900
+    wait
+    ;;
   # Issue 38: forked DataLoader workers after device passes (no vLLM; about a minute).
   fork)
     (cd /tmp && python3 -X faulthandler "$OLDPWD/benchmarks/gpu/fork_check.py") 2>&1 \

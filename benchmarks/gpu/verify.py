@@ -70,6 +70,8 @@ class Config:
     arch: str = "llama"  # tiny-model --arch (MoE and MLA families: forward capture only)
     dtype: str = "bfloat16"  # the engine's (float32: the families' values, crisply)
     spec: str = ""  # forward capture beside a drafter: "ngram" or "eagle3"
+    long: int = 0  # prompts of about this many tokens (back-pressure on the arena), 0: 17-1,500
+    arena: str = ""  # capture_buffer_bytes (forward capture), "": the default
 
     @classmethod
     def parse(cls, text: str) -> Config:
@@ -77,6 +79,7 @@ class Config:
         fields = dict(part.split("=", 1) for part in text.split(",") if part)
         flag = {"on": True, "off": False}
         known = {"pc", "graphs", "storage", "sleep", "async", "capture", "arch", "dtype", "spec"}
+        known |= {"long", "arena"}
         if fields.get("spec", "") not in SPEC_METHODS:
             raise SystemExit(f"bad --config {text!r}: spec is one of {SPEC_METHODS}")
         if set(fields) - known or fields.get("storage", "bf16") not in ROW_TOL:
@@ -91,6 +94,8 @@ class Config:
             arch=fields.get("arch", "llama"),
             dtype=fields.get("dtype", "bfloat16"),
             spec=fields.get("spec", ""),
+            long=int(fields.get("long", "0")),
+            arena=fields.get("arena", ""),
         )
 
     @property
@@ -156,6 +161,8 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
         extra["async_scheduling"] = cfg.async_scheduling
     if cfg.capture == "forward":
         settings.update(capture="forward", layer_ids=LAYERS)
+        if cfg.arena:
+            settings["capture_buffer_bytes"] = cfg.arena
         if cfg.spec:
             extra["speculative_config"] = drafter_config(cfg.spec, model_dir)
     else:
@@ -163,7 +170,7 @@ def make_engine(model_dir: Path, out: str, cfg: Config, module: str, gpu_memory:
     return LLM(
         model=str(model_dir),
         dtype=cfg.dtype,
-        max_model_len=4096,
+        max_model_len=max(4096, cfg.long + 128),
         enforce_eager=not cfg.graphs,
         skip_tokenizer_init=True,
         enable_prefix_caching=cfg.prefix_caching,
@@ -194,12 +201,13 @@ def drafter_config(method: str, model_dir: Path) -> dict[str, Any]:
 
 
 def make_requests(
-    round_no: int, count: int, earlier: list[list[int]], repeat: bool = False
+    round_no: int, count: int, earlier: list[list[int]], repeat: bool = False, long: int = 0
 ) -> tuple[list, list]:
     """Prompts (a quarter extend an earlier prompt's prefix) and their sampling params.
 
     Odd indices store their generated tokens; every third request samples (temperature 1).
     With ``repeat`` (speculation), a quarter of the prompts repeat a short motif instead.
+    With ``long``, prompts are ``long`` minus 0-63 tokens (back-pressure on the arena).
     """
     import torch
     from vllm import SamplingParams
@@ -208,6 +216,8 @@ def make_requests(
     prompts, params = [], []
     for i in range(count):
         n = int(torch.randint(17, 1500, (1,), generator=gen))
+        if long:
+            n = long - int(torch.randint(0, 64, (1,), generator=gen))
         prompt = torch.randint(0, 250, (n,), generator=gen).tolist()
         if repeat and i % 4 == 1:  # a motif repeated: ngram drafts match
             motif = prompt[: int(torch.randint(2, 9, (1,), generator=gen))]
@@ -246,6 +256,8 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     model_dir = build_tiny_model(
         Path(args.work) / f"tiny-{cfg.arch}-{cfg.dtype}", arch=cfg.arch, dtype=cfg.dtype
     )
+    if cfg.long:
+        model_dir = with_positions(model_dir, cfg.long + 128)
     out = tempfile.mkdtemp(prefix="hs-verify-", dir="/tmp")
     started = time.monotonic()
     llm = make_engine(model_dir, out, cfg, args.connector_module, args.gpu_memory)
@@ -255,7 +267,9 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
     per_round = max(1, args.requests // args.rounds)
     notes: list[str] = []
     for round_no in range(args.rounds):
-        prompts, params = make_requests(round_no, per_round, earlier, repeat=bool(cfg.spec))
+        prompts, params = make_requests(
+            round_no, per_round, earlier, repeat=bool(cfg.spec), long=cfg.long
+        )
         batch = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs += batch
         if cfg.sleep:
@@ -265,12 +279,14 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
             except RuntimeError as exc:
                 notes.append(f"round {round_no}: sleep/wake raised {exc}")
     gen_s = time.monotonic() - started - start_s
+    waits = admission_waits(llm)
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     account = account_for(outs, out, model_dir, cfg.row_tolerance, bool(cfg.spec))
     account["cached_tokens"] = sum(int(o.num_cached_tokens or 0) for o in outs)
     account["requests_with_cache_hits"] = sum(1 for o in outs if o.num_cached_tokens)
+    account["admission_waits"] = waits if in_process() else None
     # Odd indices of each round asked for their generated tokens (make_requests).
     account["with_generated_tokens"] = sum(
         1
@@ -293,12 +309,42 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         "dtype": cfg.dtype,
         "spec": cfg.spec or None,
         "max_num_batched_tokens": 512,
+        "long": cfg.long,
+        "capture_buffer_bytes": cfg.arena or None,
         "row_tolerance": cfg.row_tolerance,
         **account,
         "notes": notes,
         "engine_start_s": round(start_s, 1),
         "generate_s": round(gen_s, 1),
     }
+
+
+def with_positions(model_dir: Path, positions: int) -> Path:
+    """A copy of the tiny model that takes ``positions`` tokens (RoPE: only the limit moves)."""
+    import shutil
+
+    longer = model_dir.parent / f"{model_dir.name}-{positions}"
+    if not longer.exists():
+        shutil.copytree(model_dir, longer)
+        config = json.loads((longer / "config.json").read_text())
+        config["max_position_embeddings"] = positions
+        (longer / "config.json").write_text(json.dumps(config, indent=2))
+    return longer
+
+
+def in_process() -> bool:
+    """Whether vLLM runs its engine core in this process (its scheduler can be read)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def admission_waits(llm: Any) -> int:
+    """Times forward-capture requests waited for arena room so far (in-process engines)."""
+    if not in_process():
+        return 0
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    rows = getattr(connector._scheduler, "rows", None)
+    admission = getattr(rows, "admission", None)
+    return int(getattr(admission, "waits", 0))
 
 
 def account_for(
@@ -479,7 +525,10 @@ def main() -> int:
     # The engine core starts after this process used torch on the CPU (the tiny model):
     # spawn it rather than fork (a forked engine core once hung in an OpenMP barrier).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    result = run_config(Config.parse(args.config), args)
+    cfg = Config.parse(args.config)
+    if cfg.arena:  # in-process: the scheduler's admission counts its waits
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    result = run_config(cfg, args)
     print("RESULT " + json.dumps(result), flush=True)
     bad = (
         result["wrong"]
