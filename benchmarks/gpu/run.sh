@@ -305,7 +305,7 @@ capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe;\
 capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss" \
       2>"$OUT/v44e-moe.log" | cut -c1-900 &
     timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 8 \
-      --rounds 1 --label v44e --configs \
+      --rounds 1 --label v44e --work /tmp/hs-verify-long --configs \
 "capture=forward,pc=on,graphs=on,storage=bf16,sleep=off,long=32768,arena=40MiB" \
       2>"$OUT/v44e-long.log" | cut -c1-900 &
     timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 256 \
