@@ -44,7 +44,9 @@ def test_transfer_copies_each_step_and_holds_a_bounded_ring() -> None:
     staging.add_(1000)  # the next forward pass overwrites the staging
     second = transfer.submit(3, torch.arange(8) + 10)
     first.wait()
-    assert torch.equal(first.rows, torch.arange(48, dtype=torch.float32).view(2, 8, 3)[:, :5])
+    # Token-major on the host: [tokens, layers, hidden], the arena's layout.
+    expected = torch.arange(48, dtype=torch.float32).view(2, 8, 3)[:, :5].transpose(0, 1)
+    assert torch.equal(first.rows, expected)
     assert second.slots.tolist() == [10, 11, 12]
     took = threading.Event()
     waiting = threading.Thread(target=lambda: (transfer.submit(1, torch.arange(8)), took.set()))
@@ -58,7 +60,7 @@ def test_transfer_copies_each_step_and_holds_a_bounded_ring() -> None:
 
 def test_arena_stores_many_requests_in_one_scatter() -> None:
     arena = RowArena(1 << 20, 4, 2, 3, torch.float32)
-    rows = torch.randn(2, 12, 3)
+    rows = torch.randn(12, 2, 3)  # [tokens, layers, hidden]
     # Entries: a (rows 0-5 -> positions 0-5), b (rows 9..6 -> 3..0), c (its rows 0-1
     # never came), a refused entry (None) whose row 11 must not be stored anywhere.
     row_index = torch.tensor([0, 1, 2, 3, 4, 5, 9, 8, 7, 6, 10, 11])
@@ -69,13 +71,13 @@ def test_arena_stores_many_requests_in_one_scatter() -> None:
     assert set(failures) == {2} and "[0, 2)" in failures[2]
     a = arena.data[arena.blocks("a")].reshape(-1, 2, 3)[:6]
     b = arena.data[arena.blocks("b")].reshape(-1, 2, 3)[:4]
-    assert torch.equal(a, rows[:, :6].transpose(0, 1))
-    assert torch.equal(b, rows[:, [6, 7, 8, 9]].transpose(0, 1))
+    assert torch.equal(a, rows[:6])
+    assert torch.equal(b, rows[[6, 7, 8, 9]])
     assert arena.filled("a") == 6 and arena.filled("b") == 4 and arena.filled("c") == 0
     c = arena.data[arena.blocks("c")].reshape(-1, 2, 3)
-    assert torch.equal(c[2], rows[:, 10])  # stored, though the sample will fail
+    assert torch.equal(c[2], rows[10])  # stored, though the sample will fail
     held = torch.cat([a, b, c])
-    assert not any(torch.equal(row, rows[:, 11]) for row in held)  # the refused entry's
+    assert not any(torch.equal(row, rows[11]) for row in held)  # the refused entry's
 
 
 def test_a_deferred_scatter_places_rows_now_and_moves_them_later() -> None:
@@ -84,7 +86,7 @@ def test_a_deferred_scatter_places_rows_now_and_moves_them_later() -> None:
     arena = RowArena(1 << 20, 4, 2, 3, torch.float32)
     with torch.inference_mode():
         arena.data.zero_()
-    rows = torch.randn(2, 5, 3) + 10
+    rows = torch.randn(5, 2, 3) + 10
     copies: list = []
     entries = [("a", 0, 5)]
     index, owner = torch.arange(5), torch.zeros(5, dtype=torch.int64)
@@ -94,7 +96,7 @@ def test_a_deferred_scatter_places_rows_now_and_moves_them_later() -> None:
     (copy,) = copies
     copy()
     stored = arena.data[arena.blocks("a")].reshape(-1, 2, 3)[:5]
-    assert torch.equal(stored, rows.transpose(0, 1))
+    assert torch.equal(stored, rows)
 
 
 @pytest.mark.vllm

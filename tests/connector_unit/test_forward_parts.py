@@ -96,7 +96,7 @@ def test_arena_stores_by_position_and_reports_gaps_and_full() -> None:
         2 * 4 * 2 * 3 * 4, block_size=4, num_layers=2, hidden_size=3, dtype=torch.float32
     )
     assert arena.num_blocks == 2
-    rows = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    rows = torch.arange(5 * 2 * 3, dtype=torch.float32).reshape(5, 2, 3)
 
     def write(req_id: str, positions: torch.Tensor) -> str | None:
         start, stop = int(positions.min()), int(positions.max()) + 1
@@ -110,7 +110,7 @@ def test_arena_stores_by_position_and_reports_gaps_and_full() -> None:
     assert write("a", torch.arange(2)) is None
     assert arena.filled("a") == 2 and len(arena.blocks("a")) == 1
     flat = arena.data[arena.blocks("a")].reshape(-1, 2, 3)
-    assert torch.equal(flat[:2], rows.transpose(0, 1)[:2])
+    assert torch.equal(flat[:2], rows[:2])
     assert write("a", torch.arange(5)) is None
     assert arena.filled("a") == 5 and len(arena.blocks("a")) == 2
     full = write("b", torch.arange(1))

@@ -71,7 +71,7 @@ def _route(owner: list[int], positions: list[int]) -> FlatRoute:
 def test_a_request_starts_from_held_rows_filled_in_the_same_step() -> None:
     arena = RowArena(1 << 16, 4, 1, 2, torch.float32)
     held = HeldPrefixRows(arena, block_tokens=4)
-    rows = torch.randn(1, 10, 2)
+    rows = torch.randn(10, 1, 2)
     # "a" computes positions 0-7 and fills blocks 0, 1; "b" (listed first) starts from
     # them and computes 8-9 in the same step.
     steps = [
@@ -82,7 +82,7 @@ def test_a_request_starts_from_held_rows_filled_in_the_same_step() -> None:
     route = _route([1] * 8 + [0, 0], list(range(10)))
     assert held.write_step(steps, entries, route, rows) == {}
     b = arena.data[arena.blocks("b")].reshape(-1, 1, 2)[:10]
-    assert torch.equal(b, rows[:, :10].transpose(0, 1))
+    assert torch.equal(b, rows[:10])
     assert arena.blocks("b")[:2] == arena.blocks("a")  # shared, not copied
     free = arena.free_blocks
     arena.release("a")

@@ -45,7 +45,7 @@ def _rank(rank: int, port: int, queue: Any) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     link = StageLink([0, 1], rank, timeout_s=30)
-    rows = torch.arange(2 * 5 * 4, dtype=torch.float32).view(2, 5, 4)[:, :3]  # not contiguous
+    rows = torch.arange(3 * 5 * 4, dtype=torch.float32).view(3, 5, 4)[:, :2]  # not contiguous
     if rank == 0:  # the first stage: one step's rows, then a failure, then its process ends
         link.send(torch.tensor([7, -1, 9]), rows)
         link.send(None, None, failure="copy failed")
@@ -54,7 +54,7 @@ def _rank(rank: int, port: int, queue: Any) -> None:
         queue.join_thread()
         os._exit(0)  # gone without a goodbye, as a killed stage would be
     plan = plan_stages([0, 1, 4], TWO_STAGES, 1)
-    own = StepCopy(0, torch.full((1, 3, 4), -1.0), torch.tensor([7, -1, 9]))
+    own = StepCopy(0, torch.full((3, 1, 4), -1.0), torch.tensor([7, -1, 9]))
     failures: list[str] = []
     first = Pipeline(plan, link).parts(own, True, (4, torch.float32), failures.append)
     (cols, slots, got), (own_cols, _, _) = first

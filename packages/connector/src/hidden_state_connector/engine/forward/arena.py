@@ -99,7 +99,7 @@ class RowArena:
             row_index: Each row's index into ``rows``' token axis.
             owner: Each row's entry index.
             positions: Each row's token position.
-            rows: The step's host rows, ``[layers, tokens, hidden]``.
+            rows: The step's host rows, ``[tokens, layers, hidden]``.
             columns: The layer-axis columns ``rows`` fill (None: all; a pipeline stage's
                 rows fill its layers' columns).
             deferred: Where to put the copy instead of running it (``scatter``).
@@ -171,12 +171,12 @@ class RowArena:
         keep = torch.tensor([e is not None for e in entries])[owner]
         owner, pos = owner[keep], positions[keep].to(torch.int64)
         block = torch.tensor(spanned, dtype=torch.int64)[torch.tensor(base)[owner] + pos // bs]
-        cols = slice(None) if columns is None else columns
-        flat, dest, picked = self._flat, block * bs + pos % bs, row_index[keep]
+        target = self._flat if columns is None else self._flat[:, columns]
+        dest, picked = block * bs + pos % bs, row_index[keep]
 
         def copy() -> None:
             with torch.inference_mode():
-                flat[dest, cols] = rows[:, picked].transpose(0, 1)
+                target.index_copy_(0, dest, _rows_at(rows, picked))
 
         if deferred is None:
             copy()
@@ -228,3 +228,17 @@ class RowArena:
         for block in reversed(self._blocks.pop(req_id, [])):
             self._drop_user(block)
         self._filled.pop(req_id, None)
+
+
+def _rows_at(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]``, as a view when ``index`` is one ascending run of rows.
+
+    That is the usual step (every row captured, less the padding at its end): its rows
+    then reach the arena in one pass, without a gathered copy in between.
+    """
+    count = int(index.numel())
+    if count:
+        first, last = int(index[0]), int(index[-1])
+        if last - first + 1 == count and (count == 1 or bool((index[1:] > index[:-1]).all())):
+            return rows[first : last + 1]
+    return rows.index_select(0, index)

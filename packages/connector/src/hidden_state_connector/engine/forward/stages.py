@@ -130,7 +130,7 @@ class StageLink:
     def send(
         self, slots: torch.Tensor | None, rows: torch.Tensor | None, failure: str = ""
     ) -> None:
-        """Send one step's rows ``[layers, n, hidden]`` and slots ``[n]`` (or a failure)."""
+        """Send one step's rows ``[n, layers, hidden]`` and slots ``[n]`` (or a failure)."""
         dst = self.peers[-1]
         ok = failure == "" and slots is not None and rows is not None
         n = int(slots.shape[0]) if ok and slots is not None else 0
@@ -143,7 +143,7 @@ class StageLink:
     def receive(
         self, stage: int, num_layers: int, hidden: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step's slots and rows ``[num_layers, n, hidden]`` from ``stage``.
+        """One step's slots and rows ``[n, num_layers, hidden]`` from ``stage``.
 
         Raises:
             StageLinkError: The stage sent a failure, or the channel broke (then every
@@ -157,7 +157,7 @@ class StageLink:
             self._dist.recv(header, src, group=self.group)
             n, status = (int(v) for v in header.tolist())
             slots = torch.empty(n, dtype=torch.int64)
-            rows = torch.empty(num_layers, n, hidden, dtype=dtype)
+            rows = torch.empty(n, num_layers, hidden, dtype=dtype)
             if status == _OK and n:
                 self._dist.recv(slots, src, group=self.group)
                 self._dist.recv(_as_bytes(rows), src, group=self.group)

@@ -5,7 +5,10 @@ routed to their requests on the host (that needs the slot mapping there). Copyin
 to the host would make the next forward pass wait for the host link; instead the rows are
 first copied on the device into a shadow buffer (a fraction of a millisecond), the model's
 stream waits only for that, and the shadow goes to page-locked host memory on a side
-stream while the next step computes. On the CPU build the rows are simply copied.
+stream while the next step computes. On the CPU build the rows are simply copied. On the
+host a step's rows are token-major (``[n, layers, hidden]``: the device-side copy
+transposes them), the arena's layout, so the rows of a run of tokens land in the arena in
+one contiguous copy.
 
 Host buffers come in a small ring: when the host falls ``depth`` steps behind, ``submit``
 waits for a buffer (bounded memory, never a lost step).
@@ -28,7 +31,7 @@ class StepCopy:
 
     Attributes:
         index: Its host buffer in the ring.
-        rows: ``[layers, n, hidden]`` host view (valid after ``wait``).
+        rows: ``[n, layers, hidden]`` host view (valid after ``wait``).
         slots: ``[n]`` KV slot of each row, on the host (valid after ``wait``).
         landed: CUDA event recorded after the copies (None on the CPU: already there).
     """
@@ -56,11 +59,11 @@ class StepTransfer:
         self.staging = staging_rows
         self.device = staging_rows.device
         self.on_cuda = self.device.type == "cuda"
-        tokens = staging_rows.shape[1]
+        layers, tokens, hidden = staging_rows.shape
         pinned = self.on_cuda
         with torch.inference_mode():
             # Page-locked on CUDA (the copies run asynchronously), from the host-memory home.
-            shape = tuple(staging_rows.shape)
+            shape = (tokens, layers, hidden)
             self._host = [
                 host_memory.empty(shape, staging_rows.dtype, pin_memory=pinned)
                 for _ in range(depth)
@@ -69,7 +72,7 @@ class StepTransfer:
                 host_memory.empty((tokens,), torch.int64, pin_memory=pinned) for _ in range(depth)
             ]
             if self.on_cuda:
-                self._shadow = torch.empty_like(staging_rows)
+                self._shadow = torch.empty(shape, dtype=staging_rows.dtype, device=self.device)
                 self._shadow_slots = torch.empty(tokens, dtype=torch.int64, device=self.device)
                 self._stream = torch.cuda.Stream(self.device)
         self._free: queue.Queue[int] = queue.Queue()
@@ -93,19 +96,20 @@ class StepTransfer:
     def _submit(self, num_rows: int, slots: torch.Tensor) -> StepCopy:
         n = min(num_rows, self.staging.shape[1], slots.shape[0])
         index = self._free.get()
-        rows, host_slots = self._host[index][:, :n], self._host_slots[index][:n]
+        rows, host_slots = self._host[index][:n], self._host_slots[index][:n]
+        staged = self.staging[:, :n].transpose(0, 1)  # token-major
         if not self.on_cuda:
-            rows.copy_(self.staging[:, :n])
+            rows.copy_(staged)
             host_slots.copy_(slots[:n])
             return StepCopy(index, rows, host_slots)
         compute = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
-            self._shadow[:, :n].copy_(self.staging[:, :n])
+            self._shadow[:n].copy_(staged)
             self._shadow_slots[:n].copy_(slots[:n])
             copied = torch.cuda.Event()
             copied.record(self._stream)
-            rows.copy_(self._shadow[:, :n], non_blocking=True)
+            rows.copy_(self._shadow[:n], non_blocking=True)
             host_slots.copy_(self._shadow_slots[:n], non_blocking=True)
             landed = torch.cuda.Event()
             landed.record(self._stream)
