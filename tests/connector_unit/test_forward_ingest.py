@@ -17,6 +17,7 @@ from hidden_state_connector.engine.config import ConnectorConfig
 from hidden_state_connector.engine.forward.arena import RowArena
 from hidden_state_connector.engine.forward.ingest import IngestThread
 from hidden_state_connector.engine.forward.install import COMPILE_CACHE_KEY, key_compile_cache
+from hidden_state_connector.engine.forward.rows import one_torch_thread
 from hidden_state_connector.engine.forward.transfer import StepTransfer
 
 
@@ -35,6 +36,21 @@ def test_ingest_runs_items_in_order_and_survives_a_failing_one() -> None:
     assert ingest.stop(timeout=10)
     assert ran == list(range(51))
     assert len(errors) == 1 and isinstance(errors[0], ZeroDivisionError)
+
+
+def test_the_ingest_thread_runs_torch_on_one_thread_and_leaves_the_callers_alone() -> None:
+    # Routing is many small operators: a team of torch threads per operator would wait
+    # for cores the engine's threads hold. The setting is the ingest thread's own.
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    ingest = IngestThread("test-ingest", lambda exc: None, one_torch_thread)
+    ingest.put(lambda: seen.append(torch.get_num_threads()))
+    assert ingest.stop(timeout=10)
+    broken = IngestThread("test-ingest-broken", lambda exc: None, lambda: 1 / 0)
+    broken.put(lambda: seen.append(-1))  # a failed setting does not stop the work
+    assert broken.stop(timeout=10)
+    assert seen == [1, -1]
+    assert torch.get_num_threads() == before
 
 
 def test_transfer_copies_each_step_and_holds_a_bounded_ring() -> None:

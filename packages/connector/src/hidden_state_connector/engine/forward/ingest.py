@@ -25,11 +25,18 @@ class IngestThread:
     Args:
         name: Thread name (for stack dumps).
         on_error: Called with the exception of an item that raised.
+        on_start: Called first on the thread (per-thread settings).
     """
 
-    def __init__(self, name: str, on_error: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        on_error: Callable[[BaseException], None],
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
         self._queue: queue.Queue[object] = queue.Queue()
         self._on_error = on_error
+        self._on_start = on_start
         self._idle = threading.Condition()
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -54,6 +61,11 @@ class IngestThread:
         return drained
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception as exc:  # a setting, not the work: log and go on
+                log.warning("%s: start-up setting failed: %r", self._thread.name, exc)
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -47,6 +47,17 @@ NOT_INSTALLED = (
 )
 
 
+def one_torch_thread() -> None:
+    """Hold this thread's torch CPU operators to one thread.
+
+    A step's routing is many small operators that torch would split over a team of
+    threads each; beside the engine's own threads such a team waits for busy cores
+    (docs/benchmarks.md, issue 45). Torch applies the setting to this thread and to
+    threads that first use torch later; threads already running keep theirs.
+    """
+    torch.set_num_threads(1)
+
+
 class ForwardRows:
     """Rows of the forward pass, kept in a host arena (a ``seam.RowSource``).
 
@@ -103,7 +114,7 @@ class ForwardRows:
             "forward capture: %.1f MiB of host buffers for rows in flight",
             self.transfer.host_bytes / 2**20,
         )
-        self.ingest = IngestThread("hidden-state-ingest", self._ingest_failed)
+        self.ingest = IngestThread("hidden-state-ingest", self._ingest_failed, one_torch_thread)
         self._saves = saves
         return extractor
 
