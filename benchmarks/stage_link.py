@@ -33,7 +33,7 @@ def _stage(rank: int, port: int, args: Any, queue: Any) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     link = StageLink([0, 1], rank, timeout_s=120)
     for tokens, layers, hidden in SIZES:
-        rows = torch.randn(layers, tokens, hidden).to(torch.bfloat16)
+        rows = torch.randn(tokens, layers, hidden).to(torch.bfloat16)  # token-major
         slots = torch.arange(tokens, dtype=torch.int64)
         rounds = []
         for _ in range(args.repeat):
