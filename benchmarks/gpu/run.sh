@@ -297,18 +297,18 @@ capture=forward,pc=off,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=fl
   # float32 at router near-ties, in the extract engine too) and in bf16.
   v44e)
     python3 .gpu/check_moe.py 2>&1 | tail -2
-    TRITON_F32_DEFAULT=ieee timeout 500 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" \
+    TRITON_F32_DEFAULT=ieee timeout 470 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" \
       --requests 64 --rounds 1 --label v44e --configs \
 "capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe,dtype=float32;\
 capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss,dtype=float32;\
 capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=qwen3_moe;\
 capture=forward,pc=on,graphs=off,storage=bf16,sleep=off,arch=gpt_oss" \
       2>"$OUT/v44e-moe.log" | cut -c1-900 &
-    timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 8 \
+    timeout 480 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 8 \
       --rounds 1 --label v44e --work /tmp/hs-verify-long --configs \
 "capture=forward,pc=on,graphs=on,storage=bf16,sleep=off,long=32768,arena=40MiB" \
       2>"$OUT/v44e-long.log" | cut -c1-900 &
-    timeout 520 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 256 \
+    timeout 480 python3 benchmarks/gpu/verify.py --jsonl "$OUT/results.jsonl" --requests 256 \
       --label v44e --configs \
 "capture=forward,pc=on,graphs=on,storage=bf16,sleep=off;\
 capture=forward,pc=on,graphs=off,storage=fp8,sleep=on,async=off" \
@@ -374,6 +374,14 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
     $B throughput --workloads 256x512x256,256x1024x1 --max-model-len 2048 \
       --kinds noop,forward-discard --graph-modes graphs --timeout 200 \
       --json "$OUT/t.json" 2>>"$OUT/v45a.log" | tail -4
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
+  # v45p: after the token-major ingest, the throughput pair alone on a warm machine
+  # (prefill-heavy first: its 0.92x matched the old ingest's ~1.1 GB/s host copy).
+  v45p)
+    $B throughput --workloads 256x1024x1,256x512x256 --max-model-len 2048 \
+      --kinds forward,none --graph-modes graphs --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v45p.log" | grep -v WARNING | tail -6
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
   # v45b: v45a cut to what a short call holds: decode-heavy only, none and forward (py-spy).
