@@ -526,6 +526,9 @@ def main() -> int:
     # spawn it rather than fork (a forked engine core once hung in an OpenMP barrier).
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     cfg = Config.parse(args.config)
+    if cfg.dtype == "float32":  # Triton's float32 dots in IEEE precision, not TF32 (the
+        # fused MoE's TF32 rounding picks other experts than HF at router near-ties)
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     if cfg.arena:  # in-process: the scheduler's admission counts its waits
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     result = run_config(cfg, args)
