@@ -384,6 +384,20 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       --json "$OUT/t.json" 2>>"$OUT/v45p.log" | grep -v WARNING | tail -6
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;
+  # v45r: issue 45's done-when rows in one call: none and forward interleaved, 2 repeats,
+  # decode- and prefill-heavy; the gpu_memory_utilization 0.5 pair (KV blocks); the
+  # ingest step alone on this host's CPU (1 and 4 torch threads; no vLLM).
+  v45r)
+    python3 benchmarks/ingest_step.py --threads 1 --steps 10 | tee -a "$OUT/ingest.jsonl"
+    python3 benchmarks/ingest_step.py --threads 4 --steps 10 | tee -a "$OUT/ingest.jsonl"
+    $B throughput --workloads 256x1024x1,256x512x256 --max-model-len 2048 \
+      --kinds none,forward --repeats 2 --graph-modes graphs --timeout 200 \
+      --json "$OUT/t.json" 2>>"$OUT/v45r.log" | grep -v WARNING | tail -10
+    $B throughput --workloads 64x512x16 --max-model-len 2048 --gpu-mem 0.5 \
+      --kinds none,forward --graph-modes graphs --timeout 150 \
+      --json "$OUT/m.json" 2>>"$OUT/v45r.log" | grep -v WARNING | tail -4
+    cat "$OUT/t.jsonl" "$OUT/m.jsonl" > "$OUT/results.jsonl"
+    ;;
   # v45b: v45a cut to what a short call holds: decode-heavy only, none and forward (py-spy).
   v45b)
     spy=$(pyspy_binary) || echo "py-spy unavailable"
