@@ -134,6 +134,17 @@ def random_prompts(
     return motifs.repeat(1, length // 16 + 1)[:, :length].tolist()
 
 
+def chat_mix(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """``n`` chat-like requests: prompts of 200-4,000 tokens, replies of 100-1,000 (uniform)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(200, 4001, (n,), generator=gen).tolist()
+    replies = torch.randint(100, 1001, (n,), generator=gen).tolist()
+    prompts = [torch.randint(10, vocab - 10, (k,), generator=gen).tolist() for k in lengths]
+    return prompts, replies
+
+
 def spec_counters(llm: Any) -> dict[str, float]:
     """vLLM's drafted/accepted token counters so far (empty without speculation)."""
     found: dict[str, float] = {}
@@ -264,7 +275,10 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 def _workloads(
     args: argparse.Namespace, llm: Any, vocab: int, out: str, trace: Path, smi: Any
 ) -> dict[str, Any]:
-    """``--workloads``: each ``PROMPTSxLENxGENERATED`` timed on this engine, in order.
+    """``--workloads``: each ``PROMPTSxLENxGENERATED`` (or ``chatN``) timed on this engine.
+
+    ``chatN``: N requests of the chat-like length mix (``chat_mix``); its row adds the
+    samples per second (answered, and with every sample written).
 
     With ``--pyspy``, the first workload then runs twice more under py-spy (every thread
     of this process and the engine's, with their idle time; then only samples holding
@@ -274,17 +288,29 @@ def _workloads(
 
     result: dict[str, Any] = {}
     for index, spec in enumerate(args.workloads.split(",")):
-        n, length, generated = (int(x) for x in spec.split("x"))
+        if spec.startswith("chat"):
+            ids, replies = chat_mix(int(spec[4:]), vocab, 2 + index)
+            n, length, generated = (
+                len(ids),
+                sum(map(len, ids)) // len(ids),
+                sum(replies) // len(ids),
+            )
+            sampling: Any = [
+                SamplingParams(max_tokens=r, temperature=0.0, detokenize=False, ignore_eos=True)
+                for r in replies
+            ]
+        else:
+            n, length, generated = (int(x) for x in spec.split("x"))
+            repetitive = args.prompt_kind == "repetitive"
+            ids = random_prompts(n, length, vocab, 2 + index, repetitive)
+            sampling = SamplingParams(
+                max_tokens=generated, temperature=0.0, detokenize=False, ignore_eos=True
+            )
         run = argparse.Namespace(**{**vars(args), "num_prompts": n, "prompt_len": length})
-        run.max_tokens = generated
-        sampling = SamplingParams(
-            max_tokens=generated, temperature=0.0, detokenize=False, ignore_eos=True
-        )
-        prompts = [
-            {"prompt_token_ids": p}
-            for p in random_prompts(n, length, vocab, 2 + index, args.prompt_kind == "repetitive")
-        ]
-        llm.generate(prompts[:8], sampling, use_tqdm=False)  # this shape warm
+        run.max_tokens = generated  # the mean, for a chat mix
+        prompts = [{"prompt_token_ids": p} for p in ids]
+        warm = sampling[:8] if isinstance(sampling, list) else sampling
+        llm.generate(prompts[:8], warm, use_tqdm=False)  # this shape warm
         counters = spec_counters(llm) if args.spec else {}
         t0 = time.monotonic()
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
@@ -293,6 +319,12 @@ def _workloads(
         paths = [p for p in paths if p]
         result = _throughput_row(run, paths, t0, elapsed, False)
         result["workload"] = spec
+        if spec.startswith("chat"):  # exact token counts; samples per second
+            result["tok_s"] = sum(map(len, ids)) / elapsed
+            result["out_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+            result["samples_s"] = n / elapsed
+            if paths:
+                result["samples_written_s"] = len(paths) / result["all_written_s"]
         if args.spec:  # the timed run's drafted and accepted tokens (vLLM's counters)
             after = spec_counters(llm)
             result["spec_counts"] = {k: v - counters.get(k, 0.0) for k, v in after.items()}
@@ -728,7 +760,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-kind", default="random", choices=["random", "repetitive"])
     parser.add_argument("--check", action="store_true")
     parser.add_argument(
-        "--workloads", default="", help="PROMPTSxLENxGENERATED,... timed on one engine each kind"
+        "--workloads",
+        default="",
+        help="PROMPTSxLENxGENERATED or chatN (prompts 200-4,000, replies 100-1,000),... "
+        "timed on one engine each kind",
     )
     parser.add_argument("--pyspy", default="", help="py-spy binary: profile the first workload")
     parser.add_argument("--pyspy-out", default="/tmp/out/pyspy")

@@ -398,6 +398,15 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
       --json "$OUT/m.json" 2>>"$OUT/v45r.log" | grep -v WARNING | tail -4
     cat "$OUT/t.jsonl" "$OUT/m.jsonl" > "$OUT/results.jsonl"
     ;;
+  # v45c: the figure users compare: a chat-like mix (512 requests, prompts 200-4,000
+  # tokens, replies 100-1,000), prompt and reply captured, against no capture: samples/s
+  # and GB/s written.
+  v45c)
+    $B throughput --workloads chat512 --max-model-len 6144 --kinds none,forward \
+      --graph-modes graphs --timeout 300 --connector '{"include_output_tokens": true}' \
+      --json "$OUT/t.json" 2>>"$OUT/v45c.log" | grep -v WARNING | tail -4
+    cp "$OUT/t.jsonl" "$OUT/results.jsonl"
+    ;;
   # v45b: v45a cut to what a short call holds: decode-heavy only, none and forward (py-spy).
   v45b)
     spy=$(pyspy_binary) || echo "py-spy unavailable"
