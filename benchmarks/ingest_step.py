@@ -4,9 +4,11 @@ What the writer's ingest thread does with each step's host rows, at the 8B shape
 captured layers of 4,096, bf16): route the rows to their requests (``RowRouter``), place
 them in arena blocks and copy them there (``RowArena.write_step``). A decode step of 256
 requests with 1, 4 (speculative decoding's drafts) or 32 rows each; rows in the batch in
-request order, with CUDA-graph padding at the end. Prints one JSON line per step size
-(median of ``--steps`` steps after two warm-up steps); docs/benchmarks.md ("Issue 45")
-records the figures.
+request order, with CUDA-graph padding at the end; then the 4-row step with every 8th
+request not captured (its rows are skipped: the gathered copy, not a view). Prints one
+JSON line per step (median of ``--steps`` steps after two warm-up steps; ``copy_ms`` is
+the copy alone, ``gb_per_s`` over route, place and copy); docs/benchmarks.md ("Issue
+45") records the figures.
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ BLOCK = 16  # tokens per KV block (vLLM's default) and per arena block
 TABLE = 128  # KV blocks per request's table
 
 
-def one_size(rows_per_request: int, steps: int) -> dict[str, float | int]:
-    """Time ``steps`` steps of ``REQUESTS`` requests with ``rows_per_request`` rows each."""
+def one_size(rows_per_request: int, steps: int, skip_every: int = 0) -> dict[str, float | int]:
+    """Time ``steps`` steps of ``REQUESTS`` requests with ``rows_per_request`` rows each.
+
+    ``skip_every``: every such request is not captured (its rows match nothing).
+    """
     per = rows_per_request
     n = REQUESTS * per
     rows = torch.randn(n, LAYERS, HIDDEN).to(torch.bfloat16)  # token-major, as the host copy
     entries, slots, step_rows = [], [], []
     for r in range(REQUESTS):
+        if skip_every and r % skip_every == skip_every - 1:  # in the batch, not captured
+            slots += [(REQUESTS + r) * TABLE * BLOCK + p for p in range(per)]
+            continue
         first, last = PROMPT // BLOCK, (PROMPT + per - 1) // BLOCK
         blocks = [r * TABLE + b for b in range(first, last + 1)]
         step_rows.append(StepRows(f"r{r}", PROMPT, per, blocks, TABLE))
@@ -67,6 +75,7 @@ def one_size(rows_per_request: int, steps: int) -> dict[str, float | int]:
     nbytes = rows.numel() * rows.element_size()
     return {
         "rows_per_step": n,
+        "rows_captured": sum(stop - start for _, start, stop in entries),
         "bytes_per_step": nbytes,
         "route_ms": round(route_s * 1e3, 3),
         "place_ms": round(place_s * 1e3, 3),
@@ -90,6 +99,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for per in (1, 4, 32):
         print(json.dumps(one_size(per, args.steps)), flush=True)
+    print(json.dumps({**one_size(4, args.steps, skip_every=8), "uncaptured": "every 8th"}))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,10 @@ def _stage(rank: int, port: int, args: Any, queue: Any) -> None:
 
 def main() -> None:
     """Run both stages and print one JSON line per step size."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="example: python benchmarks/stage_link.py --steps 20 --repeat 5",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()

@@ -5,6 +5,7 @@ Every engine configuration runs in its own subprocess (a clean GPU), driven by `
     python benchmarks/gpu/bench.py validate             # values vs HF on CUDA, fp32 + bf16
     python benchmarks/gpu/bench.py throughput           # none / vLLM example / ours, disk + shm
     python benchmarks/gpu/bench.py long                 # 32k-token requests: extra device memory
+    python benchmarks/gpu/bench.py throughput --workloads chat512 --kinds none,forward
     python benchmarks/gpu/bench.py reader               # follow+claim readers at producer speed
     python benchmarks/gpu/bench.py tp2                  # tensor parallel 2 (two GPUs)
 
@@ -289,6 +290,8 @@ def _workloads(
     result: dict[str, Any] = {}
     for index, spec in enumerate(args.workloads.split(",")):
         if spec.startswith("chat"):
+            if not spec[4:].isdigit():
+                raise SystemExit(f"--workloads {spec!r}: chatN, N requests (e.g. chat512)")
             ids, replies = chat_mix(int(spec[4:]), vocab, 2 + index)
             n, length, generated = (
                 len(ids),
@@ -324,7 +327,8 @@ def _workloads(
             result["out_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
             result["samples_s"] = n / elapsed
             if paths:
-                result["samples_written_s"] = len(paths) / result["all_written_s"]
+                published = result["published"]
+                result["samples_written_s"] = published / result["all_written_s"]
         if args.spec:  # the timed run's drafted and accepted tokens (vLLM's counters)
             after = spec_counters(llm)
             result["spec_counts"] = {k: v - counters.get(k, 0.0) for k, v in after.items()}
@@ -413,7 +417,16 @@ def _throughput_row(
         total = sum(os.path.getsize(p) for p in paths if os.path.exists(p))
         result["bytes"] = total
         result["write_gb_s"] = total / drained / 1e9
+        result["published"] = sum(1 for p in paths if os.path.exists(p))
+        result["failed"] = failed_samples(paths)
     return result
+
+
+def failed_samples(paths: list[str]) -> int:
+    """Samples whose lock records a failure (the sample was answered, never published)."""
+    from hidden_state_reader.files.locks import read_status
+
+    return sum(1 for p in paths if not os.path.exists(p) and read_status(p + ".lock").failed)
 
 
 class DeviceMemoryPoll:

@@ -403,7 +403,8 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
   # and GB/s written.
   v45c)
     $B throughput --workloads chat512 --max-model-len 6144 --kinds none,forward \
-      --graph-modes graphs --timeout 300 --connector '{"include_output_tokens": true}' \
+      --graph-modes graphs --timeout 300 \
+      --connector '{"include_output_tokens": true, "capture_buffer_bytes": "32GiB"}' \
       --json "$OUT/t.json" 2>>"$OUT/v45c.log" | grep -v WARNING | tail -4
     cp "$OUT/t.jsonl" "$OUT/results.jsonl"
     ;;

@@ -18,6 +18,12 @@ With ``spec=ngram`` or ``spec=eagle3`` (forward capture only, async scheduling o
 engine speculates beside the capture (ngram prompt lookup; a tiny echo EAGLE-3 drafter,
 ``apps.tiny_drafter``), a quarter of the prompts repeat a motif so drafts get accepted,
 and each sample's drafted/accepted counts are checked (``accepted <= drafted``) and summed.
+With ``long=N`` prompts are about N tokens (the model's position limit raised to fit) and
+``arena=SIZE`` sets ``capture_buffer_bytes``: back-pressure on the host arena. An
+``arena=`` engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the
+scheduler's admission waits can be read; its row says ``"engine": "in-process"``. Float32
+engines run Triton's float32 dots in IEEE precision (``TRITON_F32_DEFAULT=ieee``): TF32
+rounding in the fused MoE picks other experts than HF float32 at a tiny router's near-ties.
 
 Then every answered request is accounted for: published (read back, CRC checked, token
 ids equal to the prompt plus the generated tokens that were fed back, every row of every
@@ -94,7 +100,7 @@ class Config:
             arch=fields.get("arch", "llama"),
             dtype=fields.get("dtype", "bfloat16"),
             spec=fields.get("spec", ""),
-            long=int(fields.get("long", "0")),
+            long=_count(fields.get("long", "0"), text),
             arena=fields.get("arena", ""),
         )
 
@@ -102,6 +108,13 @@ class Config:
     def row_tolerance(self) -> float:
         """Relative error per row beyond which a row is wrong (``ROW_TOL``)."""
         return ROW_TOL["fp32"] if self.dtype == "float32" else ROW_TOL[self.storage]
+
+
+def _count(value: str, text: str) -> int:
+    """A config's integer field, or exit naming the config."""
+    if not value.isdigit():
+        raise SystemExit(f"bad --config {text!r}: long is a token count (e.g. long=32768)")
+    return int(value)
 
 
 def parse_args() -> argparse.Namespace:
@@ -310,6 +323,7 @@ def run_config(cfg: Config, args: argparse.Namespace) -> dict[str, Any]:
         "spec": cfg.spec or None,
         "max_num_batched_tokens": 512,
         "long": cfg.long,
+        "engine": "in-process" if in_process() else "multiprocess",
         "capture_buffer_bytes": cfg.arena or None,
         "row_tolerance": cfg.row_tolerance,
         **account,
@@ -324,11 +338,16 @@ def with_positions(model_dir: Path, positions: int) -> Path:
     import shutil
 
     longer = model_dir.parent / f"{model_dir.name}-{positions}"
-    if not longer.exists():
-        shutil.copytree(model_dir, longer)
-        config = json.loads((longer / "config.json").read_text())
+    if not longer.exists():  # built aside, then renamed: engines started at once see it whole
+        building = Path(tempfile.mkdtemp(prefix=f".{longer.name}-", dir=model_dir.parent))
+        shutil.copytree(model_dir, building, dirs_exist_ok=True)
+        config = json.loads((building / "config.json").read_text())
         config["max_position_embeddings"] = positions
-        (longer / "config.json").write_text(json.dumps(config, indent=2))
+        (building / "config.json").write_text(json.dumps(config, indent=2))
+        try:
+            os.rename(building, longer)
+        except OSError:  # another engine's copy got there first
+            shutil.rmtree(building, ignore_errors=True)
     return longer
 
 

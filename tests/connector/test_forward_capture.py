@@ -1,4 +1,4 @@
-"""Forward capture (``capture: "forward"``, preview) on the CPU build: values, refusals, capacity.
+"""Forward capture (the default engine) on the CPU build: values, refusals, capacity.
 
 Each family runs in one real in-process vLLM engine with no speculative config; its samples
 (prompts split by chunked prefill, generated tokens included or not) are compared with
