@@ -7,8 +7,10 @@ requests with 1, 4 (speculative decoding's drafts) or 32 rows each; rows in the 
 request order, with CUDA-graph padding at the end; then the 4-row step with every 8th
 request not captured (its rows are skipped: the gathered copy, not a view). Prints one
 JSON line per step (median of ``--steps`` steps after two warm-up steps; ``copy_ms`` is
-the copy alone, ``gb_per_s`` over route, place and copy); docs/benchmarks.md ("Issue
-45") records the figures.
+the copy alone, ``gb_per_s`` over route, place and copy). With ``--copy-threads``, the
+same copies split over that many Python threads (one torch thread each): whether the
+arena copy would gain from threads on this host. docs/benchmarks.md ("Issue 45")
+records the figures.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import argparse
 import json
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 
 import torch
 
@@ -85,21 +89,62 @@ def one_size(rows_per_request: int, steps: int, skip_every: int = 0) -> dict[str
     }
 
 
+def split_copy(rows_per_request: int, threads: int, steps: int) -> dict[str, float | int]:
+    """The arena copy of one step's rows split over ``threads`` Python threads."""
+    n = REQUESTS * rows_per_request
+    rows = torch.randn(n, LAYERS, HIDDEN).to(torch.bfloat16)
+    span = TABLE * BLOCK  # tokens of arena per request
+    arena = torch.empty(REQUESTS * span, LAYERS, HIDDEN, dtype=torch.bfloat16)
+    dest = torch.tensor(
+        [r * span + PROMPT + t for r in range(REQUESTS) for t in range(rows_per_request)]
+    )
+    bounds = [n * i // threads for i in range(threads + 1)]
+    parts = list(pairwise(bounds))
+
+    def copy(part: tuple[int, int]) -> None:
+        lo, hi = part
+        arena.index_copy_(0, dest[lo:hi], rows[lo:hi])
+
+    timings = []
+    with ThreadPoolExecutor(threads, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        for index in range(steps + 2):
+            t0 = time.perf_counter()
+            list(pool.map(copy, parts))
+            if index >= 2:
+                timings.append(time.perf_counter() - t0)
+    copy_s = statistics.median(timings)
+    nbytes = rows.numel() * rows.element_size()
+    return {
+        "rows_per_step": n,
+        "copy_threads": threads,
+        "copy_ms": round(copy_s * 1e3, 3),
+        "copy_gb_per_s": round(nbytes / copy_s / 1e9, 3),
+    }
+
+
 def main() -> None:
     """Print one JSON line per step size."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="example: python benchmarks/ingest_step.py --threads 1 --steps 10",
+        epilog="example: python benchmarks/ingest_step.py --threads 1 --copy-threads 1,2,4",
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per size")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (the ingest thread runs 1)"
+    )
+    parser.add_argument(
+        "--copy-threads",
+        default="",
+        help="also time the arena copy split over these Python thread counts (e.g. 1,2,4)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for per in (1, 4, 32):
         print(json.dumps(one_size(per, args.steps)), flush=True)
     print(json.dumps({**one_size(4, args.steps, skip_every=8), "uncaptured": "every 8th"}))
+    for threads in (int(t) for t in args.copy_threads.split(",") if t):
+        for per in (4, 32):
+            print(json.dumps(split_copy(per, threads, args.steps)), flush=True)
 
 
 if __name__ == "__main__":

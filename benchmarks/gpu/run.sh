@@ -388,7 +388,8 @@ capture=forward,pc=off,graphs=on,storage=bf16,sleep=off,async=off" \
   # decode- and prefill-heavy; the gpu_memory_utilization 0.5 pair (KV blocks); the
   # ingest step alone on this host's CPU (1 and 4 torch threads; no vLLM).
   v45r)
-    python3 benchmarks/ingest_step.py --threads 1 --steps 10 | tee -a "$OUT/ingest.jsonl"
+    python3 benchmarks/ingest_step.py --threads 1 --steps 10 --copy-threads 1,2,4,8 \
+      | tee -a "$OUT/ingest.jsonl"
     python3 benchmarks/ingest_step.py --threads 4 --steps 10 | tee -a "$OUT/ingest.jsonl"
     $B throughput --workloads 256x1024x1,256x512x256 --max-model-len 2048 \
       --kinds none,forward --repeats 2 --graph-modes graphs --timeout 200 \
